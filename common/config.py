@@ -1,0 +1,221 @@
+"""The configuration of a run: problem, algorithms, schedule, budget, transport.
+
+Everything is checked when the config is loaded; an invalid config raises
+ConfigError naming each offending field and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedsaddle.common.problems import PaperRegressionSpec, ProblemSpec
+
+
+class ConfigError(ValueError):
+    """An invalid run configuration; the message names every bad field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# -- synchronization -------------------------------------------------------------------
+
+
+class FixedSync(_Model):
+    """Every sync interval is exactly tau local steps (tau is also MD/MP's minibatch)."""
+
+    kind: Literal["fixed"] = "fixed"
+    tau: int = Field(20, ge=1, le=1_000_000)
+
+
+class RandomSync(_Model):
+    """Each local step ends in a sync with probability p: intervals ~ Geometric(p)."""
+
+    kind: Literal["random"] = "random"
+    p: float = Field(0.05, gt=0, le=1)
+
+
+SyncSpec = Annotated[FixedSync | RandomSync, Field(discriminator="kind")]
+
+
+# -- algorithms ------------------------------------------------------------------------
+
+
+class _Algorithm(_Model):
+    label: str | None = Field(None, description="name in outputs; defaults to the algorithm name")
+
+    @property
+    def display_name(self) -> str:
+        return self.label or str(getattr(self, "name"))
+
+
+class MinibatchMDSpec(_Algorithm):
+    name: Literal["minibatch_md"] = "minibatch_md"
+    gamma: float = Field(gt=0, description="step size")
+
+
+class MirrorProxSpec(_Algorithm):
+    name: Literal["mirror_prox"] = "mirror_prox"
+    gamma: float = Field(gt=0, description="step size (both half steps)")
+
+
+class FedAvgSpec(_Algorithm):
+    name: Literal["fedavg_s"] = "fedavg_s"
+    gamma_local: float = Field(gt=0)
+    gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local, as in the paper")
+    decay: Literal["constant", "inverse_sqrt"] = Field(
+        "inverse_sqrt", description="inverse_sqrt: step k uses gamma / (sqrt(k) + 1), as in the Experiments"
+    )
+
+
+class ScaffoldSpec(_Algorithm):
+    name: Literal["scaffold_s"] = "scaffold_s"
+    gamma_local: float = Field(ge=0, description="0 gives the minibatch regime of the paper's analysis")
+    gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local")
+
+    @model_validator(mode="after")
+    def _global_step_needed(self) -> ScaffoldSpec:
+        if self.gamma_local == 0 and self.gamma_global is None:
+            raise ValueError("gamma_global is required when gamma_local is 0")
+        return self
+
+
+class FixedInnerStop(_Model):
+    """Leave each meta-iteration after exactly `inner_syncs` syncs."""
+
+    rule: Literal["fixed"] = "fixed"
+    inner_syncs: int = Field(10, ge=1)
+
+
+class ObjectiveStop(_Model):
+    """The paper's heuristic: leave when the regularized objective stops changing,
+    |f^theta(z~_k) - f^theta(z~_{k-1})| <= rtol * |f^theta(z~_{k-1})|."""
+
+    rule: Literal["objective"] = "objective"
+    rtol: float = Field(1e-3, gt=0)
+    max_inner_syncs: int = Field(50, ge=1)
+
+
+class GradientStop(_Model):
+    """Leave when ||G^theta(z~)|| <= rtol * ||G(z_bar)||: the regularized gradient
+    mapping, free to the coordinator since SCAFFOLD-S gathers G(z~) anyway."""
+
+    rule: Literal["gradient"] = "gradient"
+    rtol: float = Field(0.1, gt=0, lt=1)
+    max_inner_syncs: int = Field(50, ge=1)
+
+
+InnerStop = Annotated[FixedInnerStop | ObjectiveStop | GradientStop, Field(discriminator="rule")]
+
+
+class CatalystSpec(_Algorithm):
+    name: Literal["scaffold_catalyst_s"] = "scaffold_catalyst_s"
+    gamma_local: float = Field(ge=0)
+    gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local")
+    theta: float = Field(1.0, gt=0, description="proximal regularization weight")
+    stop: InnerStop = Field(default_factory=GradientStop)
+
+    @model_validator(mode="after")
+    def _global_step_needed(self) -> CatalystSpec:
+        if self.gamma_local == 0 and self.gamma_global is None:
+            raise ValueError("gamma_global is required when gamma_local is 0")
+        return self
+
+
+AlgorithmSpec = Annotated[
+    MinibatchMDSpec | MirrorProxSpec | FedAvgSpec | ScaffoldSpec | CatalystSpec,
+    Field(discriminator="name"),
+]
+
+ALGORITHM_NAMES = ("minibatch_md", "mirror_prox", "fedavg_s", "scaffold_s", "scaffold_catalyst_s")
+
+
+# -- transport and output --------------------------------------------------------------
+
+
+class TransportSpec(_Model):
+    listen: str = Field("127.0.0.1:50051", description="HOST:PORT the coordinator listens on")
+    join_timeout_s: float = Field(120.0, gt=0, description="wait this long for all clients to join")
+    round_timeout_s: float = Field(60.0, gt=0, description="fail a round whose answers take longer")
+    chunk_bytes: int = Field(4 << 20, ge=1 << 10, le=64 << 20, description="largest payload piece per message")
+
+
+class OutputSpec(_Model):
+    dir: str = Field("runs", description="run directories are created below this folder")
+    plot: bool = True
+
+
+class RunConfig(_Model):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = Field(0, ge=0, lt=2**63)
+    problem: ProblemSpec = Field(default_factory=PaperRegressionSpec)
+    algorithms: list[AlgorithmSpec] = Field(min_length=1)
+    sync: SyncSpec = Field(default_factory=FixedSync)
+    rounds: int = Field(500, ge=1, description="communication budget, counted as `round_convention` says")
+    round_convention: Literal["exchanges", "paper"] = Field(
+        "exchanges",
+        description="exchanges: every coordinator<->clients exchange is a round; "
+        "paper: one per sync or MD step, two per Mirror-prox step",
+    )
+    gradient_noise: float = Field(0.0, ge=0, description="sigma: E||G^_i - G_i||^2 = sigma^2")
+    init: Literal["ones", "zeros", "random"] = Field("ones", description="starting point z0")
+    transport: TransportSpec = Field(default_factory=TransportSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @model_validator(mode="after")
+    def _labels_unique(self) -> RunConfig:
+        names = [a.display_name for a in self.algorithms]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"algorithm names repeat: {repeated}; give each a distinct `label`")
+        return self
+
+
+def _describe(error: Any) -> str:
+    # pydantic puts the discriminator value into the location (algorithms.0.fedavg_s.gamma);
+    # the user wrote algorithms[0].gamma, so drop it.
+    discriminators = set(ALGORITHM_NAMES) | {"fixed", "random", "objective", "gradient", "paper_regression", "quadratic_game"}
+    parts: list[str] = []
+    for item in error["loc"]:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1] if parts else ''}[{item}]"]
+        elif item not in discriminators:
+            parts.append(str(item))
+    where = ".".join(parts) or "config"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "union_tag_invalid":
+        message = f"unknown {error['ctx']['discriminator']} {error['ctx']['tag']!r}; expected one of {error['ctx']['expected_tags']}"
+    elif "input" in error and error["type"] not in ("missing", "extra_forbidden") and not isinstance(error["input"], dict):
+        message += f" (got {error['input']!r})"
+    return f"{where}: {message}"
+
+
+def parse_config(data: Any, source: str = "config") -> RunConfig:
+    """Validate a config mapping; raise ConfigError naming each bad field."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = "\n".join(f"  {_describe(e)}" for e in exc.errors())
+        raise ConfigError(f"invalid {source}:\n{lines}") from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a run config from YAML or JSON."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of fields, got {type(data).__name__}")
+    return parse_config(data, source=f"config {path}")

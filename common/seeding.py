@@ -1,0 +1,23 @@
+"""Seeded random streams. Every random number in a run comes from one of these.
+
+A stream is named by the run seed, a purpose tag and the ids below it (client
+index, round id), so the same run draws the same numbers in any process and in
+any transport.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DATA = 1  # a client's data (own stream per client index)
+SHIFT = 2  # public per-client draws every client needs (e.g. centering terms)
+NOISE = 3  # stochastic gradient noise, per client and round
+SYNC = 4  # the coordinator's synchronization intervals
+SOLUTION = 5  # a problem's planted solution
+INIT = 6  # a random starting point
+SHARED = 2**32 - 1  # "client index" of data shared by all clients
+
+
+def rng(seed: int, tag: int, *ids: int) -> np.random.Generator:
+    """A generator for (seed, tag, *ids); distinct names give independent streams."""
+    return np.random.default_rng([seed, tag, *ids])

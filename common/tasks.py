@@ -1,0 +1,71 @@
+"""What the coordinator asks of clients in one round, and what they answer.
+
+These are transport-free values: the in-process pool hands them straight to a
+worker, the gRPC pool encodes them with `fedsaddle.common.wire`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+Array = NDArray[np.float64]
+Decay = Literal["constant", "inverse_sqrt"]
+
+
+@dataclass(frozen=True)
+class GradientTask:
+    """Evaluate G_i(z): the average of `batch` stochastic estimates, or exactly."""
+
+    z: Array
+    batch: int = 1
+    exact: bool = False
+    want_objective: bool = False
+
+    def payload(self) -> list[Array]:
+        return [self.z]
+
+
+@dataclass(frozen=True)
+class LocalStepsTask:
+    """Run `steps` local steps from z_start; answer sum_l weight(k_l) * g_i^l.
+
+    Step l (global index k_l = step_offset + l) moves z_i by
+    -gamma_local * weight(k_l) * g_i^l. With control=None the direction is
+    FedAvg-S's G_i^(z_i); with a control c it is SCAFFOLD-S's
+    G_i^(z_i) - G_i^(z_start) + theta (z_i - z_start) + c.
+    """
+
+    z_start: Array
+    steps: int
+    gamma_local: float
+    step_offset: int = 0
+    decay: Decay = "constant"
+    control: Array | None = None
+    theta: float = 0.0
+
+    def payload(self) -> list[Array]:
+        return [self.z_start] if self.control is None else [self.z_start, self.control]
+
+
+Task = GradientTask | LocalStepsTask
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One process's answer: a vector per hosted client, in the order of its indices."""
+
+    indices: tuple[int, ...]
+    vectors: Array  # shape (len(indices), dimension)
+    objective: Array | None = None  # shape (len(indices),), when asked for
+    diverged: bool = False
+
+
+def step_weight(decay: Decay, k: int) -> float:
+    """Weight of global local step k: 1, or the paper's 1 / (sqrt(k) + 1) decay."""
+    if decay == "constant":
+        return 1.0
+    return 1.0 / (float(np.sqrt(k)) + 1.0)

@@ -1,0 +1,182 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
+
+class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_KIND_UNSPECIFIED: _ClassVar[TaskKind]
+    GRADIENT: _ClassVar[TaskKind]
+    LOCAL_STEPS: _ClassVar[TaskKind]
+
+class Correction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CORRECTION_UNSPECIFIED: _ClassVar[Correction]
+    NONE: _ClassVar[Correction]
+    SCAFFOLD: _ClassVar[Correction]
+
+class StepDecay(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_DECAY_UNSPECIFIED: _ClassVar[StepDecay]
+    CONSTANT: _ClassVar[StepDecay]
+    INVERSE_SQRT: _ClassVar[StepDecay]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_1: ProtocolVersion
+TASK_KIND_UNSPECIFIED: TaskKind
+GRADIENT: TaskKind
+LOCAL_STEPS: TaskKind
+CORRECTION_UNSPECIFIED: Correction
+NONE: Correction
+SCAFFOLD: Correction
+STEP_DECAY_UNSPECIFIED: StepDecay
+CONSTANT: StepDecay
+INVERSE_SQRT: StepDecay
+
+class JoinRequest(_message.Message):
+    __slots__ = ("protocol_version", "client_indices", "client_name")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: ProtocolVersion
+    client_indices: _containers.RepeatedScalarFieldContainer[int]
+    client_name: str
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., client_indices: _Optional[_Iterable[int]] = ..., client_name: _Optional[str] = ...) -> None: ...
+
+class Instruction(_message.Message):
+    __slots__ = ("welcome", "run", "task", "chunk", "goodbye")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    run: RunSpec
+    task: Task
+    chunk: Chunk
+    goodbye: Goodbye
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("session_id", "federation_id", "num_clients", "chunk_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    federation_id: str
+    num_clients: int
+    chunk_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., federation_id: _Optional[str] = ..., num_clients: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class RunSpec(_message.Message):
+    __slots__ = ("run_id", "problem_json", "seed", "gradient_noise", "dimension")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_JSON_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_NOISE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    problem_json: str
+    seed: int
+    gradient_noise: float
+    dimension: int
+    def __init__(self, run_id: _Optional[str] = ..., problem_json: _Optional[str] = ..., seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ...) -> None: ...
+
+class GradientParams(_message.Message):
+    __slots__ = ("batch", "exact", "want_objective")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    WANT_OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    exact: bool
+    want_objective: bool
+    def __init__(self, batch: _Optional[int] = ..., exact: _Optional[bool] = ..., want_objective: _Optional[bool] = ...) -> None: ...
+
+class LocalSteps(_message.Message):
+    __slots__ = ("steps", "gamma_local", "step_offset", "decay", "correction", "theta")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DECAY_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    THETA_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    gamma_local: float
+    step_offset: int
+    decay: StepDecay
+    correction: Correction
+    theta: float
+    def __init__(self, steps: _Optional[int] = ..., gamma_local: _Optional[float] = ..., step_offset: _Optional[int] = ..., decay: _Optional[_Union[StepDecay, str]] = ..., correction: _Optional[_Union[Correction, str]] = ..., theta: _Optional[float] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("run_id", "round_id", "kind", "gradient", "local", "payload_length", "payload")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round_id: int
+    kind: TaskKind
+    gradient: GradientParams
+    local: LocalSteps
+    payload_length: int
+    payload: bytes
+    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., gradient: _Optional[_Union[GradientParams, _Mapping]] = ..., local: _Optional[_Union[LocalSteps, _Mapping]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Goodbye(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Answer(_message.Message):
+    __slots__ = ("session_id", "run_id", "round_id", "client_indices", "payload_length", "payload", "objective", "diverged")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    run_id: str
+    round_id: int
+    client_indices: _containers.RepeatedScalarFieldContainer[int]
+    payload_length: int
+    payload: bytes
+    objective: bytes
+    diverged: bool
+    def __init__(self, session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., client_indices: _Optional[_Iterable[int]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., objective: _Optional[bytes] = ..., diverged: _Optional[bool] = ...) -> None: ...
+
+class AnswerPart(_message.Message):
+    __slots__ = ("answer", "chunk")
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    answer: Answer
+    chunk: Chunk
+    def __init__(self, answer: _Optional[_Union[Answer, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class SubmitReceipt(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
