@@ -69,18 +69,18 @@ class Worker:
         direction_sum = np.zeros_like(z)
         noisy = self.noise_scale > 0
         streams = self._streams(round_id) if noisy else []
-        scaffold = task.control is not None
-        grad_start = self.shards.gradient(z_start) if scaffold else None
+        control = task.control
+        grad_start = self.shards.gradient(z_start) if control is not None else None
         for step in range(task.steps):
             weight = step_weight(task.decay, task.step_offset + step)
             g = self.shards.gradient(z)
             if noisy:
                 g += self._noise(streams)
-            if grad_start is not None:
+            if control is not None and grad_start is not None:
                 # G_i^theta(z_i) - G_i^theta(z~) + c, where the anchor of Catalyst's
                 # regularizer theta (z - z_bar) cancels in the difference.
                 start = grad_start + self._noise(streams) if noisy else grad_start
-                g = g - start + task.theta * (z - z_start) + task.control
+                g = g - start + task.theta * (z - z_start) + control
             direction_sum += weight * g
             z -= (task.gamma_local * weight) * g
         return direction_sum

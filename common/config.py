@@ -52,7 +52,7 @@ class _Algorithm(_Model):
 
     @property
     def display_name(self) -> str:
-        return self.label or str(getattr(self, "name"))
+        return self.label or str(type(self).model_fields["name"].default)
 
 
 class MinibatchMDSpec(_Algorithm):
@@ -180,7 +180,14 @@ class RunConfig(_Model):
 def _describe(error: Any) -> str:
     # pydantic puts the discriminator value into the location (algorithms.0.fedavg_s.gamma);
     # the user wrote algorithms[0].gamma, so drop it.
-    discriminators = set(ALGORITHM_NAMES) | {"fixed", "random", "objective", "gradient", "paper_regression", "quadratic_game"}
+    discriminators = set(ALGORITHM_NAMES) | {
+        "fixed",
+        "random",
+        "objective",
+        "gradient",
+        "paper_regression",
+        "quadratic_game",
+    }
     parts: list[str] = []
     for item in error["loc"]:
         if isinstance(item, int):
@@ -190,8 +197,13 @@ def _describe(error: Any) -> str:
     where = ".".join(parts) or "config"
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "union_tag_invalid":
-        message = f"unknown {error['ctx']['discriminator']} {error['ctx']['tag']!r}; expected one of {error['ctx']['expected_tags']}"
-    elif "input" in error and error["type"] not in ("missing", "extra_forbidden") and not isinstance(error["input"], dict):
+        ctx = error["ctx"]
+        message = f"unknown {ctx['discriminator']} {ctx['tag']!r}; expected one of {ctx['expected_tags']}"
+    elif (
+        "input" in error
+        and error["type"] not in ("missing", "extra_forbidden")
+        and not isinstance(error["input"], dict)
+    ):
         message += f" (got {error['input']!r})"
     return f"{where}: {message}"
 

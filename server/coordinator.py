@@ -146,9 +146,7 @@ def run_algorithm(
     )
 
 
-def run_all(
-    config: RunConfig, pool: ClientPool, progress: ProgressHook | None = None
-) -> list[AlgorithmResult]:
+def run_all(config: RunConfig, pool: ClientPool, progress: ProgressHook | None = None) -> list[AlgorithmResult]:
     """Run every algorithm of the config, one after another, on the same pool."""
     return [run_algorithm(spec, config, pool, progress=progress) for spec in config.algorithms]
 

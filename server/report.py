@@ -61,7 +61,11 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
             xs, ys = zip(*points, strict=True)
             label = result.name + (" (diverged)" if result.status != "ok" else "")
             ax.semilogy(xs, ys, label=label)
-    axis = "communication rounds (every exchange counted)" if key == "rounds" else "communication rounds (paper's convention)"
+    axis = (
+        "communication rounds (every exchange counted)"
+        if key == "rounds"
+        else "communication rounds (paper's convention)"
+    )
     ax.set_xlabel(axis)
     ax.set_ylabel("||x - x*||")
     ax.set_title(f"{config.name}: {config.problem.name}, n={config.problem.num_clients}, d={config.problem.dim}")

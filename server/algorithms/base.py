@@ -85,7 +85,11 @@ class Algorithm(abc.ABC, Generic[State]):
 
 def save_state(state: Any, path: str | Path) -> None:
     """Write a state dataclass to an .npz file (arrays exact, numbers as JSON)."""
-    arrays = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if isinstance(getattr(state, f.name), np.ndarray)}
+    arrays = {
+        f.name: getattr(state, f.name)
+        for f in dataclasses.fields(state)
+        if isinstance(getattr(state, f.name), np.ndarray)
+    }
     scalars = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in arrays}
     meta = json.dumps({"type": type(state).__name__, "scalars": scalars})
     np.savez(Path(path), __meta__=np.array(meta), **arrays)

@@ -74,9 +74,7 @@ def scaffold_sync(
 ) -> SyncResult:
     """One sync of SCAFFOLD-S on G^theta(z) = G(z) + theta (z - anchor): two rounds."""
     control = grad_tilde if anchor is None else grad_tilde + theta * (z_tilde - anchor)
-    direction_sums = pool.local_steps(
-        z_tilde, steps=tau, gamma_local=gamma_local, control=control, theta=theta
-    )
+    direction_sums = pool.local_steps(z_tilde, steps=tau, gamma_local=gamma_local, control=control, theta=theta)
     z_next = z_tilde - gamma_global * mean_over_clients(direction_sums)
     grad_next, objective = gather_gradient(pool, z_next, want_objective)
     return SyncResult(z_next, grad_next, objective)

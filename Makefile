@@ -1,0 +1,49 @@
+# fedsaddle: `make run` runs the built-in federation on loopback, `make test` checks everything.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# mypy cannot follow setuptools' editable-install import hook, so it reads the
+# package through a tree of links named as installed (fedsaddle.server -> server/).
+TYPECHECK := .typecheck
+
+.PHONY: all install run test lint typecheck unit proto bench certs clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/fedsaddle local --quiet-clients
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+$(TYPECHECK)/fedsaddle:
+	mkdir -p $@
+	for f in __init__.py __main__.py cli.py py.typed; do ln -sf ../../fedsaddle/$$f $@/$$f; done
+	for d in common client server proto; do ln -sfn ../../$$d $@/$$d; done
+
+typecheck: $(STAMP) $(TYPECHECK)/fedsaddle
+	cd $(TYPECHECK) && ../$(BIN)/mypy --config-file ../pyproject.toml -p fedsaddle
+
+unit: $(STAMP)
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/round_latency.py
+
+clean:
+	rm -rf $(VENV) $(TYPECHECK) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

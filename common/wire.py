@@ -1,0 +1,183 @@
+"""numpy <-> protobuf: tasks and answers, vectors as raw float64 bytes, chunking.
+
+A payload is the concatenation of float64 vectors (little-endian). If it fits in
+`chunk_bytes` it travels inline in the Task / Answer; otherwise the header goes
+with an empty payload and Chunk messages carry it in order. Every decoder here
+checks what it reads and raises WireError with a message that says what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from fedsaddle.common.problems import Array
+from fedsaddle.common.tasks import Answer, Decay, GradientTask, LocalStepsTask, Task
+from fedsaddle.proto import fedsaddle_pb2 as pb
+
+FLOAT64 = np.dtype("<f8")
+MESSAGE_OVERHEAD = 1 << 20  # room for headers beside a full chunk
+_DECAY: dict[Decay, pb.StepDecay] = {"constant": pb.CONSTANT, "inverse_sqrt": pb.INVERSE_SQRT}
+_DECAY_NAME: dict[pb.StepDecay, Decay] = {v: k for k, v in _DECAY.items()}
+
+
+class WireError(ValueError):
+    """A message that does not decode to a valid task or answer."""
+
+
+def message_limit(chunk_bytes: int) -> int:
+    """The gRPC send/receive limit both sides set: a chunk plus headroom.
+
+    gRPC refuses messages over 4 MiB by default; payloads of any size still work
+    because they are chunked, and the limit is raised only as far as one chunk needs.
+    """
+    return chunk_bytes + MESSAGE_OVERHEAD
+
+
+def grpc_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    limit = message_limit(chunk_bytes)
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+def to_bytes(vectors: Sequence[Array]) -> bytes:
+    if len(vectors) == 1:
+        return np.ascontiguousarray(vectors[0], dtype=FLOAT64).tobytes()
+    return np.concatenate([np.asarray(v, dtype=FLOAT64).ravel() for v in vectors]).tobytes()
+
+
+def from_bytes(data: bytes | bytearray, length: int) -> Array:
+    if len(data) != 8 * length:
+        raise WireError(f"payload has {len(data)} bytes, expected {8 * length} ({length} float64 entries)")
+    return np.frombuffer(data, dtype=FLOAT64).astype(np.float64, copy=False)
+
+
+def chunks(data: bytes, chunk_bytes: int) -> Iterator[pb.Chunk]:
+    for offset in range(0, len(data), chunk_bytes):
+        yield pb.Chunk(offset=offset, data=data[offset : offset + chunk_bytes])
+
+
+class Assembler:
+    """Collects a chunked payload of known size, refusing gaps, overlaps and overruns."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.buffer = bytearray(total_bytes)
+        self.filled = 0
+
+    @property
+    def done(self) -> bool:
+        return self.filled == len(self.buffer)
+
+    def add(self, chunk: pb.Chunk) -> None:
+        if chunk.offset != self.filled:
+            raise WireError(f"chunk at byte {chunk.offset}, expected byte {self.filled}")
+        end = self.filled + len(chunk.data)
+        if end > len(self.buffer):
+            raise WireError(f"chunks overrun the payload: {end} bytes of {len(self.buffer)}")
+        if not chunk.data:
+            raise WireError("empty chunk")
+        self.buffer[self.filled : end] = chunk.data
+        self.filled = end
+
+
+# -- tasks: coordinator -> client ------------------------------------------------------
+
+
+def encode_task(run_id: str, round_id: int, task: Task, chunk_bytes: int) -> list[pb.Instruction]:
+    """The Task instruction, followed by Chunks if the payload is larger than one chunk."""
+    payload = to_bytes(task.payload())
+    message = pb.Task(run_id=run_id, round_id=round_id, payload_length=len(payload) // 8)
+    if isinstance(task, GradientTask):
+        message.kind = pb.GRADIENT
+        message.gradient.CopyFrom(
+            pb.GradientParams(batch=task.batch, exact=task.exact, want_objective=task.want_objective)
+        )
+    else:
+        message.kind = pb.LOCAL_STEPS
+        message.local.CopyFrom(
+            pb.LocalSteps(
+                steps=task.steps,
+                gamma_local=task.gamma_local,
+                step_offset=task.step_offset,
+                decay=_DECAY[task.decay],
+                correction=pb.NONE if task.control is None else pb.SCAFFOLD,
+                theta=task.theta,
+            )
+        )
+    if len(payload) <= chunk_bytes:
+        message.payload = payload
+        return [pb.Instruction(task=message)]
+    return [pb.Instruction(task=message), *(pb.Instruction(chunk=c) for c in chunks(payload, chunk_bytes))]
+
+
+def decode_task(message: pb.Task, payload: bytes | bytearray, dimension: int) -> Task:
+    """The task a Task message (with its assembled payload) describes."""
+    if message.kind == pb.GRADIENT:
+        values = from_bytes(payload, dimension)
+        params = message.gradient
+        if params.batch < 1:
+            raise WireError(f"gradient batch must be >= 1, got {params.batch}")
+        return GradientTask(z=values, batch=params.batch, exact=params.exact, want_objective=params.want_objective)
+    if message.kind == pb.LOCAL_STEPS:
+        local = message.local
+        scaffold = local.correction == pb.SCAFFOLD
+        if local.correction not in (pb.NONE, pb.SCAFFOLD):
+            raise WireError(f"unknown correction {local.correction}")
+        if local.decay not in _DECAY_NAME:
+            raise WireError(f"unknown step decay {local.decay}")
+        values = from_bytes(payload, (2 if scaffold else 1) * dimension)
+        return LocalStepsTask(
+            z_start=values[:dimension],
+            steps=local.steps,
+            gamma_local=local.gamma_local,
+            step_offset=local.step_offset,
+            decay=_DECAY_NAME[local.decay],
+            control=values[dimension:] if scaffold else None,
+            theta=local.theta,
+        )
+    raise WireError(f"unknown task kind {message.kind}")
+
+
+# -- answers: client -> coordinator ----------------------------------------------------
+
+
+def encode_answer(session_id: str, run_id: str, round_id: int, answer: Answer, chunk_bytes: int) -> list[pb.AnswerPart]:
+    header = pb.Answer(
+        session_id=session_id,
+        run_id=run_id,
+        round_id=round_id,
+        client_indices=list(answer.indices),
+        diverged=answer.diverged,
+    )
+    if answer.diverged:
+        return [pb.AnswerPart(answer=header)]
+    payload = to_bytes([answer.vectors])
+    header.payload_length = len(payload) // 8
+    if answer.objective is not None:
+        header.objective = to_bytes([answer.objective])
+    if len(payload) <= chunk_bytes:
+        header.payload = payload
+        return [pb.AnswerPart(answer=header)]
+    return [pb.AnswerPart(answer=header), *(pb.AnswerPart(chunk=c) for c in chunks(payload, chunk_bytes))]
+
+
+def decode_answer(header: pb.Answer, payload: bytes | bytearray, dimension: int, want_objective: bool) -> Answer:
+    """Check an answer's vectors (length, finiteness) and return them; WireError if bad."""
+    indices = tuple(int(i) for i in header.client_indices)
+    if header.diverged:
+        return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
+    values = from_bytes(payload, len(indices) * dimension).reshape(len(indices), dimension)
+    bad = ~np.isfinite(values)
+    if bad.any():
+        row, col = (int(v) for v in np.argwhere(bad)[0])
+        raise WireError(f"client {indices[row]}: entry {col} is {values[row, col]} (non-finite values are refused)")
+    objective = None
+    if want_objective:
+        if len(header.objective) != 8 * len(indices):
+            raise WireError(f"objective has {len(header.objective)} bytes, expected {8 * len(indices)}")
+        objective = from_bytes(header.objective, len(indices))
+        if not np.isfinite(objective).all():
+            raise WireError("objective values must be finite")
+    elif header.objective:
+        raise WireError("objective values sent but not asked for")
+    return Answer(indices, values, objective)
