@@ -198,7 +198,8 @@ def _describe(error: Any) -> str:
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "union_tag_invalid":
         ctx = error["ctx"]
-        message = f"unknown {ctx['discriminator']} {ctx['tag']!r}; expected one of {ctx['expected_tags']}"
+        field_name = str(ctx["discriminator"]).strip("'")
+        message = f"unknown {field_name} {ctx['tag']!r}; expected one of {ctx['expected_tags']}"
     elif (
         "input" in error
         and error["type"] not in ("missing", "extra_forbidden")

@@ -95,8 +95,9 @@ def run_algorithm(
             "time_s": time.perf_counter() - start,
         }
         if z_star is not None:
-            entry["dist_x"] = float(np.linalg.norm(z[:d] - z_star[:d]))
-            entry["dist_z"] = float(np.linalg.norm(z - z_star))
+            with np.errstate(over="ignore", invalid="ignore"):
+                entry["dist_x"] = float(np.linalg.norm(z[:d] - z_star[:d]))
+                entry["dist_z"] = float(np.linalg.norm(z - z_star))
         records.append(entry)
 
     start = time.perf_counter()

@@ -1,0 +1,66 @@
+"""Shared helpers: real client processes on loopback, always stopped afterwards."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from fedsaddle.common.config import RunConfig, parse_config
+from fedsaddle.server.grpc_pool import GrpcPool
+
+CLIENT_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def client_command(address: str, spec: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fedsaddle", "--quiet", "client", "--coordinator", address, "--clients", spec, *extra]
+
+
+def start_clients(address: str, groups: Sequence[str]) -> list[subprocess.Popen[bytes]]:
+    return [
+        subprocess.Popen(client_command(address, spec), env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for spec in groups
+    ]
+
+
+def stop_processes(processes: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> list[int]:
+    """Wait for the processes to end (they should, after a goodbye); kill stragglers."""
+    codes = []
+    for process in processes:
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        codes.append(process.returncode)
+    return codes
+
+
+@contextmanager
+def federation(num_clients: int, groups: Sequence[str] | None = None, **pool_options: Any) -> Iterator[GrpcPool]:
+    """A GrpcPool on 127.0.0.1 with client processes (one per client unless groups say otherwise)."""
+    groups = groups or [str(i) for i in range(num_clients)]
+    pool = GrpcPool(num_clients, "127.0.0.1:0", **pool_options)
+    processes = start_clients(pool.address, groups)
+    try:
+        pool.wait_for_clients(60)
+        yield pool
+    finally:
+        pool.close()
+        codes = stop_processes(processes)
+        pool.client_exit_codes = codes  # type: ignore[attr-defined]
+
+
+def config(**fields: Any) -> RunConfig:
+    """A RunConfig from keyword fields (plain dicts, as a YAML file would give)."""
+    return parse_config(fields)
+
+
+@pytest.fixture
+def tmp_out(tmp_path: Any) -> Any:
+    return tmp_path / "runs"

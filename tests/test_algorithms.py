@@ -1,0 +1,168 @@
+"""The algorithms through the in-process transport: convergence, counts, determinism, state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import config
+from formulas import expected_traffic
+
+from fedsaddle.server.algorithms import FedAvgS, ScaffoldS, SyncSchedule, load_state, save_state
+from fedsaddle.server.algorithms.fedavg_s import FedAvgState
+from fedsaddle.server.algorithms.scaffold_s import ScaffoldState
+from fedsaddle.server.coordinator import run_algorithm, run_all
+from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.pool import RunInfo
+
+GAME = {"name": "quadratic_game", "num_clients": 5, "dim": 4, "heterogeneity": 0.5}
+GAME_HOMOGENEOUS = {**GAME, "heterogeneity": 0.0}
+ALL_FIVE: list[dict[str, Any]] = [
+    {"name": "minibatch_md", "gamma": 0.1},
+    {"name": "mirror_prox", "gamma": 0.15},
+    {"name": "fedavg_s", "gamma_local": 0.05, "decay": "constant"},
+    {"name": "scaffold_s", "gamma_local": 0.05},
+    {"name": "scaffold_catalyst_s", "gamma_local": 0.05, "theta": 1.0},
+]
+
+
+@pytest.mark.parametrize("algorithm", ALL_FIVE, ids=lambda a: a["name"])
+def test_converges_on_the_quadratic_game(algorithm: dict[str, Any]) -> None:
+    # FedAvg-S's constant-step fixed point is biased by client drift, so it gets
+    # homogeneous clients; the others face heterogeneity 0.5.
+    problem = GAME_HOMOGENEOUS if algorithm["name"] == "fedavg_s" else GAME
+    run = config(problem=problem, algorithms=[algorithm], rounds=400, sync={"kind": "fixed", "tau": 5})
+    (result,) = run_all(run, LocalPool())
+    assert result.status == "ok"
+    assert result.dist_z < 1e-8
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [{"rule": "gradient", "rtol": 0.1}, {"rule": "fixed", "inner_syncs": 5}, {"rule": "objective", "rtol": 1e-3}],
+    ids=lambda s: s["rule"],
+)
+def test_catalyst_converges_with_every_inner_stop_rule(stop: dict[str, Any]) -> None:
+    algorithm = {"name": "scaffold_catalyst_s", "gamma_local": 0.05, "theta": 1.0, "stop": stop}
+    run = config(problem=GAME, algorithms=[algorithm], rounds=600, sync={"kind": "fixed", "tau": 5})
+    (result,) = run_all(run, LocalPool())
+    assert result.dist_z < 1e-8
+    assert result.extra["meta_iterations"] >= 2
+    if stop["rule"] == "fixed":
+        assert result.extra["meta_iterations"] == result.extra["syncs"] // 5
+
+
+def test_fedavg_stalls_under_heterogeneity_where_scaffold_does_not() -> None:
+    algorithms = [
+        {"name": "fedavg_s", "gamma_local": 0.05, "decay": "constant"},
+        {"name": "scaffold_s", "gamma_local": 0.05},
+    ]
+    run = config(problem=GAME, algorithms=algorithms, rounds=400, sync={"kind": "fixed", "tau": 5})
+    fedavg, scaffold = run_all(run, LocalPool())
+    assert fedavg.dist_z > 1e-3  # client drift: a biased fixed point
+    assert scaffold.dist_z < 1e-10
+
+
+PAPER_S0 = [
+    {"name": "minibatch_md", "gamma": 0.1},
+    {"name": "mirror_prox", "gamma": 0.5},
+    {"name": "fedavg_s", "gamma_local": 0.1, "decay": "constant"},
+    {"name": "scaffold_s", "gamma_local": 0.1},
+    {"name": "scaffold_catalyst_s", "gamma_local": 0.1, "theta": 1.0},
+]
+
+
+@pytest.mark.parametrize("algorithm", PAPER_S0, ids=lambda a: a["name"])
+def test_converges_on_the_papers_problem_at_s_0(algorithm: dict[str, Any]) -> None:
+    run = config(problem={"name": "paper_regression", "s": 0.0}, algorithms=[algorithm], rounds=500)
+    (result,) = run_all(run, LocalPool())
+    assert result.dist_z < 1e-8
+
+
+@pytest.mark.parametrize("convention", ["exchanges", "paper"])
+@pytest.mark.parametrize("algorithm", ALL_FIVE, ids=lambda a: a["name"])
+def test_counts_follow_the_documented_formula(algorithm: dict[str, Any], convention: str) -> None:
+    run = config(problem=GAME, algorithms=[algorithm], rounds=37, round_convention=convention)
+    (result,) = run_all(run, LocalPool())
+    counts = result.traffic["algorithm"]
+    expected = expected_traffic(run, algorithm["name"])
+    assert {k: counts[k] for k in expected} == expected
+    n = run.problem.num_clients
+    assert counts["per_client_floats_down"] == [expected["floats_down"] // n] * n
+    assert result.traffic["evaluation"]["rounds"] == 0
+
+
+def test_objective_stop_rule_adds_one_float_per_gradient_round() -> None:
+    algorithm = {"name": "scaffold_catalyst_s", "gamma_local": 0.05, "stop": {"rule": "objective"}}
+    run = config(problem=GAME, algorithms=[algorithm], rounds=21)
+    (result,) = run_all(run, LocalPool())
+    base = expected_traffic(run, "scaffold_catalyst_s")
+    gradient_rounds = 1 + (21 - 1) // 2
+    assert result.traffic["algorithm"]["floats_up"] == base["floats_up"] + 5 * gradient_rounds
+
+
+def test_evaluation_traffic_is_counted_apart() -> None:
+    run = config(problem=GAME, algorithms=[ALL_FIVE[0]], rounds=3)
+    pool = LocalPool()
+    run_algorithm(run.algorithms[0], run, pool)
+    pool.gradients(np.zeros(8), category="evaluation")
+    assert pool.traffic["algorithm"].rounds == 3
+    assert pool.traffic["evaluation"].rounds == 1
+    assert pool.traffic["evaluation"].floats_up == 5 * 8
+
+
+def test_random_synchronization_reproduces_exactly_and_depends_on_the_seed() -> None:
+    fields: dict[str, Any] = dict(problem=GAME, algorithms=[ALL_FIVE[3]], rounds=41, sync={"kind": "random", "p": 0.2})
+    first = run_all(config(seed=3, **fields), LocalPool())[0]
+    again = run_all(config(seed=3, **fields), LocalPool())[0]
+    other = run_all(config(seed=4, **fields), LocalPool())[0]
+    assert first.z_sha256 == again.z_sha256
+    assert [r["dist_z"] for r in first.records] == [r["dist_z"] for r in again.records]
+    assert first.z_sha256 != other.z_sha256
+
+
+def test_random_sync_intervals_are_geometric_with_mean_one_over_p() -> None:
+    schedule = SyncSchedule(config(algorithms=[ALL_FIVE[0]], sync={"kind": "random", "p": 0.05}).sync, seed=0)
+    draws = np.array([schedule.next_interval() for _ in range(20000)])
+    assert draws.min() >= 1
+    assert draws.mean() == pytest.approx(20.0, rel=0.03)
+
+
+def test_stochastic_gradients_are_seeded_and_change_the_iterates() -> None:
+    fields: dict[str, Any] = dict(problem=GAME, algorithms=[ALL_FIVE[0]], rounds=200)
+    noisy = run_all(config(gradient_noise=0.5, **fields), LocalPool())[0]
+    noisy_again = run_all(config(gradient_noise=0.5, **fields), LocalPool())[0]
+    exact = run_all(config(**fields), LocalPool())[0]
+    assert noisy.z_sha256 == noisy_again.z_sha256
+    assert noisy.dist_z > 1e3 * exact.dist_z  # the noise floor
+
+
+def test_a_too_large_step_is_reported_as_diverged() -> None:
+    run = config(problem=GAME, algorithms=[{"name": "scaffold_s", "gamma_local": 5.0}], rounds=200)
+    (result,) = run_all(run, LocalPool())
+    assert result.status == "diverged"
+    assert "non-finite" in result.detail
+
+
+def test_state_round_trips_through_a_file(tmp_path: Any) -> None:
+    run = config(problem=GAME, algorithms=[ALL_FIVE[3]], rounds=5)
+    pool = LocalPool()
+    pool.start_run(RunInfo("r", run.problem, run.seed, 0.0))
+    algorithm = ScaffoldS(0.05)
+    schedule = SyncSchedule(run.sync, run.seed)
+    state = algorithm.step(algorithm.init(np.ones(8), pool, schedule), pool, schedule)
+    save_state(state, tmp_path / "state.npz")
+    loaded = load_state(ScaffoldState, tmp_path / "state.npz")
+    assert np.array_equal(loaded.z_tilde, state.z_tilde)
+    assert np.array_equal(loaded.grad_tilde, state.grad_tilde)
+    assert loaded.syncs == state.syncs == 1
+    with pytest.raises(ValueError, match="holds a ScaffoldState, not a FedAvgState"):
+        load_state(FedAvgState, tmp_path / "state.npz")
+
+
+def test_invalid_steps_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="gamma_local must be > 0, got -1"):
+        FedAvgS(-1.0)
+    with pytest.raises(ValueError, match="gamma_global must be > 0"):
+        ScaffoldS(0.0)

@@ -1,0 +1,102 @@
+"""The command line, end to end: simulate, coordinator + clients, local."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from conftest import CLIENT_ENV, start_clients, stop_processes
+from test_failures import Coordinator
+
+SMALL: dict[str, Any] = {
+    "name": "small",
+    "problem": {"name": "paper_regression", "num_clients": 4, "dim": 5, "s": 3.0},
+    "rounds": 25,
+    "sync": {"kind": "random", "p": 0.2},
+    "algorithms": [
+        {"name": "minibatch_md", "gamma": 0.03},
+        {"name": "mirror_prox", "gamma": 0.03},
+        {"name": "fedavg_s", "gamma_local": 0.03},
+        {"name": "scaffold_s", "gamma_local": 0.03},
+        {"name": "scaffold_catalyst_s", "gamma_local": 0.03},
+    ],
+}
+
+
+def fedsaddle(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fedsaddle", *args], capture_output=True, text=True, timeout=timeout, env=CLIENT_ENV
+    )
+
+
+def summary_of(out: Path) -> dict[str, Any]:
+    (run_dir,) = list(out.iterdir())
+    return json.loads((run_dir / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_simulate_writes_metrics_summary_and_plot(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(SMALL))
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "runs"))
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    assert f"run directory: {run_dir}" in done.stdout
+    for name in ("minibatch_md", "mirror_prox", "fedavg_s", "scaffold_s", "scaffold_catalyst_s"):
+        assert any(line.startswith(name) for line in done.stdout.splitlines())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    md = [r for r in records if r["algorithm"] == "minibatch_md"]
+    assert [r["rounds"] for r in md] == list(range(26))
+    assert (run_dir / "distance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [a["rounds"] for a in summary["algorithms"]] == [25, 24, 25, 25, 25]
+
+
+def test_coordinator_and_client_processes_reproduce_simulate_bit_for_bit(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(SMALL))
+    assert fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "sim")).returncode == 0
+    coordinator = Coordinator(path, tmp_path / "grpc")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = start_clients(address, ["0-1", "2", "3"])  # one process may host several clients
+    try:
+        code, log = coordinator.finish(timeout=120)
+    finally:
+        codes = stop_processes(clients)
+    assert code == 0, log
+    assert codes == [0, 0, 0]
+    simulated, remote = summary_of(tmp_path / "sim"), summary_of(tmp_path / "grpc")
+    assert remote["transport"]["kind"] == "grpc"
+    for a, b in zip(simulated["algorithms"], remote["algorithms"], strict=True):
+        assert a["name"] == b["name"]
+        assert a["z_sha256"] == b["z_sha256"]
+        assert a["traffic"]["algorithm"]["floats_up"] == b["traffic"]["algorithm"]["floats_up"]
+        assert b["traffic"]["algorithm"]["bytes_up"] > 0 == a["traffic"]["algorithm"]["bytes_up"]
+
+
+def test_local_runs_a_federation_of_processes_on_loopback(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**SMALL, "algorithms": SMALL["algorithms"][3:]}))
+    done = fedsaddle("local", "--config", str(path), "--out", str(tmp_path / "runs"), "--quiet-clients")
+    assert done.returncode == 0, done.stderr
+    assert "started 4 client processes for 4 clients" in done.stderr
+    summary = summary_of(tmp_path / "runs")
+    assert summary["transport"]["client_processes"] == 4
+    assert all(a["status"] == "ok" for a in summary["algorithms"])
+
+
+def test_show_config_prints_the_built_in_run() -> None:
+    done = fedsaddle("show-config")
+    assert done.returncode == 0
+    shown = yaml.safe_load(done.stdout)
+    assert shown["problem"]["s"] == 10.0 and shown["rounds"] == 500
+    assert [a["name"] for a in shown["algorithms"]] == [
+        "minibatch_md",
+        "mirror_prox",
+        "fedavg_s",
+        "scaffold_s",
+        "scaffold_catalyst_s",
+    ]

@@ -1,0 +1,92 @@
+"""Invalid configs fail with an error that names the field and the reason."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedsaddle.common.config import ConfigError, load_config, parse_config
+
+VALID: dict[str, Any] = {"algorithms": [{"name": "minibatch_md", "gamma": 0.1}]}
+
+
+def error_of(data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data)
+    return str(caught.value)
+
+
+def test_the_minimal_config_is_valid_and_has_the_papers_defaults() -> None:
+    config = parse_config(VALID)
+    assert config.problem.name == "paper_regression"
+    assert (config.problem.num_clients, config.problem.dim, config.problem.lam) == (10, 10, 1e-5)
+    assert config.rounds == 500 and config.sync.kind == "fixed" and config.sync.tau == 20
+
+
+def test_negative_step_names_the_field() -> None:
+    message = error_of({"algorithms": [{"name": "fedavg_s", "gamma_local": -0.1}]})
+    assert "algorithms[0].gamma_local: Input should be greater than 0 (got -0.1)" in message
+
+
+def test_probability_outside_zero_one_names_the_field() -> None:
+    for p in (0, 1.5, -0.2):
+        message = error_of({**VALID, "sync": {"kind": "random", "p": p}})
+        assert "sync.p:" in message and f"(got {p})" in message
+    assert parse_config({**VALID, "sync": {"kind": "random", "p": 1}}).sync.p == 1  # type: ignore[union-attr]
+
+
+def test_unknown_algorithm_lists_the_known_ones() -> None:
+    message = error_of({"algorithms": [{"name": "fedprox", "gamma": 0.1}]})
+    assert "algorithms[0]: unknown name 'fedprox'" in message
+    assert "scaffold_catalyst_s" in message
+
+
+def test_unknown_problem_and_unknown_field() -> None:
+    assert "problem: unknown name 'mnist'" in error_of({**VALID, "problem": {"name": "mnist"}})
+    assert "problem.heterogenity: Extra inputs are not permitted" in error_of(
+        {**VALID, "problem": {"name": "quadratic_game", "heterogenity": 1}}
+    )
+
+
+def test_every_bad_field_is_reported_at_once() -> None:
+    message = error_of({"rounds": 0, "algorithms": [{"name": "minibatch_md", "gamma": 0}]})
+    assert "rounds: Input should be greater than or equal to 1" in message
+    assert "algorithms[0].gamma: Input should be greater than 0" in message
+
+
+def test_repeated_algorithm_names_need_labels() -> None:
+    twice = {"algorithms": [{"name": "minibatch_md", "gamma": 0.1}, {"name": "minibatch_md", "gamma": 0.2}]}
+    assert "algorithm names repeat: ['minibatch_md']" in error_of(twice)
+    twice["algorithms"][1]["label"] = "md-large"
+    assert [a.display_name for a in parse_config(twice).algorithms] == ["minibatch_md", "md-large"]
+
+
+def test_files_that_are_not_configs(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithms: [\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(bad)
+
+
+def test_the_cli_exits_2_and_names_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithms:\n  - name: mirror_prox\n    gamma: -1\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "algorithms[0].gamma: Input should be greater than 0 (got -1)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not any(tmp_path.glob("run-*"))  # nothing was started

@@ -1,0 +1,135 @@
+"""Failures with real processes: a client killed mid-run, clients that never join."""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+from conftest import CLIENT_ENV, start_clients, stop_processes
+
+
+class Coordinator:
+    """`fedsaddle coordinator` as a subprocess, its stderr read line by line."""
+
+    def __init__(self, config_path: Path, out: Path) -> None:
+        command = [sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(config_path)]
+        command += ["--listen", "127.0.0.1:0", "--out", str(out)]
+        self.process = subprocess.Popen(
+            command, env=CLIENT_ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        assert self.process.stderr is not None
+        threading.Thread(target=self._read, args=(self.process.stderr,), daemon=True).start()
+
+    def _read(self, stream: object) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise AssertionError(f"no line matching {pattern!r} within {timeout} s; saw:\n{''.join(self.seen)}")
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        try:
+            self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        time.sleep(0.2)
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return self.process.returncode, "".join(self.seen)
+
+
+def write_config(path: Path, **fields: object) -> Path:
+    path.write_text(yaml.safe_dump(fields))
+    return path
+
+
+def test_a_killed_client_stops_the_run_with_its_name_and_nothing_hangs(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "run.yaml",
+        problem={"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 1.0},
+        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
+        rounds=1_000_000,  # far longer than the test
+        transport={"round_timeout_s": 10, "join_timeout_s": 60},
+        output={"plot": False},
+    )
+    coordinator = Coordinator(config, tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = start_clients(address, ["0", "1", "2"])
+    try:
+        coordinator.wait_for(r"round\s+\d+/1000000", 60)  # the run is under way
+        killed_at = time.monotonic()
+        clients[1].send_signal(signal.SIGKILL)
+        code, log = coordinator.finish(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        codes = stop_processes(clients)
+    assert code == 1
+    assert re.search(r"run failed: client 1 \(.* at ipv4:127\.0\.0\.1:\d+\) disconnected during round \d+", log), log
+    assert elapsed < 10  # detected from the broken connection, before the round timeout
+    assert codes[0] == 0 and codes[2] == 0  # the others were told goodbye and exited cleanly
+    assert codes[1] == -signal.SIGKILL
+    summary = next((tmp_path / "runs").glob("*/summary.json")).read_text()
+    assert "disconnected during round" in summary  # the failure is recorded with the outputs
+
+
+def test_missing_clients_are_named_when_the_join_timeout_expires(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "run.yaml",
+        problem={"name": "paper_regression", "num_clients": 4, "dim": 4},
+        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
+        rounds=5,
+        transport={"join_timeout_s": 3},
+    )
+    coordinator = Coordinator(config, tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = start_clients(address, ["0", "2"])
+    try:
+        code, log = coordinator.finish(timeout=30)
+    finally:
+        codes = stop_processes(clients)
+    assert code == 1
+    assert "clients [1, 3] did not join within 3 s" in log
+    assert codes == [0, 0]
+
+
+def test_a_client_without_a_coordinator_gives_up_with_a_clear_error() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedsaddle",
+            "client",
+            "--coordinator",
+            "127.0.0.1:9",
+            "--clients",
+            "0",
+            "--connect-timeout",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "cannot reach the coordinator at 127.0.0.1:9 within 1 s" in done.stderr
