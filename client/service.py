@@ -120,8 +120,12 @@ class _Session:
         task = wire.decode_task(message, payload, int(self.run.dimension))
         answer: Answer = self.worker.execute(task, message.round_id)
         parts = wire.encode_answer(self.session_id, message.run_id, message.round_id, answer, self.chunk_bytes)
+        metadata = self.options.metadata or None
         try:
-            await self.stub.Submit(iter(parts), metadata=self.options.metadata or None)
+            if len(parts) == 1:
+                await self.stub.SubmitOne(parts[0].answer, metadata=metadata)
+            else:
+                await self.stub.Submit(iter(parts), metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             # The coordinator refused this answer (e.g. the round timed out meanwhile);
             # it decides what happens next, so say so and keep the session.

@@ -170,8 +170,29 @@ class Federation(pb_grpc.CoordinatorServicer):
         request_iterator: AsyncIterator[pb.AnswerPart],
         context: grpc.aio.ServicerContext[pb.AnswerPart, pb.SubmitReceipt],
     ) -> pb.SubmitReceipt:
+        iterator = request_iterator.__aiter__()
         try:
-            received = await self._receive(request_iterator)
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty submission")
+        if first.WhichOneof("body") != "answer":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a submission must start with an Answer")
+        return await self._accept(first.answer, first.ByteSize(), iterator, context)
+
+    async def SubmitOne(  # named as the RPC
+        self, request: pb.Answer, context: grpc.aio.ServicerContext[pb.Answer, pb.SubmitReceipt]
+    ) -> pb.SubmitReceipt:
+        return await self._accept(request, request.ByteSize(), None, context)
+
+    async def _accept(
+        self,
+        header: pb.Answer,
+        size: int,
+        chunks: AsyncIterator[pb.AnswerPart] | None,
+        context: grpc.aio.ServicerContext[Any, pb.SubmitReceipt],
+    ) -> pb.SubmitReceipt:
+        try:
+            received = await self._receive(header, size, chunks)
         except _Refused as refusal:
             log.warning("refused an answer from %s: %s", context.peer(), refusal.details)
             await context.abort(refusal.code, refusal.details)
@@ -185,15 +206,10 @@ class Federation(pb_grpc.CoordinatorServicer):
             pending.future.set_result(None)
         return pb.SubmitReceipt()
 
-    async def _receive(self, parts: AsyncIterator[pb.AnswerPart]) -> tuple[Session, PendingRound, Answer, int]:
-        iterator = parts.__aiter__()
-        try:
-            first = await iterator.__anext__()
-        except StopAsyncIteration:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty submission") from None
-        if first.WhichOneof("body") != "answer":
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a submission must start with an Answer")
-        header = first.answer
+    async def _receive(
+        self, header: pb.Answer, size: int, chunks: AsyncIterator[pb.AnswerPart] | None
+    ) -> tuple[Session, PendingRound, Answer, int]:
+        """Check an answer completely; _Refused with the status to return if it is bad."""
         session = self.sessions.get(header.session_id)
         if session is None or not session.alive:
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "unknown session id")
@@ -229,7 +245,6 @@ class Federation(pb_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"{session.describe()} is not part of round {pending.round_id}"
             )
         assert self.run is not None
-        size = first.ByteSize()
         expected = 0 if header.diverged else len(claimed) * self.run.dimension
         if header.payload_length != expected:
             raise _Refused(
@@ -239,9 +254,11 @@ class Federation(pb_grpc.CoordinatorServicer):
             )
         payload: bytes | bytearray = header.payload
         if not header.payload and expected:
+            if chunks is None:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a chunked answer must use Submit, not SubmitOne")
             assembler = wire.Assembler(8 * expected)
             try:
-                async for part in iterator:
+                async for part in chunks:
                     if part.WhichOneof("body") != "chunk":
                         raise wire.WireError("only chunks may follow the Answer")
                     assembler.add(part.chunk)
