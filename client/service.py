@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -29,32 +30,13 @@ class ClientOptions:
     indices: tuple[int, ...]
     name: str = ""
     connect_timeout_s: float = 60.0
-    credentials: grpc.ChannelCredentials | None = None
-    metadata: tuple[tuple[str, str], ...] = ()
+    credentials: grpc.ChannelCredentials | None = None  # TLS (and client certificate)
+    metadata: tuple[tuple[str, str], ...] = ()  # e.g. the bearer token
+    server_name: str | None = None  # expected name in the coordinator's certificate
 
 
 class ClientError(RuntimeError):
     """The session could not start or ended abnormally."""
-
-
-def parse_indices(text: str) -> tuple[int, ...]:
-    """'3', '0,2,5' or '0-4' (ranges inclusive) -> sorted unique indices."""
-    indices: set[int] = set()
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part:
-                low, high = (int(v) for v in part.split("-", 1))
-                if low > high:
-                    raise ValueError
-                indices.update(range(low, high + 1))
-            else:
-                indices.add(int(part))
-    except ValueError:
-        raise ValueError(f"client indices must look like '3', '0,2,5' or '0-4', got {text!r}") from None
-    if any(i < 0 for i in indices):
-        raise ValueError(f"client indices must be >= 0, got {text!r}")
-    return tuple(sorted(indices))
 
 
 class _Session:
@@ -149,6 +131,8 @@ async def run_client(options: ClientOptions) -> None:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
+    if options.server_name:
+        channel_options.append(("grpc.ssl_target_name_override", options.server_name))  # type: ignore[arg-type]
     if options.credentials is not None:
         channel = grpc.aio.secure_channel(options.coordinator, options.credentials, options=channel_options)
     else:
@@ -180,4 +164,15 @@ async def run_client(options: ClientOptions) -> None:
 
 
 def serve(options: ClientOptions) -> None:
-    asyncio.run(run_client(options))
+    """Run the session; SIGTERM ends it cleanly (the channel closes, the coordinator is told)."""
+
+    async def session() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            await run_client(options)
+        except asyncio.CancelledError:
+            log.info("stopped by SIGTERM; session closed")
+
+    asyncio.run(session())

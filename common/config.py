@@ -139,11 +139,23 @@ ALGORITHM_NAMES = ("minibatch_md", "mirror_prox", "fedavg_s", "scaffold_s", "sca
 # -- transport and output --------------------------------------------------------------
 
 
+class TlsSpec(_Model):
+    """TLS for the coordinator; with client_ca, mutual TLS (clients must show a certificate)."""
+
+    cert: str = Field(description="the coordinator's certificate chain (PEM file)")
+    key: str = Field(description="its private key (PEM file)")
+    client_ca: str | None = Field(None, description="CA that signs client certificates; set it to require them")
+
+
 class TransportSpec(_Model):
     listen: str = Field("127.0.0.1:50051", description="HOST:PORT the coordinator listens on")
     join_timeout_s: float = Field(120.0, gt=0, description="wait this long for all clients to join")
     round_timeout_s: float = Field(60.0, gt=0, description="fail a round whose answers take longer")
     chunk_bytes: int = Field(4 << 20, ge=1 << 10, le=64 << 20, description="largest payload piece per message")
+    tls: TlsSpec | None = Field(None, description="serve TLS (and mutual TLS) instead of plaintext")
+    credentials: str | None = Field(
+        None, description="file of client identities and the indices each may speak for (see server/auth.py)"
+    )
 
 
 class OutputSpec(_Model):
@@ -175,6 +187,26 @@ class RunConfig(_Model):
         if repeated:
             raise ValueError(f"algorithm names repeat: {repeated}; give each a distinct `label`")
         return self
+
+
+def parse_indices(text: str) -> tuple[int, ...]:
+    """'3', '0,2,5' or '0-4' (ranges inclusive) -> sorted unique indices."""
+    indices: set[int] = set()
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                low, high = (int(v) for v in part.split("-", 1))
+                if low > high:
+                    raise ValueError
+                indices.update(range(low, high + 1))
+            else:
+                indices.add(int(part))
+    except ValueError:
+        raise ValueError(f"client indices must look like '3', '0,2,5' or '0-4', got {text!r}") from None
+    if any(i < 0 for i in indices):
+        raise ValueError(f"client indices must be >= 0, got {text!r}")
+    return tuple(sorted(indices))
 
 
 def _describe(error: Any) -> str:

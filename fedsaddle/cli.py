@@ -10,13 +10,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from fedsaddle.common.config import ConfigError, RunConfig, load_config, parse_config
+from fedsaddle.common.config import ConfigError, RunConfig, load_config, parse_config, parse_indices
 
 log = logging.getLogger("fedsaddle")
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class Stopped(Exception):
+    """SIGTERM: finish cleanly (outputs written, clients told goodbye)."""
+
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "name": "paper-s10",
@@ -60,16 +66,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return _run_and_report(config, LocalPool(), {"kind": "in-process"})
 
 
-def cmd_coordinator(args: argparse.Namespace) -> int:
+def _grpc_pool(config: RunConfig, listen: str) -> Any:
+    from fedsaddle.server.auth import Authenticator, server_credentials
     from fedsaddle.server.grpc_pool import GrpcPool
 
-    config = _config(args)
-    pool = GrpcPool(
+    transport = config.transport
+    return GrpcPool(
         config.problem.num_clients,
-        config.transport.listen,
-        chunk_bytes=config.transport.chunk_bytes,
-        round_timeout_s=config.transport.round_timeout_s,
+        listen,
+        chunk_bytes=transport.chunk_bytes,
+        round_timeout_s=transport.round_timeout_s,
+        server_credentials=server_credentials(transport.tls) if transport.tls else None,
+        authenticator=Authenticator.from_file(transport.credentials) if transport.credentials else None,
     )
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    config = _config(args)
+    pool = _grpc_pool(config, config.transport.listen)
     try:
         _install_sigterm()
         print(
@@ -84,11 +98,19 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from fedsaddle.client.service import ClientError, ClientOptions, parse_indices, serve
+    from fedsaddle.client.service import ClientError, ClientOptions, serve
 
     indices = parse_indices(args.clients)
-    options = ClientOptions(args.coordinator, indices, name=args.name or "", connect_timeout_s=args.connect_timeout)
-    _install_sigterm()
+    token = _read_token(args.token_file)
+    options = ClientOptions(
+        args.coordinator,
+        indices,
+        name=args.name or "",
+        connect_timeout_s=args.connect_timeout,
+        credentials=_channel_credentials(args),
+        metadata=(("authorization", f"Bearer {token}"),) if token else (),
+        server_name=args.server_name,
+    )
     try:
         serve(options)
     except ClientError as exc:
@@ -99,14 +121,12 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 def cmd_local(args: argparse.Namespace) -> int:
     """A coordinator in this process and client processes on loopback."""
-    from fedsaddle.server.grpc_pool import GrpcPool
-
     config = _config(args)
+    if config.transport.tls or config.transport.credentials:
+        raise ValueError("`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens")
     n = config.problem.num_clients
     per_process = max(1, args.clients_per_process)
-    pool = GrpcPool(
-        n, "127.0.0.1:0", chunk_bytes=config.transport.chunk_bytes, round_timeout_s=config.transport.round_timeout_s
-    )
+    pool = _grpc_pool(config, "127.0.0.1:0")
     children: dict[subprocess.Popen[bytes], str] = {}
     try:
         _install_sigterm()
@@ -159,6 +179,45 @@ def _wait_for_children_to_join(pool: Any, children: dict[subprocess.Popen[bytes]
                 raise
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """Ask a coordinator's standard health service; exit 0 when it is serving."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    credentials = _channel_credentials(args)
+    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
+    if credentials is not None:
+        channel = grpc.secure_channel(args.address, credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return EXIT_RUN_FAILED
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return EXIT_OK if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_RUN_FAILED
+
+
+def cmd_new_token(args: argparse.Namespace) -> int:
+    """Print a fresh token for a client identity, and the line for the credentials file."""
+    import secrets
+
+    from fedsaddle.server.auth import token_hash
+
+    indices = parse_indices(args.clients)
+    token = secrets.token_urlsafe(32)
+    print(f"# give this token to {args.name} (e.g. in a file for --token-file):\n{token}\n")
+    print("# and add this to the coordinator's credentials file, under `identities:`")
+    spec = ",".join(str(i) for i in indices)
+    print(f"  {args.name}:\n    indices: [{spec}]\n    token_sha256: {token_hash(token)}")
+    return EXIT_OK
+
+
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
@@ -185,12 +244,17 @@ def _run_and_report(config: RunConfig, pool: Any, transport: dict[str, Any]) -> 
             progress.finish(spec.display_name)
     except PoolError as exc:
         failure = str(exc)
+    except Stopped:
+        failure = "stopped by SIGTERM"
     except KeyboardInterrupt:
         failure = "interrupted"
     write_outputs(run_dir, config, results, {**transport, "failure": failure})
     if results:
         print(table(results))
     print(f"run directory: {run_dir}")
+    if failure == "stopped by SIGTERM":
+        log.info("stopped by SIGTERM; outputs written, clients told goodbye")
+        return EXIT_OK
     if failure is not None:
         log.error("run failed: %s", failure)
         return EXIT_RUN_FAILED
@@ -199,9 +263,49 @@ def _run_and_report(config: RunConfig, pool: Any, transport: dict[str, Any]) -> 
 
 def _install_sigterm() -> None:
     def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        raise Stopped
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def _read_token(path: str | None) -> str:
+    if path:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
+    return os.environ.get("FEDSADDLE_TOKEN", "").strip()
+
+
+def _channel_credentials(args: argparse.Namespace) -> Any:
+    """TLS credentials from --ca (and --cert/--key for mutual TLS), or None for plaintext."""
+    import grpc
+
+    if not args.ca:
+        if args.cert or args.key:
+            raise ValueError("--cert and --key need --ca (they are for mutual TLS)")
+        return None
+    if bool(args.cert) != bool(args.key):
+        raise ValueError("--cert and --key go together")
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(args.ca), private_key=read(args.key), certificate_chain=read(args.cert)
+    )
+
+
+def _add_tls_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ca", help="CA certificate (PEM) that signed the coordinator's; turns TLS on")
+    p.add_argument("--cert", help="this client's certificate (PEM), for mutual TLS")
+    p.add_argument("--key", help="this client's private key (PEM), for mutual TLS")
+    p.add_argument("--server-name", help="name to expect in the coordinator's certificate (default: the host)")
 
 
 def _reap(children: Sequence[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
@@ -243,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", required=True, help="client indices this process hosts: 3, 0,2,5 or 0-4")
     p.add_argument("--name", help="name shown in the coordinator's logs (default host:pid)")
     p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator")
+    p.add_argument("--token-file", help="file holding this client's token (default: $FEDSADDLE_TOKEN, if set)")
+    _add_tls_options(p)
     p.set_defaults(func=cmd_client)
 
     p = commands.add_parser("local", help="coordinator plus client processes on 127.0.0.1 (default: built-in config)")
@@ -250,6 +356,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients-per-process", type=int, default=1, help="clients hosted by each process")
     p.add_argument("--quiet-clients", action="store_true", help="clients log warnings and errors only")
     p.set_defaults(func=cmd_local)
+
+    p = commands.add_parser("health", help="check a coordinator's gRPC health service (exit 0 if serving)")
+    p.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT of the coordinator")
+    p.add_argument("--service", default="", help="service name to ask about ('' = the whole server)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    _add_tls_options(p)
+    p.set_defaults(func=cmd_health)
+
+    p = commands.add_parser("new-token", help="make a token for a client identity")
+    p.add_argument("--name", required=True, help="the identity's name (e.g. site-a)")
+    p.add_argument("--clients", required=True, help="indices it may speak for: 3, 0,2,5 or 0-4")
+    p.set_defaults(func=cmd_new_token)
 
     p = commands.add_parser("show-config", help="print a config with every default filled in")
     p.add_argument("--config", help="config file (default: the built-in one)")
@@ -267,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"fedsaddle: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Stopped:
+        print("fedsaddle: stopped by SIGTERM", file=sys.stderr)
+        return EXIT_OK
     except KeyboardInterrupt:
         print("fedsaddle: interrupted", file=sys.stderr)
         return 130

@@ -21,11 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import _async as health_aio  # public as grpc_health.v1.health.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedsaddle.common import wire
 from fedsaddle.common.tasks import Answer, GradientTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
+from fedsaddle.server.auth import Authenticator, Identity, Refusal
 from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo
 
 log = logging.getLogger("fedsaddle.coordinator")
@@ -47,13 +50,15 @@ class Session:
     indices: tuple[int, ...]
     peer: str
     name: str
+    identity: Identity | None = None
     outbox: asyncio.Queue[pb.Instruction | None] = field(default_factory=asyncio.Queue)
     alive: bool = True
     closing: bool = False
 
     def describe(self) -> str:
         who = f"client {self.indices[0]}" if len(self.indices) == 1 else f"clients {list(self.indices)}"
-        return f"{who} ({self.name or 'unnamed'} at {self.peer})"
+        as_identity = f" as {self.identity.name!r}" if self.identity else ""
+        return f"{who} ({self.name or 'unnamed'} at {self.peer}{as_identity})"
 
 
 @dataclass(eq=False)
@@ -70,8 +75,9 @@ class PendingRound:
 class Federation(pb_grpc.CoordinatorServicer):
     """The coordinator's side of every session. Lives on the server's event loop."""
 
-    def __init__(self, num_clients: int, chunk_bytes: int) -> None:
+    def __init__(self, num_clients: int, chunk_bytes: int, authenticator: Authenticator | None = None) -> None:
         self.num_clients = num_clients
+        self.authenticator = authenticator
         self.chunk_bytes = chunk_bytes
         self.federation_id = secrets.token_hex(8)
         self.sessions: dict[str, Session] = {}
@@ -93,12 +99,20 @@ class Federation(pb_grpc.CoordinatorServicer):
     ) -> AsyncIterator[pb.Instruction]:
         peer = context.peer()
         indices = tuple(int(i) for i in request.client_indices)
+        identity: Identity | None = None
+        try:
+            identity = self._authenticate(context)
+            if identity is not None:
+                Authenticator.check_indices(identity, indices)
+        except Refusal as refusal:
+            log.warning("refused join from %s (%s): %s", peer, request.client_name or "unnamed", refusal.details)
+            await context.abort(refusal.code, refusal.details)
         problem = self._join_problem(request, indices)
         if problem is not None:
             code, details = problem
             log.warning("refused join from %s (%s): %s", peer, request.client_name or "unnamed", details)
             await context.abort(code, details)
-        session = Session(secrets.token_hex(16), tuple(sorted(indices)), peer, request.client_name)
+        session = Session(secrets.token_hex(16), tuple(sorted(indices)), peer, request.client_name, identity)
         self.sessions[session.id] = session
         for i in session.indices:
             self.owner[i] = session
@@ -118,6 +132,12 @@ class Federation(pb_grpc.CoordinatorServicer):
                 yield item
         finally:
             self._drop(session, "ended its session" if session.closing else "disconnected")
+
+    def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Identity | None:
+        if self.authenticator is None:
+            return None
+        common_names = context.auth_context().get("x509_common_name", [])
+        return self.authenticator.identify(context.invocation_metadata() or (), common_names)
 
     def _join_problem(self, request: pb.JoinRequest, indices: tuple[int, ...]) -> tuple[grpc.StatusCode, str] | None:
         if request.protocol_version != pb.PROTOCOL_VERSION_1:
@@ -148,7 +168,7 @@ class Federation(pb_grpc.CoordinatorServicer):
             if self.owner.get(i) is session:
                 del self.owner[i]
         if session.closing:
-            log.info("%s %s", session.describe(), reason)
+            log.debug("%s %s", session.describe(), reason)
             return
         self.all_joined.clear()
         log.error("%s %s", session.describe(), reason)
@@ -192,8 +212,9 @@ class Federation(pb_grpc.CoordinatorServicer):
         context: grpc.aio.ServicerContext[Any, pb.SubmitReceipt],
     ) -> pb.SubmitReceipt:
         try:
-            received = await self._receive(header, size, chunks)
-        except _Refused as refusal:
+            identity = self._authenticate(context)
+            received = await self._receive(header, size, chunks, identity)
+        except (_Refused, Refusal) as refusal:
             log.warning("refused an answer from %s: %s", context.peer(), refusal.details)
             await context.abort(refusal.code, refusal.details)
         session, pending, answer, size = received
@@ -207,12 +228,14 @@ class Federation(pb_grpc.CoordinatorServicer):
         return pb.SubmitReceipt()
 
     async def _receive(
-        self, header: pb.Answer, size: int, chunks: AsyncIterator[pb.AnswerPart] | None
+        self, header: pb.Answer, size: int, chunks: AsyncIterator[pb.AnswerPart] | None, identity: Identity | None
     ) -> tuple[Session, PendingRound, Answer, int]:
         """Check an answer completely; _Refused with the status to return if it is bad."""
         session = self.sessions.get(header.session_id)
         if session is None or not session.alive:
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "unknown session id")
+        if session.identity is not None and identity != session.identity:
+            raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "the session belongs to another identity")
         claimed = tuple(int(i) for i in header.client_indices)
         foreign = sorted(set(claimed) - set(session.indices))
         if foreign:
@@ -357,7 +380,7 @@ class GrpcPool(ClientPool):
         chunk_bytes: int = 4 << 20,
         round_timeout_s: float = 60.0,
         server_credentials: grpc.ServerCredentials | None = None,
-        interceptors: Sequence[Any] = (),
+        authenticator: Authenticator | None = None,
     ) -> None:
         super().__init__()
         self.chunk_bytes = chunk_bytes
@@ -366,9 +389,10 @@ class GrpcPool(ClientPool):
         self._thread = threading.Thread(target=self._loop.run_forever, name="fedsaddle-grpc", daemon=True)
         self._thread.start()
         self._server: grpc.aio.Server | None = None
-        self.federation: Federation = self._call(self._make_federation(num_clients))
+        self.federation: Federation = self._call(self._make_federation(num_clients, authenticator))
+        self._health: health_aio.HealthServicer | None = None
         try:
-            self.port = self._call(self._start_server(listen, server_credentials, interceptors))
+            self.port = self._call(self._start_server(listen, server_credentials))
         except BaseException:
             self._stop_loop()
             raise
@@ -381,12 +405,10 @@ class GrpcPool(ClientPool):
     def _call(self, coroutine: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
-    async def _make_federation(self, num_clients: int) -> Federation:
-        return Federation(num_clients, self.chunk_bytes)
+    async def _make_federation(self, num_clients: int, authenticator: Authenticator | None) -> Federation:
+        return Federation(num_clients, self.chunk_bytes, authenticator)
 
-    async def _start_server(
-        self, listen: str, credentials: grpc.ServerCredentials | None, interceptors: Sequence[Any]
-    ) -> int:
+    async def _start_server(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
         options = [
             *wire.grpc_options(self.chunk_bytes),
             # Notice dead peers on quiet links, and let clients ping while idle.
@@ -395,8 +417,11 @@ class GrpcPool(ClientPool):
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
-        server = grpc.aio.server(options=options, interceptors=list(interceptors))
+        server = grpc.aio.server(options=options)
         pb_grpc.add_CoordinatorServicer_to_server(self.federation, server)  # type: ignore[no-untyped-call]
+        # The standard health service (grpc.health.v1), for orchestrators and `fedsaddle health`.
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
             port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
         except RuntimeError as exc:
@@ -404,6 +429,8 @@ class GrpcPool(ClientPool):
         if port == 0:
             raise PoolError(f"cannot listen on {listen}")
         await server.start()
+        for service in ("", "fedsaddle.v1.Coordinator"):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         return port
 
@@ -444,6 +471,8 @@ class GrpcPool(ClientPool):
             return
         self._closed = True
         with contextlib.suppress(Exception):
+            if self._health is not None:
+                self._call(self._health.enter_graceful_shutdown(), timeout=5)
             self._call(self.federation.goodbye(reason), timeout=5)
         if self._server is not None:
             with contextlib.suppress(Exception):
