@@ -241,13 +241,17 @@ def _describe(error: Any) -> str:
     return f"{where}: {message}"
 
 
+def describe_errors(exc: ValidationError) -> str:
+    """One line per bad field: `where: what (got value)`."""
+    return "\n".join(f"  {_describe(e)}" for e in exc.errors())
+
+
 def parse_config(data: Any, source: str = "config") -> RunConfig:
     """Validate a config mapping; raise ConfigError naming each bad field."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        lines = "\n".join(f"  {_describe(e)}" for e in exc.errors())
-        raise ConfigError(f"invalid {source}:\n{lines}") from None
+        raise ConfigError(f"invalid {source}:\n{describe_errors(exc)}") from None
 
 
 def load_config(path: str | Path) -> RunConfig:

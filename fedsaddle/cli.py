@@ -230,7 +230,7 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 
 
 def _run_and_report(config: RunConfig, pool: Any, transport: dict[str, Any]) -> int:
-    from fedsaddle.server.coordinator import Progress, run_algorithm
+    from fedsaddle.server.coordinator import Progress, RunStopped, run_algorithm
     from fedsaddle.server.pool import PoolError
     from fedsaddle.server.report import make_run_dir, table, write_outputs
 
@@ -238,20 +238,27 @@ def _run_and_report(config: RunConfig, pool: Any, transport: dict[str, Any]) -> 
     results = []
     run_dir = make_run_dir(config)
     failure: str | None = None
+    unexpected: BaseException | None = None
     try:
         for spec in config.algorithms:
             results.append(run_algorithm(spec, config, pool, progress=progress))
             progress.finish(spec.display_name)
-    except PoolError as exc:
-        failure = str(exc)
-    except Stopped:
-        failure = "stopped by SIGTERM"
-    except KeyboardInterrupt:
-        failure = "interrupted"
+    except RunStopped as stop:
+        results.append(stop.result)
+        if isinstance(stop.cause, Stopped):
+            failure = "stopped by SIGTERM"
+        elif isinstance(stop.cause, KeyboardInterrupt):
+            failure = "interrupted"
+        else:
+            failure = str(stop.cause)
+            if not isinstance(stop.cause, PoolError):
+                unexpected = stop.cause
     write_outputs(run_dir, config, results, {**transport, "failure": failure})
     if results:
         print(table(results))
     print(f"run directory: {run_dir}")
+    if unexpected is not None:
+        raise unexpected  # outputs so far are written; main() reports it
     if failure == "stopped by SIGTERM":
         log.info("stopped by SIGTERM; outputs written, clients told goodbye")
         return EXIT_OK

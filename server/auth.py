@@ -28,7 +28,7 @@ import grpc
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedsaddle.common.config import ConfigError, TlsSpec, parse_indices
+from fedsaddle.common.config import ConfigError, TlsSpec, describe_errors, parse_indices
 
 
 def token_hash(token: str) -> str:
@@ -80,8 +80,10 @@ class Authenticator:
             return cls(CredentialsFile.model_validate(data).identities)
         except OSError as exc:
             raise ConfigError(f"cannot read credentials {path}: {exc.strerror}") from None
-        except (yaml.YAMLError, ValidationError) as exc:
-            raise ConfigError(f"invalid credentials file {path}: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"credentials file {path} is not valid YAML: {exc}") from None
+        except ValidationError as exc:
+            raise ConfigError(f"invalid credentials file {path}:\n{describe_errors(exc)}") from None
 
     def identify(self, metadata: Iterable[tuple[str, str | bytes]], peer_common_names: Iterable[bytes]) -> Identity:
         """The identity a call proves; Refusal(UNAUTHENTICATED) if it proves none."""

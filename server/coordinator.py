@@ -59,6 +59,18 @@ class AlgorithmResult:
 ProgressHook = Callable[[str, int, int, float], None]
 
 
+class RunStopped(Exception):
+    """A run ended early by something other than divergence (a lost client, a signal).
+
+    Carries the partial result, so the metrics so far are never lost, and the cause.
+    """
+
+    def __init__(self, result: AlgorithmResult, cause: BaseException) -> None:
+        super().__init__(str(cause) or type(cause).__name__)
+        self.result = result
+        self.cause = cause
+
+
 def initial_point(config: RunConfig) -> Array:
     dim = 2 * config.problem.dim
     if config.init == "ones":
@@ -102,6 +114,7 @@ def run_algorithm(
 
     start = time.perf_counter()
     status, detail = "ok", ""
+    stopped_by: BaseException | None = None
     state: Any = None
     z = initial_point(config)
     try:
@@ -129,10 +142,12 @@ def run_algorithm(
                     progress(name, spent, config.rounds, records[-1].get("dist_z", float("nan")))
     except Diverged as exc:
         status, detail = "diverged", str(exc)
+    except (Exception, KeyboardInterrupt) as exc:  # re-raised below, with the partial result
+        status, detail, stopped_by = "stopped", str(exc) or type(exc).__name__, exc
     wall = time.perf_counter() - start
-    last = records[-1] if records and status == "ok" else {}
+    last = records[-1] if records and status != "diverged" else {}
     extra = {k: getattr(state, k) for k in ("meta_iterations", "syncs", "steps") if hasattr(state, k)}
-    return AlgorithmResult(
+    result = AlgorithmResult(
         name=name,
         spec=spec.model_dump(mode="json"),
         status=status,
@@ -145,6 +160,9 @@ def run_algorithm(
         detail=detail,
         extra=extra,
     )
+    if stopped_by is not None:
+        raise RunStopped(result, stopped_by) from stopped_by
+    return result
 
 
 def run_all(config: RunConfig, pool: ClientPool, progress: ProgressHook | None = None) -> list[AlgorithmResult]:

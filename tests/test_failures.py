@@ -89,8 +89,11 @@ def test_a_killed_client_stops_the_run_with_its_name_and_nothing_hangs(tmp_path:
     assert elapsed < 10  # detected from the broken connection, before the round timeout
     assert codes[0] == 0 and codes[2] == 0  # the others were told goodbye and exited cleanly
     assert codes[1] == -signal.SIGKILL
-    summary = next((tmp_path / "runs").glob("*/summary.json")).read_text()
-    assert "disconnected during round" in summary  # the failure is recorded with the outputs
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    summary = yaml.safe_load((run_dir / "summary.json").read_text())
+    assert "disconnected during round" in summary["transport"]["failure"]  # recorded with the outputs
+    assert summary["algorithms"][0]["status"] == "stopped"
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) > 1  # the rounds so far are kept
 
 
 def test_missing_clients_are_named_when_the_join_timeout_expires(tmp_path: Path) -> None:
@@ -133,3 +136,51 @@ def test_a_client_without_a_coordinator_gives_up_with_a_clear_error() -> None:
     )
     assert done.returncode == 1
     assert "cannot reach the coordinator at 127.0.0.1:9 within 1 s" in done.stderr
+
+
+def test_sigterm_stops_every_process_cleanly_with_outputs_written(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "run.yaml",
+        problem={"name": "paper_regression", "num_clients": 2, "dim": 10, "s": 1.0},
+        algorithms=[{"name": "fedavg_s", "gamma_local": 0.01}],
+        rounds=1_000_000,
+        output={"plot": False},
+    )
+    coordinator = Coordinator(config, tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = start_clients(address, ["0", "1"])
+    try:
+        coordinator.wait_for(r"round\s+\d+/1000000", 60)
+        coordinator.process.send_signal(signal.SIGTERM)
+        code, log = coordinator.finish(timeout=30)
+    finally:
+        codes = stop_processes(clients)
+    assert code == 0, log
+    assert "stopped by SIGTERM; outputs written, clients told goodbye" in log
+    assert codes == [0, 0]
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    summary = yaml.safe_load((run_dir / "summary.json").read_text())
+    assert summary["transport"]["failure"] == "stopped by SIGTERM"
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) > 1
+
+
+def test_a_client_stopped_by_sigterm_exits_cleanly_and_is_named(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "run.yaml",
+        problem={"name": "paper_regression", "num_clients": 2, "dim": 10, "s": 1.0},
+        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
+        rounds=1_000_000,
+        output={"plot": False},
+    )
+    coordinator = Coordinator(config, tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = start_clients(address, ["0", "1"])
+    try:
+        coordinator.wait_for(r"round\s+\d+/1000000", 60)
+        clients[0].send_signal(signal.SIGTERM)
+        code, log = coordinator.finish(timeout=30)
+    finally:
+        codes = stop_processes(clients)
+    assert code == 1
+    assert re.search(r"run failed: client 0 \(.*\) disconnected during round \d+", log), log
+    assert codes == [0, 0]
