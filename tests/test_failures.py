@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -18,9 +19,9 @@ from conftest import CLIENT_ENV, start_clients, stop_processes
 class Coordinator:
     """`fedsaddle coordinator` as a subprocess, its stderr read line by line."""
 
-    def __init__(self, config_path: Path, out: Path) -> None:
-        command = [sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(config_path)]
-        command += ["--listen", "127.0.0.1:0", "--out", str(out)]
+    def __init__(self, config_path: Path, out: Path, listen: str = "127.0.0.1:0", prefix: Sequence[str] = ()) -> None:
+        command = [*prefix, sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(config_path)]
+        command += ["--listen", listen, "--out", str(out)]
         self.process = subprocess.Popen(
             command, env=CLIENT_ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

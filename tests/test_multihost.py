@@ -1,0 +1,181 @@
+"""Separate hosts, for real: network namespaces joined by veth links on a private subnet.
+
+The coordinator runs in one namespace and client processes in three others, each
+reaching the coordinator by its address on the bridge. Needs root (skipped
+otherwise); every namespace and link the test makes is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CLIENT_ENV, config, stop_processes
+from test_failures import Coordinator, write_config
+
+from fedsaddle.server.coordinator import run_algorithm
+from fedsaddle.server.local_pool import LocalPool
+
+pytestmark = [
+    pytest.mark.multihost,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None,
+        reason="needs root and iproute2 to create network namespaces",
+    ),
+]
+
+SUBNET = "10.77.0"  # inside our own namespaces only
+COORDINATOR = f"{SUBNET}.1"
+PORT = 50051
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+class Network:
+    """A bridge in a hub namespace, and one namespace per host plugged into it."""
+
+    def __init__(self, hosts: list[str]) -> None:
+        self.tag = f"fs{os.getpid() % 100000}"
+        self.hub = f"{self.tag}-hub"
+        self.hosts = hosts
+        self.made: list[str] = []
+
+    def namespace(self, host: str) -> str:
+        return f"{self.tag}-{host}"
+
+    def link(self, index: int) -> str:
+        return f"{self.tag}h{index}"  # <= 15 characters
+
+    def __enter__(self) -> Network:
+        try:
+            ip("netns", "add", self.hub)
+            self.made.append(self.hub)
+            ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            ip("-n", self.hub, "link", "set", "br0", "up")
+            for index, host in enumerate(self.hosts):
+                ns, link = self.namespace(host), self.link(index)
+                ip("netns", "add", ns)
+                self.made.append(ns)
+                ip("link", "add", f"{link}a", "type", "veth", "peer", "name", f"{link}b")
+                ip("link", "set", f"{link}a", "netns", ns)
+                ip("link", "set", f"{link}b", "netns", self.hub)
+                ip("-n", ns, "addr", "add", f"{SUBNET}.{index + 1}/24", "dev", f"{link}a")
+                ip("-n", ns, "link", "set", f"{link}a", "up")
+                ip("-n", ns, "link", "set", "lo", "up")
+                ip("-n", self.hub, "link", "set", f"{link}b", "master", "br0")
+                ip("-n", self.hub, "link", "set", f"{link}b", "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Deleting a namespace deletes the veth ends inside it; a veth pair dies with either end.
+        for ns in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.made.clear()
+
+    def run_in(self, host: str) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace(host)]
+
+    def cut(self, index: int) -> None:
+        """Unplug host `index` from the bridge: its packets are dropped, no connection reset."""
+        ip("-n", self.hub, "link", "set", f"{self.link(index)}b", "down")
+
+
+HOSTS = ["coordinator", "site-a", "site-b", "site-c"]
+CLIENTS = {"site-a": "0-1", "site-b": "2", "site-c": "3"}
+
+
+@pytest.fixture
+def network() -> Iterator[Network]:
+    with Network(HOSTS) as net:
+        yield net
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert net.tag not in leftovers
+
+
+def start_host_clients(net: Network) -> list[subprocess.Popen[bytes]]:
+    processes = []
+    for host, indices in CLIENTS.items():
+        command = [*net.run_in(host), sys.executable, "-m", "fedsaddle", "--quiet", "client"]
+        command += ["--coordinator", f"{COORDINATOR}:{PORT}", "--clients", indices, "--name", host]
+        processes.append(subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return processes
+
+
+PROBLEM = {"name": "paper_regression", "num_clients": 4, "dim": 10, "s": 5.0}
+
+
+def test_clients_on_three_hosts_match_the_loopback_run(network: Network, tmp_path: Path) -> None:
+    algorithms = [
+        {"name": "fedavg_s", "gamma_local": 0.02},
+        {"name": "scaffold_s", "gamma_local": 0.02},
+        {"name": "scaffold_catalyst_s", "gamma_local": 0.02},
+    ]
+    path = write_config(
+        tmp_path / "run.yaml", problem=PROBLEM, algorithms=algorithms, rounds=41, output={"plot": False}
+    )
+    coordinator = Coordinator(path, tmp_path / "runs", f"{COORDINATOR}:{PORT}", network.run_in("coordinator"))
+    coordinator.wait_for(r"listening on", 30)
+    clients = start_host_clients(network)
+    try:
+        code, log = coordinator.finish(timeout=120)
+    finally:
+        codes = stop_processes(clients)
+    assert code == 0, log
+    assert codes == [0, 0, 0]
+    for host in CLIENTS:  # each client came from its own host's address
+        assert re.search(rf"\({host} at ipv4:{SUBNET}\.\d+:\d+\) joined", log), log
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    summary = yaml.safe_load((run_dir / "summary.json").read_text())
+    run = config(problem=PROBLEM, algorithms=algorithms, rounds=41)
+    for spec, remote in zip(run.algorithms, summary["algorithms"], strict=True):
+        local = run_algorithm(spec, run, LocalPool())
+        assert remote["z_sha256"] == local.z_sha256
+        for key in ("rounds", "messages_down", "messages_up", "floats_down", "floats_up"):
+            assert remote["traffic"]["algorithm"][key] == local.traffic["algorithm"][key]
+
+
+def test_a_cut_link_fails_the_run_naming_the_client_and_nothing_stays_running(network: Network, tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path / "run.yaml",
+        problem=PROBLEM,
+        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
+        rounds=1_000_000,
+        transport={"round_timeout_s": 5},
+        output={"plot": False},
+    )
+    coordinator = Coordinator(path, tmp_path / "runs", f"{COORDINATOR}:{PORT}", network.run_in("coordinator"))
+    coordinator.wait_for(r"listening on", 30)
+    clients = start_host_clients(network)
+    try:
+        coordinator.wait_for(r"round\s+\d+/1000000", 60)
+        network.cut(HOSTS.index("site-b"))
+        cut_at = time.monotonic()
+        code, log = coordinator.finish(timeout=60)
+        detected = time.monotonic() - cut_at
+        # the cut client cannot hear the goodbye: it must give up by itself (keepalive)
+        deadline = time.monotonic() + 60
+        while clients[1].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        gave_up_by_itself = clients[1].poll() is not None
+    finally:
+        codes = stop_processes(clients)
+    assert code == 1
+    assert re.search(
+        r"run failed: round \d+: no answer within 5 s from client 2 \(site-b at ipv4:10\.77\.0\.3:\d+\)", log
+    ), log
+    assert detected < 5 + 10  # the round timeout, plus process exit
+    assert codes[0] == 0 and codes[2] == 0  # told goodbye
+    assert gave_up_by_itself and codes[1] == 1
