@@ -45,5 +45,9 @@ proto: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/round_latency.py
 
+# A development CA, a coordinator certificate and client certificates in certs/.
+certs:
+	bash scripts/dev-certs.sh certs site-a site-b
+
 clean:
 	rm -rf $(VENV) $(TYPECHECK) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
