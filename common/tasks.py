@@ -41,11 +41,11 @@ class LocalStepsTask:
 
     z_start: Array
     steps: int
-    gamma_local: float
+    gamma_local: float | Array  # an array: one per run of a batch (see server/sweep.py)
     step_offset: int = 0
     decay: Decay = "constant"
     control: Array | None = None
-    theta: float = 0.0
+    theta: float | Array = 0.0
 
     def payload(self) -> list[Array]:
         return [self.z_start] if self.control is None else [self.z_start, self.control]

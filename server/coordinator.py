@@ -16,6 +16,7 @@ from fedsaddle.common import seeding
 from fedsaddle.common.config import AlgorithmSpec, RunConfig
 from fedsaddle.common.problems import Array, solution
 from fedsaddle.server.algorithms import SyncSchedule, build
+from fedsaddle.server.algorithms.base import norm
 from fedsaddle.server.pool import ClientPool, Diverged, RunInfo
 
 
@@ -108,8 +109,8 @@ def run_algorithm(
         }
         if z_star is not None:
             with np.errstate(over="ignore", invalid="ignore"):
-                entry["dist_x"] = float(np.linalg.norm(z[:d] - z_star[:d]))
-                entry["dist_z"] = float(np.linalg.norm(z - z_star))
+                entry["dist_x"] = float(norm(z[:d] - z_star[:d])[0])
+                entry["dist_z"] = float(norm(z - z_star)[0])
         records.append(entry)
 
     start = time.perf_counter()
@@ -146,7 +147,11 @@ def run_algorithm(
         status, detail, stopped_by = "stopped", str(exc) or type(exc).__name__, exc
     wall = time.perf_counter() - start
     last = records[-1] if records and status != "diverged" else {}
-    extra = {k: getattr(state, k) for k in ("meta_iterations", "syncs", "steps") if hasattr(state, k)}
+    extra = {
+        k: np.asarray(getattr(state, k)).squeeze().tolist()
+        for k in ("meta_iterations", "syncs", "steps")
+        if hasattr(state, k)
+    }
     result = AlgorithmResult(
         name=name,
         spec=spec.model_dump(mode="json"),

@@ -111,10 +111,21 @@ class GradientAnswers:
     def mean(self) -> Array:
         return mean_over_clients(self.gradients)
 
+    def mean_objective(self) -> Array | None:
+        """(1/n) sum_i f_i(z) with a trailing axis of 1 (shape (1,), or (B, 1) for a batch of runs)."""
+        return None if self.objective is None else mean_over_clients(self.objective[..., None])
+
 
 def mean_over_clients(per_client: Array) -> Array:
-    """(1/n) sum_i v_i, summed in client-index order (rows are in index order)."""
-    result: Array = np.mean(per_client, axis=0)
+    """(1/n) sum_i v_i over axis -2 (the client axis), added one client at a time in index order.
+
+    The explicit loop fixes the order of additions, so the result is the same bits
+    whether or not a leading axis batches several runs together.
+    """
+    total = per_client[..., 0, :].copy()
+    for i in range(1, per_client.shape[-2]):
+        total += per_client[..., i, :]
+    result: Array = total / per_client.shape[-2]
     return result
 
 
@@ -154,11 +165,11 @@ class ClientPool(abc.ABC):
         z_start: Array,
         *,
         steps: int,
-        gamma_local: float,
+        gamma_local: float | Array,
         step_offset: int = 0,
         decay: Literal["constant", "inverse_sqrt"] = "constant",
         control: Array | None = None,
-        theta: float = 0.0,
+        theta: float | Array = 0.0,
     ) -> Array:
         """One round: every client runs local steps and answers its direction sum (n, D)."""
         task = LocalStepsTask(z_start, steps, gamma_local, step_offset, decay, control, theta)

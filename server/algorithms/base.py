@@ -80,6 +80,28 @@ class Algorithm(abc.ABC, Generic[State]):
         return StepCost(0, 0)
 
 
+# -- arithmetic that must not depend on batching ----------------------------------------
+
+
+def norm(v: Array) -> Array:
+    """Euclidean norm over the last axis, kept as a trailing axis of 1.
+
+    Used for every norm an algorithm or a metric takes, so that one run alone and
+    the same run inside a batch of runs compute it with the same additions.
+    """
+    result: Array = np.sqrt(np.sum(v * v, axis=-1, keepdims=True))
+    return result
+
+
+def positive(name: str, value: float | Array, allow_zero: bool = False) -> float | Array:
+    """Check a step size or weight (a number, or one per run of a batch)."""
+    values = np.asarray(value, dtype=float)
+    ok = values >= 0 if allow_zero else values > 0
+    if not (np.all(ok) and np.all(np.isfinite(values))):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return value
+
+
 # -- state files -----------------------------------------------------------------------
 
 

@@ -32,23 +32,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from fedsaddle.common.config import FixedInnerStop, GradientStop, ObjectiveStop
 from fedsaddle.common.problems import Array
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule
+from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, norm, positive
 from fedsaddle.server.algorithms.scaffold_s import check_steps, gather_gradient, scaffold_sync
 from fedsaddle.server.pool import ClientPool
 
 
 @dataclass(frozen=True)
 class CatalystState:
+    """Per-run scalars keep a trailing axis of 1 (shape (1,), or (B, 1) in a batch of runs)."""
+
     z_bar: Array  # the meta-iterate (anchor of the regularizer)
     z_tilde: Array  # inner SCAFFOLD-S's last synchronized iterate
     grad_tilde: Array  # G(z~), unregularized
-    anchor_grad_norm: float  # ||G(z_bar)|| = ||G^theta(z_bar)||
-    last_objective: float  # f^theta(z~) at the previous inner sync (objective rule)
-    meta_iterations: int  # completed meta-iterations t
-    inner_syncs: int  # syncs in the current meta-iteration
+    anchor_grad_norm: Array  # ||G(z_bar)|| = ||G^theta(z_bar)||
+    last_objective: Array  # f^theta(z~) at the previous inner sync (objective rule)
+    meta_iterations: NDArray[np.int64]  # completed meta-iterations t
+    inner_syncs: NDArray[np.int64]  # syncs in the current meta-iteration
     syncs: int  # syncs in total
 
 
@@ -57,32 +60,34 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
 
     def __init__(
         self,
-        gamma_local: float,
-        gamma_global: float | None = None,
-        theta: float = 1.0,
+        gamma_local: float | Array,
+        gamma_global: float | Array | None = None,
+        theta: float | Array = 1.0,
         stop: FixedInnerStop | ObjectiveStop | GradientStop | None = None,
     ) -> None:
         self.gamma_local, self.gamma_global = check_steps(gamma_local, gamma_global)
-        if not theta > 0:
-            raise ValueError(f"theta must be > 0, got {theta}")
-        self.theta = theta
+        self.theta = positive("theta", theta)
         self.stop = stop if stop is not None else GradientStop()
 
-    def _regularized_objective(self, f: float, z: Array, z_bar: Array) -> float:
-        half = z.size // 2
-        dx, dy = z[:half] - z_bar[:half], z[half:] - z_bar[half:]
-        return f + 0.5 * self.theta * (float(dx @ dx) - float(dy @ dy))
+    def _regularized_objective(self, f: Array, z: Array, z_bar: Array) -> Array:
+        half = z.shape[-1] // 2
+        dx, dy = z[..., :half] - z_bar[..., :half], z[..., half:] - z_bar[..., half:]
+        squares = np.sum(dx * dx, axis=-1, keepdims=True) - np.sum(dy * dy, axis=-1, keepdims=True)
+        result: Array = f + 0.5 * self.theta * squares
+        return result
 
     def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> CatalystState:
         grad, objective = gather_gradient(pool, z0, isinstance(self.stop, ObjectiveStop))
+        anchor_norm = norm(grad)
+        zeros = np.zeros_like(anchor_norm)
         return CatalystState(
-            z_bar=z0.copy(),
-            z_tilde=z0.copy(),
+            z_bar=np.array(z0, copy=True),
+            z_tilde=np.array(z0, copy=True),
             grad_tilde=grad,
-            anchor_grad_norm=float(np.linalg.norm(grad)),
-            last_objective=objective if objective is not None else 0.0,
-            meta_iterations=0,
-            inner_syncs=0,
+            anchor_grad_norm=anchor_norm,
+            last_objective=objective if objective is not None else zeros,
+            meta_iterations=zeros.astype(np.int64),
+            inner_syncs=zeros.astype(np.int64),
             syncs=0,
         )
 
@@ -99,42 +104,39 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
             want_objective=isinstance(self.stop, ObjectiveStop),
         )
         inner = state.inner_syncs + 1
-        objective = 0.0
+        objective = state.last_objective
         if result.objective is not None:
             objective = self._regularized_objective(result.objective, result.z_tilde, state.z_bar)
-        if self._inner_done(state, inner, result.z_tilde, result.grad_tilde, objective):
-            # z_bar^{t+1} <- z~; there the regularizer vanishes, so G^theta = G and f^theta = f.
-            return CatalystState(
-                z_bar=result.z_tilde,
-                z_tilde=result.z_tilde,
-                grad_tilde=result.grad_tilde,
-                anchor_grad_norm=float(np.linalg.norm(result.grad_tilde)),
-                last_objective=result.objective if result.objective is not None else 0.0,
-                meta_iterations=state.meta_iterations + 1,
-                inner_syncs=0,
-                syncs=state.syncs + 1,
-            )
+        done = self._inner_done(state, inner, result.z_tilde, result.grad_tilde, objective)
+        # Where a meta-iteration ends, z_bar^{t+1} <- z~; there the regularizer
+        # vanishes, so G^theta = G and f^theta = f. (A mask, not a branch: in a
+        # batch of runs each run ends its meta-iterations on its own schedule.)
+        anchor_objective = result.objective if result.objective is not None else objective
         return CatalystState(
-            z_bar=state.z_bar,
+            z_bar=np.where(done, result.z_tilde, state.z_bar),
             z_tilde=result.z_tilde,
             grad_tilde=result.grad_tilde,
-            anchor_grad_norm=state.anchor_grad_norm,
-            last_objective=objective,
-            meta_iterations=state.meta_iterations,
-            inner_syncs=inner,
+            anchor_grad_norm=np.where(done, norm(result.grad_tilde), state.anchor_grad_norm),
+            last_objective=np.where(done, anchor_objective, objective),
+            meta_iterations=state.meta_iterations + done,
+            inner_syncs=np.where(done, 0, inner),
             syncs=state.syncs + 1,
         )
 
-    def _inner_done(self, state: CatalystState, inner: int, z: Array, grad: Array, objective: float) -> bool:
+    def _inner_done(
+        self, state: CatalystState, inner: NDArray[np.int64], z: Array, grad: Array, objective: Array
+    ) -> NDArray[np.bool_]:
         stop = self.stop
         if isinstance(stop, FixedInnerStop):
             return inner >= stop.inner_syncs
-        if inner >= stop.max_inner_syncs:
-            return True
+        at_cap = inner >= stop.max_inner_syncs
         if isinstance(stop, ObjectiveStop):
-            return abs(objective - state.last_objective) <= stop.rtol * abs(state.last_objective)
+            change = np.abs(objective - state.last_objective)
+            done: NDArray[np.bool_] = at_cap | (change <= stop.rtol * np.abs(state.last_objective))
+            return done
         grad_theta = grad + self.theta * (z - state.z_bar)
-        return float(np.linalg.norm(grad_theta)) <= stop.rtol * state.anchor_grad_norm
+        done = at_cap | (norm(grad_theta) <= stop.rtol * state.anchor_grad_norm)
+        return done
 
     def iterate(self, state: CatalystState) -> Array:
         return state.z_tilde

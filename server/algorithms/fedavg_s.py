@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fedsaddle.common.problems import Array
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule
+from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, positive
 from fedsaddle.server.pool import ClientPool, mean_over_clients
 
 
@@ -32,16 +32,12 @@ class FedAvgS(Algorithm[FedAvgState]):
 
     def __init__(
         self,
-        gamma_local: float,
-        gamma_global: float | None = None,
+        gamma_local: float | Array,
+        gamma_global: float | Array | None = None,
         decay: Literal["constant", "inverse_sqrt"] = "constant",
     ) -> None:
-        if not gamma_local > 0:
-            raise ValueError(f"gamma_local must be > 0, got {gamma_local}")
-        self.gamma_local = gamma_local
-        self.gamma_global = gamma_local if gamma_global is None else gamma_global
-        if not self.gamma_global > 0:
-            raise ValueError(f"gamma_global must be > 0, got {gamma_global}")
+        self.gamma_local = positive("gamma_local", gamma_local)
+        self.gamma_global = positive("gamma_global", gamma_local if gamma_global is None else gamma_global)
         self.decay: Literal["constant", "inverse_sqrt"] = decay
 
     def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> FedAvgState:

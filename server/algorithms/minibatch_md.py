@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedsaddle.common.problems import Array
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule
+from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, positive
 from fedsaddle.server.pool import ClientPool
 
 
@@ -25,10 +25,8 @@ class MDState:
 class MinibatchMirrorDescent(Algorithm[MDState]):
     name = "minibatch_md"
 
-    def __init__(self, gamma: float) -> None:
-        if not gamma > 0:
-            raise ValueError(f"gamma must be > 0, got {gamma}")
-        self.gamma = gamma
+    def __init__(self, gamma: float | Array) -> None:
+        self.gamma = positive("gamma", gamma)
 
     def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> MDState:
         return MDState(z=z0.copy(), steps=0)

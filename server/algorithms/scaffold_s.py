@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from fedsaddle.common.problems import Array
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule
+from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, positive
 from fedsaddle.server.pool import ClientPool, mean_over_clients
 
 
@@ -40,24 +38,20 @@ class ScaffoldState:
 class SyncResult:
     z_tilde: Array
     grad_tilde: Array  # unregularized G(z~) at the new z~
-    objective: float | None  # f(z~) = (1/n) sum_i f_i(z~), when asked
+    objective: Array | None  # f(z~) = (1/n) sum_i f_i(z~) with a trailing axis of 1, when asked
 
 
-def check_steps(gamma_local: float, gamma_global: float | None) -> tuple[float, float]:
+def check_steps(gamma_local: float | Array, gamma_global: float | Array | None) -> tuple[float | Array, float | Array]:
     """Validate SCAFFOLD's step sizes; gamma_global defaults to gamma_local."""
-    if not gamma_local >= 0:
-        raise ValueError(f"gamma_local must be >= 0, got {gamma_local}")
+    positive("gamma_local", gamma_local, allow_zero=True)
     gamma_global = gamma_local if gamma_global is None else gamma_global
-    if not gamma_global > 0:
-        raise ValueError(f"gamma_global must be > 0, got {gamma_global}")
-    return gamma_local, gamma_global
+    return gamma_local, positive("gamma_global", gamma_global)
 
 
-def gather_gradient(pool: ClientPool, z: Array, want_objective: bool = False) -> tuple[Array, float | None]:
+def gather_gradient(pool: ClientPool, z: Array, want_objective: bool = False) -> tuple[Array, Array | None]:
     """One round: the exact G(z), and f(z) when asked."""
     answers = pool.gradients(z, exact=True, want_objective=want_objective)
-    objective = None if answers.objective is None else float(np.mean(answers.objective))
-    return answers.mean(), objective
+    return answers.mean(), answers.mean_objective()
 
 
 def scaffold_sync(
@@ -66,9 +60,9 @@ def scaffold_sync(
     grad_tilde: Array,
     *,
     tau: int,
-    gamma_local: float,
-    gamma_global: float,
-    theta: float = 0.0,
+    gamma_local: float | Array,
+    gamma_global: float | Array,
+    theta: float | Array = 0.0,
     anchor: Array | None = None,
     want_objective: bool = False,
 ) -> SyncResult:
@@ -83,7 +77,7 @@ def scaffold_sync(
 class ScaffoldS(Algorithm[ScaffoldState]):
     name = "scaffold_s"
 
-    def __init__(self, gamma_local: float, gamma_global: float | None = None) -> None:
+    def __init__(self, gamma_local: float | Array, gamma_global: float | Array | None = None) -> None:
         self.gamma_local, self.gamma_global = check_steps(gamma_local, gamma_global)
 
     def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> ScaffoldState:
