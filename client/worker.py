@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from fedsaddle.common import seeding
@@ -16,13 +18,22 @@ class Worker:
     so E||G^_i(z) - G_i(z)||^2 = sigma^2. Every oracle call draws fresh noise from
     the stream (seed, client index, round id): the two evaluations in SCAFFOLD's
     G^_i(z_i) - G^_i(z~) are independent estimates.
+
+    A worker may also hold a batch of B runs (stacked shards, one seed per run):
+    then task vectors are (B, dimension), per-run step sizes (B, 1), answers
+    (B, k, dimension), and non-finite values are left for the caller to flag per
+    run. The arithmetic per run is the same, element for element.
+
+    Inside, vectors are columns (dimension, k[, B]), as the shards want them;
+    answers are turned back to rows, one per client.
     """
 
-    def __init__(self, shards: Shards, seed: int, gradient_noise: float = 0.0) -> None:
+    def __init__(self, shards: Shards, seed: int | Sequence[int], gradient_noise: float = 0.0) -> None:
         if gradient_noise < 0:
             raise ValueError(f"gradient_noise must be >= 0, got {gradient_noise}")
         self.shards = shards
-        self.seed = seed
+        self.batched = not isinstance(seed, int)
+        self.seeds: tuple[int, ...] = tuple(seed) if not isinstance(seed, int) else (seed,)
         self.noise_scale = gradient_noise / np.sqrt(shards.dimension)
 
     @property
@@ -35,6 +46,11 @@ class Worker:
                 vectors, objective = self._gradient(task, round_id)
             else:
                 vectors, objective = self._local_steps(task, round_id), None
+        vectors = vectors.T  # columns (D, k[, B]) -> rows ([B,] k, D)
+        if objective is not None:
+            objective = objective.T
+        if self.batched:
+            return Answer(self.indices, vectors, objective)
         finite = bool(np.isfinite(vectors).all()) and (objective is None or bool(np.isfinite(objective).all()))
         if not finite:
             return Answer(self.indices, np.empty((len(self.indices), 0)), None, diverged=True)
@@ -42,45 +58,67 @@ class Worker:
 
     # -- oracles ---------------------------------------------------------------------
 
+    def _per_client(self, vector: Array) -> Array:
+        """([B,] D) -> (D, k[, B]): every hosted client starts from the same vector."""
+        columns = vector.T[:, None]
+        return np.broadcast_to(columns, (columns.shape[0], len(self.indices), *columns.shape[2:]))
+
+    @staticmethod
+    def _per_run(value: float | Array) -> float | Array:
+        """A per-run number: a float, or a batch's (B, 1) column made (B,) for the (D, k, B) layout."""
+        return np.ravel(value) if np.ndim(value) else value
+
+    def _streams(self, round_id: int) -> list[np.random.Generator]:
+        return [seeding.rng(seed, seeding.NOISE, i, round_id) for seed in self.seeds for i in self.indices]
+
     def _noise(self, streams: list[np.random.Generator], batch: int = 1) -> Array:
         dim = self.shards.dimension
         if batch == 1:
             draws = np.stack([stream.standard_normal(dim) for stream in streams])
         else:  # the minibatch average of `batch` independent estimates
             draws = np.stack([stream.standard_normal((batch, dim)).mean(axis=0) for stream in streams])
-        result: Array = self.noise_scale * draws
+        if self.batched:
+            draws = draws.reshape(len(self.seeds), len(self.indices), dim)
+        result: Array = self.noise_scale * draws.T  # as columns
         return result
 
-    def _streams(self, round_id: int) -> list[np.random.Generator]:
-        return [seeding.rng(self.seed, seeding.NOISE, i, round_id) for i in self.indices]
-
     def _gradient(self, task: GradientTask, round_id: int) -> tuple[Array, Array | None]:
-        z = np.broadcast_to(task.z, (len(self.indices), task.z.size))
+        z = np.ascontiguousarray(self._per_client(task.z))
         g = self.shards.gradient(z)
         if self.noise_scale > 0 and not task.exact:
-            g = g + self._noise(self._streams(round_id), task.batch)
+            g += self._noise(self._streams(round_id), task.batch)
         objective = self.shards.objective(z) if task.want_objective else None
         return g, objective
 
     def _local_steps(self, task: LocalStepsTask, round_id: int) -> Array:
-        k = len(self.indices)
-        z_start = np.broadcast_to(task.z_start, (k, task.z_start.size))
+        z_start = self._per_client(task.z_start)
+        gamma_local, theta = self._per_run(task.gamma_local), self._per_run(task.theta)
         z = z_start.copy()
         direction_sum = np.zeros_like(z)
         noisy = self.noise_scale > 0
         streams = self._streams(round_id) if noisy else []
-        control = task.control
+        control = None if task.control is None else task.control.T[:, None]
         grad_start = self.shards.gradient(z_start) if control is not None else None
+        regularized = np.ndim(theta) > 0 or theta != 0
+        # Buffers reused every step: fresh temporaries of this size cost more in
+        # page faults than the arithmetic. The operations are those of the formulas.
+        g, scratch = np.empty_like(z), np.empty_like(z)
         for step in range(task.steps):
             weight = step_weight(task.decay, task.step_offset + step)
-            g = self.shards.gradient(z)
+            self.shards.gradient(z, out=g)
             if noisy:
                 g += self._noise(streams)
             if control is not None and grad_start is not None:
                 # G_i^theta(z_i) - G_i^theta(z~) + c, where the anchor of Catalyst's
                 # regularizer theta (z - z_bar) cancels in the difference.
-                start = grad_start + self._noise(streams) if noisy else grad_start
-                g = g - start + task.theta * (z - z_start) + control
-            direction_sum += weight * g
-            z -= (task.gamma_local * weight) * g
+                g -= grad_start + self._noise(streams) if noisy else grad_start
+                if regularized:
+                    g += np.multiply(theta, np.subtract(z, z_start, out=scratch), out=scratch)
+                g += control
+            if weight == 1.0:
+                direction_sum += g
+                z -= np.multiply(gamma_local, g, out=scratch)
+            else:
+                direction_sum += np.multiply(weight, g, out=scratch)
+                z -= np.multiply(gamma_local * weight, g, out=scratch)
         return direction_sum

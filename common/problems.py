@@ -7,10 +7,13 @@ A problem is a plug-in of three parts, none of which knows about transports:
   * `solution(spec, seed)`, the saddle point z* when the spec determines it
     without the data (used by the coordinator for its metrics), else None.
 
-Shards are vectorized over the clients a process hosts: every method takes and
-returns arrays whose first axis is the shard. All arithmetic is elementwise or
-per shard, so a client's result does not depend on which other shards share its
-process; that is what makes the in-process and gRPC transports agree bit for bit.
+Shards are vectorized over the clients a process hosts. Vectors are columns:
+z has shape (dimension, k) for k hosted clients, or (dimension, k, B) for a batch
+of B runs, so that x = z[:dim] and y = z[dim:] are contiguous blocks, a per-run
+number (B,) broadcasts along the innermost axis, and every operation runs over
+long, contiguous rows. All arithmetic is elementwise or per
+shard, so a client's result does not depend on which other shards (or runs) share
+its arrays; that is what makes every transport agree bit for bit.
 
 Iterates are z = (x, y) with x, y in R^dim, so vectors have 2 * dim entries.
 """
@@ -30,17 +33,21 @@ Array = NDArray[np.float64]
 
 
 class Shards(Protocol):
-    """The private data of some clients, with their local oracles."""
+    """The private data of some clients, with their local oracles.
+
+    z has shape (dimension, k), one column per hosted client; stacked shards (a
+    batch of B runs, see `stack_shards`) take (dimension, k, B).
+    """
 
     indices: tuple[int, ...]
     dimension: int  # length of z = (x, y)
 
-    def gradient(self, z: Array) -> Array:
-        """G_i(z_i) for each hosted client i; z and the result have shape (k, dimension)."""
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
+        """G_i(z_i) for each hosted client i, the shape of z (written into `out` if given)."""
         ...
 
     def objective(self, z: Array) -> Array:
-        """f_i(z_i) for each hosted client i; shape (k,)."""
+        """f_i(z_i) for each hosted client i: z's shape without its first axis."""
         ...
 
 
@@ -69,6 +76,8 @@ class PaperRegressionSpec(_Spec):
 
 
 class PaperRegressionShards:
+    lam: float | Array  # an array (B,) when stacked
+
     def __init__(self, spec: PaperRegressionSpec, seed: int, indices: Sequence[int]) -> None:
         self.indices = tuple(indices)
         self.dim = spec.dim
@@ -91,23 +100,44 @@ class PaperRegressionShards:
             stream.standard_normal(d)  # skip b'_i, drawn above
             a_rows.append(np.maximum(1.0 + s * stream.standard_normal(d), 1.0))
             b_rows.append(own_b[i] - b_mean)
-        self.a = np.array(a_rows).reshape(len(self.indices), d)
-        self.b = np.array(b_rows).reshape(len(self.indices), d)
+        # columns, (d, k): a[:, i] is client i's diagonal
+        self.a = np.array(a_rows).reshape(len(self.indices), d).T.copy()
+        self.b = np.array(b_rows).reshape(len(self.indices), d).T.copy()
+        self._half_a, self._half_b = 0.5 * self.a, 0.5 * self.b
+        self._scratch: dict[tuple[int, ...], Array] = {}
 
-    def gradient(self, z: Array) -> Array:
+    @classmethod
+    def stack(cls, runs: Sequence[PaperRegressionShards]) -> PaperRegressionShards:
+        """One object for a batch of runs: data (d, k, B), lam (B,). Same arithmetic, elementwise."""
+        stacked = cls.__new__(cls)
+        first = runs[0]
+        stacked.indices, stacked.dim, stacked.dimension = first.indices, first.dim, first.dimension
+        stacked.a = np.stack([r.a for r in runs], axis=-1)
+        stacked.b = np.stack([r.b for r in runs], axis=-1)
+        stacked._half_a, stacked._half_b = 0.5 * stacked.a, 0.5 * stacked.b
+        stacked.lam = np.array([r.lam for r in runs], dtype=float)
+        stacked._scratch = {}
+        return stacked
+
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
         d = self.dim
-        x, y = z[:, :d], z[:, d:]
-        out = np.empty_like(z)
-        # grad_x f_i = lam x - A_i^T y / 2;   -grad_y f_i = y - b_i / 2 + A_i x / 2
-        out[:, :d] = self.lam * x - 0.5 * self.a * y
-        out[:, d:] = y - 0.5 * self.b + 0.5 * self.a * x
+        x, y = z[:d], z[d:]
+        out = np.empty_like(z) if out is None else out
+        scratch = self._scratch.get(x.shape)
+        if scratch is None:  # reused: a fresh temporary per call costs more than the arithmetic
+            scratch = self._scratch[x.shape] = np.empty_like(x)
+        # grad_x f_i = lam x - (A_i / 2)^T y;   -grad_y f_i = y - b_i / 2 + (A_i / 2) x
+        np.multiply(self.lam, x, out=out[:d])
+        np.subtract(out[:d], np.multiply(self._half_a, y, out=scratch), out=out[:d])
+        np.subtract(y, self._half_b, out=out[d:])
+        np.add(out[d:], np.multiply(self._half_a, x, out=scratch), out=out[d:])
         return out
 
     def objective(self, z: Array) -> Array:
         d = self.dim
-        x, y = z[:, :d], z[:, d:]
-        inner = np.sum(y * y, axis=1) - np.sum(self.b * y, axis=1) + np.sum(y * self.a * x, axis=1)
-        result: Array = -0.5 * inner + 0.5 * self.lam * np.sum(x * x, axis=1)
+        x, y = z[:d], z[d:]
+        inner = np.sum(y * y, axis=0) - np.sum(self.b * y, axis=0) + np.sum(y * self.a * x, axis=0)
+        result: Array = -0.5 * inner + 0.5 * self.lam * np.sum(x * x, axis=0)
         return result
 
 
@@ -160,15 +190,16 @@ class QuadraticGameShards:
         self.m = np.array(mats).reshape(len(self.indices), 2 * d, 2 * d)
         self.r = np.array(rs).reshape(len(self.indices), 2 * d)
 
-    def gradient(self, z: Array) -> Array:
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
         # One matrix-vector product per shard, so the result cannot depend on how
         # shards are batched together.
-        return np.stack([m @ (zi - self.z_star) + r for m, zi, r in zip(self.m, z, self.r, strict=True)])
+        columns = [m @ (zi - self.z_star) + r for m, zi, r in zip(self.m, z.T, self.r, strict=True)]
+        return np.stack(columns, axis=-1, out=out)
 
     def objective(self, z: Array) -> Array:
         d = self.dim
         values = []
-        for m, zi, r in zip(self.m, z, self.r, strict=True):
+        for m, zi, r in zip(self.m, z.T, self.r, strict=True):
             dx, dy = zi[:d] - self.z_star[:d], zi[d:] - self.z_star[d:]
             p, b, q = m[:d, :d], m[:d, d:], m[d:, d:]
             quad = 0.5 * dx @ p @ dx + dx @ b @ dy - 0.5 * dy @ q @ dy
@@ -201,6 +232,30 @@ def make_shards(spec: PaperRegressionSpec | QuadraticGameSpec, seed: int, indice
     if isinstance(spec, PaperRegressionSpec):
         return PaperRegressionShards(spec, seed, indices)
     return QuadraticGameShards(spec, seed, indices)
+
+
+class StackedShards:
+    """A batch of runs' shards for any problem: each run computes with its own object."""
+
+    def __init__(self, runs: Sequence[Shards]) -> None:
+        self.runs = list(runs)
+        self.indices = runs[0].indices
+        self.dimension = runs[0].dimension
+
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
+        return np.stack([run.gradient(z[..., b]) for b, run in enumerate(self.runs)], axis=-1, out=out)
+
+    def objective(self, z: Array) -> Array:
+        return np.stack([run.objective(z[..., b]) for b, run in enumerate(self.runs)], axis=-1)
+
+
+def stack_shards(runs: Sequence[Shards]) -> Shards:
+    """Shards for a batch of runs (same problem kind, clients and dimension)."""
+    if len({(r.indices, r.dimension, type(r)) for r in runs}) != 1:
+        raise ValueError("a batch needs runs of one problem kind with the same clients and dimension")
+    if all(isinstance(r, PaperRegressionShards) for r in runs):
+        return PaperRegressionShards.stack(runs)  # type: ignore[arg-type]
+    return StackedShards(runs)
 
 
 def solution(spec: PaperRegressionSpec | QuadraticGameSpec, seed: int) -> Array | None:

@@ -190,19 +190,20 @@ class ClientPool(abc.ABC):
         self.round_id += 1
         answers = self._exchange(task, self.round_id, category)
         n, dim = run.num_clients, run.dimension
-        vectors = np.empty((n, dim))
-        objective = np.empty(n) if isinstance(task, GradientTask) and task.want_objective else None
+        runs = task.payload()[0].shape[:-1]  # () for one run, (B,) for a batch of runs
+        vectors = np.empty((*runs, n, dim))
+        objective = np.empty((*runs, n)) if isinstance(task, GradientTask) and task.want_objective else None
         diverged: list[int] = []
         for answer in answers:
             if answer.diverged:
                 diverged.extend(answer.indices)
                 continue
-            vectors[list(answer.indices)] = answer.vectors
+            vectors[..., list(answer.indices), :] = answer.vectors
             if objective is not None and answer.objective is not None:
-                objective[list(answer.indices)] = answer.objective
+                objective[..., list(answer.indices)] = answer.objective
         counts = self.traffic[category]
         counts.rounds += 1
-        down = sum(v.size for v in task.payload())
+        down = sum(v.shape[-1] for v in task.payload())  # per client and per run
         up = dim + (1 if objective is not None else 0)
         counts.messages_down += n
         counts.messages_up += n

@@ -23,15 +23,15 @@ SPECS = [
 def test_gradient_mapping_matches_finite_differences(spec: PaperRegressionSpec | QuadraticGameSpec) -> None:
     shards = make_shards(spec, seed=7, indices=range(spec.num_clients))
     rng = np.random.default_rng(0)
-    z = rng.standard_normal((spec.num_clients, 2 * spec.dim))
+    z = rng.standard_normal((2 * spec.dim, spec.num_clients))  # one column per client
     d, h = spec.dim, 1e-6
     numeric = np.empty_like(z)
     for j in range(2 * d):
         step = np.zeros_like(z)
-        step[:, j] = h
+        step[j] = h
         derivative = (shards.objective(z + step) - shards.objective(z - step)) / (2 * h)
         # G = (grad_x f, -grad_y f)
-        numeric[:, j] = derivative if j < d else -derivative
+        numeric[j] = derivative if j < d else -derivative
     np.testing.assert_allclose(shards.gradient(z), numeric, rtol=1e-6, atol=1e-6)
 
 
@@ -40,18 +40,18 @@ def test_mean_gradient_vanishes_at_the_planted_solution(spec: PaperRegressionSpe
     z_star = solution(spec, seed=3)
     assert z_star is not None
     shards = make_shards(spec, seed=3, indices=range(spec.num_clients))
-    per_client = shards.gradient(np.tile(z_star, (spec.num_clients, 1)))
-    assert np.linalg.norm(per_client.mean(axis=0)) < 1e-12
+    per_client = shards.gradient(np.tile(z_star[:, None], (1, spec.num_clients)))
+    assert np.linalg.norm(per_client.mean(axis=1)) < 1e-12
     if spec.name == "quadratic_game" or spec.s > 0:
         # heterogeneous: each client alone would not stop at z*
-        assert np.linalg.norm(per_client, axis=1).min() > 1e-3
+        assert np.linalg.norm(per_client, axis=0).min() > 1e-3
 
 
 def test_paper_data_follows_the_papers_recipe() -> None:
     spec = PaperRegressionSpec(num_clients=10, dim=200, s=3.0)
     shards = make_shards(spec, seed=1, indices=range(10))
     assert shards.a.min() >= 1.0  # type: ignore[attr-defined]
-    np.testing.assert_allclose(shards.b.mean(axis=0), 0.0, atol=1e-12)  # type: ignore[attr-defined]
+    np.testing.assert_allclose(shards.b.mean(axis=1), 0.0, atol=1e-12)  # type: ignore[attr-defined]
     # b'_i ~ N(0, s^2): after centering over 10 clients the spread is s * sqrt(9/10)
     assert shards.b.std() == pytest.approx(3.0 * np.sqrt(0.9), rel=0.05)  # type: ignore[attr-defined]
 
@@ -59,10 +59,10 @@ def test_paper_data_follows_the_papers_recipe() -> None:
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.name}-d{s.dim}")
 def test_a_clients_shard_does_not_depend_on_its_process_mates(spec: PaperRegressionSpec | QuadraticGameSpec) -> None:
     together = make_shards(spec, seed=5, indices=range(spec.num_clients))
-    z = np.random.default_rng(1).standard_normal((spec.num_clients, 2 * spec.dim))
+    z = np.random.default_rng(1).standard_normal((2 * spec.dim, spec.num_clients))
     for i in range(spec.num_clients):
         alone = make_shards(spec, seed=5, indices=[i])
-        assert np.array_equal(alone.gradient(z[i : i + 1])[0], together.gradient(z)[i])
+        assert np.array_equal(alone.gradient(z[:, i : i + 1])[:, 0], together.gradient(z)[:, i])
 
 
 def test_out_of_range_client_index_is_refused() -> None:

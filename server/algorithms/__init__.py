@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fedsaddle.common.config import (
@@ -33,14 +34,22 @@ __all__ = [
 ]
 
 
-def build(spec: MinibatchMDSpec | MirrorProxSpec | FedAvgSpec | ScaffoldSpec | CatalystSpec) -> Algorithm[Any]:
-    """The algorithm a config entry describes."""
+def build(
+    spec: MinibatchMDSpec | MirrorProxSpec | FedAvgSpec | ScaffoldSpec | CatalystSpec,
+    overrides: Mapping[str, Any] | None = None,
+) -> Algorithm[Any]:
+    """The algorithm a config entry describes; `overrides` replace numeric fields
+    (a batch of runs passes one value per run, see server/sweep.py)."""
+
+    def get(field: str) -> Any:
+        return overrides[field] if overrides and field in overrides else getattr(spec, field)
+
     if isinstance(spec, MinibatchMDSpec):
-        return MinibatchMirrorDescent(spec.gamma)
+        return MinibatchMirrorDescent(get("gamma"))
     if isinstance(spec, MirrorProxSpec):
-        return MirrorProx(spec.gamma)
+        return MirrorProx(get("gamma"))
     if isinstance(spec, FedAvgSpec):
-        return FedAvgS(spec.gamma_local, spec.gamma_global, spec.decay)
+        return FedAvgS(get("gamma_local"), get("gamma_global"), spec.decay)
     if isinstance(spec, ScaffoldSpec):
-        return ScaffoldS(spec.gamma_local, spec.gamma_global)
-    return ScaffoldCatalystS(spec.gamma_local, spec.gamma_global, spec.theta, spec.stop)
+        return ScaffoldS(get("gamma_local"), get("gamma_global"))
+    return ScaffoldCatalystS(get("gamma_local"), get("gamma_global"), get("theta"), spec.stop)
