@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,45 +120,83 @@ def cmd_client(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_local(args: argparse.Namespace) -> int:
-    """A coordinator in this process and client processes on loopback."""
-    config = _config(args)
-    if config.transport.tls or config.transport.credentials:
-        raise ValueError("`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens")
+@contextlib.contextmanager
+def _loopback_federation(config: RunConfig, per_process: int, quiet_clients: bool) -> Iterator[tuple[Any, int]]:
+    """A GrpcPool on 127.0.0.1 and client processes for every index; all stopped afterwards."""
     n = config.problem.num_clients
-    per_process = max(1, args.clients_per_process)
     pool = _grpc_pool(config, "127.0.0.1:0")
     children: dict[subprocess.Popen[bytes], str] = {}
     try:
-        _install_sigterm()
-        groups = [list(range(i, min(i + per_process, n))) for i in range(0, n, per_process)]
-        for group in groups:
-            spec = f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0])
-            quiet = ["--quiet"] if args.quiet_clients else []
-            command = [
-                sys.executable,
-                "-m",
-                "fedsaddle",
-                *quiet,
-                "client",
-                "--coordinator",
-                pool.address,
-                "--clients",
-                spec,
-            ]
-            children[subprocess.Popen(command)] = spec
+        for first in range(0, n, per_process):
+            last = min(first + per_process, n) - 1
+            spec = f"{first}-{last}" if last > first else str(first)
+            quiet = ["--quiet"] if quiet_clients else []
+            command = [sys.executable, "-m", "fedsaddle", *quiet, "client"]
+            children[subprocess.Popen([*command, "--coordinator", pool.address, "--clients", spec])] = spec
         print(
             f"coordinator on {pool.address}; started {len(children)} client processes for {n} clients",
             file=sys.stderr,
             flush=True,
         )
         _wait_for_children_to_join(pool, children, config.transport.join_timeout_s)
-        return _run_and_report(
-            config, pool, {"kind": "grpc", "address": pool.address, "client_processes": len(children)}
-        )
+        yield pool, len(children)
     finally:
         pool.close()
         _reap(list(children))
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    """A coordinator in this process and client processes on loopback."""
+    config = _config(args)
+    if config.transport.tls or config.transport.credentials:
+        raise ValueError("`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens")
+    _install_sigterm()
+    with _loopback_federation(config, max(1, args.clients_per_process), args.quiet_clients) as (pool, processes):
+        transport = {"kind": "grpc", "address": pool.address, "client_processes": processes}
+        return _run_and_report(config, pool, transport)
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    """The paper's Experiments section: the sweep, its figures and tables."""
+    from fedsaddle.server import experiment
+
+    grpc = args.transport == "grpc"
+    default_s = (0.0, 5.0, 10.0) if grpc else tuple(float(s) for s in range(16))
+    grid = experiment.Grid(
+        s_values=tuple(args.s) if args.s else default_s,
+        seeds=tuple(range(args.seeds if args.seeds else (1 if grpc else 5))),
+        rounds=args.rounds,
+        convention=args.convention,
+        tau=args.tau,
+        overrides={"init": args.init},
+    )
+    command = "fedsaddle " + " ".join(sys.argv[1:])
+    out = Path(args.out) if args.out else Path("runs") / f"experiment-paper-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs = len(grid.algorithms) * len(grid.s_values) * len(grid.step_scales) * len(grid.seeds)
+    print(
+        f"{runs} runs: {len(grid.s_values)} values of s x {len(grid.step_scales)} steps x {len(grid.seeds)} seeds"
+        f" x {len(grid.algorithms)} algorithms",
+        file=sys.stderr,
+    )
+    started = time.perf_counter()
+    rows = experiment.run_grid(grid, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"in-process sweep: {time.perf_counter() - started:.2f} s", file=sys.stderr)
+    if grpc:
+        first = grid.config(grid.algorithms[0], grid.s_values[0], grid.step_scales[0], grid.seeds[0])
+        with _loopback_federation(first, 1, True) as (pool, _):
+            remote = experiment.run_rows_on(pool, grid, [row.key for row in rows])
+        same = sum(
+            a.result.z_sha256 == b.result.z_sha256
+            and [r["dist_x"] for r in a.result.records] == [r["dist_x"] for r in b.result.records]
+            for a, b in zip(rows, remote, strict=True)
+        )
+        print(f"gRPC (10 client processes) vs in-process batch: {same}/{len(rows)} runs identical bit for bit")
+        experiment.write_report(out, grid, remote, command)
+        print(f"report: {out}")
+        return EXIT_OK if same == len(rows) else EXIT_RUN_FAILED
+    experiment.write_report(out, grid, rows, command)
+    print(f"report: {out}  (runs.csv, figure1_curves.png, figure2_final_vs_s.png, table.md)")
+    return EXIT_OK
 
 
 def _wait_for_children_to_join(pool: Any, children: dict[subprocess.Popen[bytes], str], timeout: float) -> None:
@@ -363,6 +402,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients-per-process", type=int, default=1, help="clients hosted by each process")
     p.add_argument("--quiet-clients", action="store_true", help="clients log warnings and errors only")
     p.set_defaults(func=cmd_local)
+
+    p = commands.add_parser("experiment", help="reproduce the paper's experiments (figures, tables, CSV)")
+    p.add_argument("which", choices=["paper"], help="which experiment")
+    p.add_argument("--seeds", type=int, help="seeds per setting (default 5; 1 with --transport grpc)")
+    p.add_argument("--s", type=float, nargs="+", help="values of s (default 0..15; 0 5 10 with --transport grpc)")
+    p.add_argument("--rounds", type=int, default=500, help="communication budget per run")
+    p.add_argument("--convention", choices=["exchanges", "paper"], default="exchanges", help="what a round is")
+    p.add_argument("--tau", type=int, default=20, help="local steps per sync")
+    p.add_argument("--init", choices=["ones", "zeros", "random"], default="ones", help="starting point")
+    p.add_argument("--transport", choices=["inprocess", "grpc"], default="inprocess")
+    p.add_argument("--out", help="report folder (default runs/experiment-paper-<time>)")
+    p.set_defaults(func=cmd_experiment)
 
     p = commands.add_parser("health", help="check a coordinator's gRPC health service (exit 0 if serving)")
     p.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT of the coordinator")

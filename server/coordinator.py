@@ -131,7 +131,8 @@ def run_algorithm(
                 spent = pool.traffic["algorithm"].rounds if paper_key == "exchanges" else paper_rounds
                 if spent + getattr(cost, paper_key) > config.rounds:
                     break
-                state = algorithm.step(state, pool, schedule)
+                with np.errstate(over="ignore", invalid="ignore"):  # divergence is reported, not warned about
+                    state = algorithm.step(state, pool, schedule)
                 paper_rounds += cost.paper
                 steps += 1
                 z = algorithm.iterate(state)

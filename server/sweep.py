@@ -119,12 +119,21 @@ def run_batch(members: Sequence[BatchRun], data: dict[tuple[str, int], Shards] |
     # still going at each step.
     columns: dict[str, list[Any]] = {k: [] for k in ("step", "rounds", "paper_rounds", "time_s", "dist_x", "dist_z")}
     recorded: list[NDArray[np.bool_]] = []
-    nonfinite_z = np.zeros(B, dtype=bool)
     last_z = np.full((B, z_star.shape[-1]), np.nan)  # each run's iterate at its last record
+    # A run stops where it would stop alone: before a step whose answers were not
+    # finite (Diverged inside the step), or after a step that left z non-finite.
+    # Its traffic and counters are frozen there.
+    stopped = np.zeros(B, dtype=bool)
+    frozen: list[tuple[dict[Category, TrafficCounts], dict[str, Any]] | None] = [None] * B
     start = time.perf_counter()
     paper_rounds = 0
 
-    def record(z: Array, steps: int) -> None:
+    def record(z: Array, steps: int, before: Any, after: Any) -> None:
+        for b in np.flatnonzero((pool.diverged_round >= 0) & ~stopped):
+            snapshot = pool.traffic_at_divergence[b]
+            assert snapshot is not None
+            frozen[b] = (snapshot, _extra(before, int(b)))
+            stopped[b] = True
         with np.errstate(over="ignore", invalid="ignore"):
             columns["dist_x"].append(norm(z[..., :d] - z_star[..., :d])[:, 0])
             columns["dist_z"].append(norm(z - z_star)[:, 0])
@@ -132,10 +141,12 @@ def run_batch(members: Sequence[BatchRun], data: dict[tuple[str, int], Shards] |
         columns["rounds"].append(pool.traffic["algorithm"].rounds)
         columns["paper_rounds"].append(paper_rounds)
         columns["time_s"].append(time.perf_counter() - start)
-        going = (pool.diverged_round < 0) & ~nonfinite_z
-        recorded.append(going)
+        going = ~stopped
+        recorded.append(going.copy())
         last_z[going] = z[going]
-        nonfinite_z[:] |= ~np.isfinite(z).all(axis=-1) & (pool.diverged_round < 0)
+        for b in np.flatnonzero(going & ~np.isfinite(z).all(axis=-1)):
+            frozen[b] = (copy.deepcopy(pool.traffic), _extra(after, int(b)))
+            stopped[b] = True
 
     z = np.stack([initial_point(c) for c in configs])
     state: Any = None
@@ -144,30 +155,26 @@ def run_batch(members: Sequence[BatchRun], data: dict[tuple[str, int], Shards] |
         state = algorithm.init(z, pool, schedule)
         paper_rounds += init_cost.paper
         z = algorithm.iterate(state)
-        record(z, 0)
+        record(z, 0, None, state)
         steps = 0
-        while not ((pool.diverged_round >= 0) | nonfinite_z).all():
+        while not stopped.all():
             cost = algorithm.step_cost(state)
             spent = pool.traffic["algorithm"].rounds if paper_key == "exchanges" else paper_rounds
             if spent + getattr(cost, paper_key) > first.rounds:
                 break
-            state = algorithm.step(state, pool, schedule)
+            with np.errstate(over="ignore", invalid="ignore"):  # divergence is flagged, not warned about
+                before, state = state, algorithm.step(state, pool, schedule)
             paper_rounds += cost.paper
             steps += 1
             z = algorithm.iterate(state)
-            record(z, steps)
+            record(z, steps, before, state)
     wall = time.perf_counter() - start
     records = _per_run_records(columns, recorded, B)
     results = []
     for b, member in enumerate(members):
-        diverged = pool.diverged_round[b] >= 0 or nonfinite_z[b]
-        traffic = pool.traffic_at_divergence[b] or pool.traffic
+        diverged = frozen[b] is not None
+        traffic, extra = frozen[b] or (pool.traffic, _extra(state, b))
         last = records[b][-1] if records[b] and not diverged else {}
-        extra = {
-            k: np.asarray(getattr(state, k))[b].squeeze().tolist() if np.ndim(getattr(state, k)) else getattr(state, k)
-            for k in ("meta_iterations", "syncs", "steps")
-            if hasattr(state, k)
-        }
         results.append(
             AlgorithmResult(
                 name=member.spec.display_name,
@@ -184,6 +191,18 @@ def run_batch(members: Sequence[BatchRun], data: dict[tuple[str, int], Shards] |
             )
         )
     return results
+
+
+def _extra(state: Any, b: int) -> dict[str, Any]:
+    """Run b's counters in a batch state, as run_algorithm reports them for a run alone."""
+    if state is None:
+        return {}
+    out = {}
+    for k in ("meta_iterations", "syncs", "steps"):
+        if hasattr(state, k):
+            value = getattr(state, k)
+            out[k] = np.asarray(value)[b].squeeze().tolist() if np.ndim(value) else value
+    return out
 
 
 def _per_run_records(
