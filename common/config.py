@@ -118,7 +118,11 @@ class CatalystSpec(_Algorithm):
     name: Literal["scaffold_catalyst_s"] = "scaffold_catalyst_s"
     gamma_local: float = Field(ge=0)
     gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local")
-    theta: float = Field(1.0, gt=0, description="proximal regularization weight")
+    theta: float = Field(1.0, gt=0, description="proximal weight (the first meta-iteration's, when estimated)")
+    theta_rule: Literal["fixed", "estimated"] = Field(
+        "estimated", description="estimated: theta = theta_scale x the secant monotonicity of the last meta-iteration"
+    )
+    theta_scale: float = Field(1.0, gt=0, description="c in theta = c mu_hat")
     stop: InnerStop = Field(default_factory=GradientStop)
 
     @model_validator(mode="after")

@@ -93,17 +93,17 @@ def encode_task(run_id: str, round_id: int, task: Task, chunk_bytes: int) -> lis
             pb.GradientParams(batch=task.batch, exact=task.exact, want_objective=task.want_objective)
         )
     else:
-        if np.ndim(task.gamma_local) or np.ndim(task.theta):
+        if np.size(task.gamma_local) > 1 or np.size(task.theta) > 1:
             raise WireError("a batch of runs (array step sizes) runs in-process only; one run travels over gRPC")
         message.kind = pb.LOCAL_STEPS
         message.local.CopyFrom(
             pb.LocalSteps(
                 steps=task.steps,
-                gamma_local=float(task.gamma_local),
+                gamma_local=float(np.ravel(task.gamma_local)[0]),
                 step_offset=task.step_offset,
                 decay=_DECAY[task.decay],
                 correction=pb.NONE if task.control is None else pb.SCAFFOLD,
-                theta=float(task.theta),
+                theta=float(np.ravel(task.theta)[0]),
             )
         )
     if len(payload) <= chunk_bytes:

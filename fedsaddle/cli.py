@@ -160,6 +160,20 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     """The paper's Experiments section: the sweep, its figures and tables."""
     from fedsaddle.server import experiment
 
+    if args.which == "noise":
+        out = Path(args.out) if args.out else Path("runs") / f"experiment-noise-{time.strftime('%Y%m%d-%H%M%S')}"
+        started = time.perf_counter()
+        experiment.run_noise(out, "fedsaddle " + " ".join(sys.argv[1:]))
+        print(f"report: {out} (noise.md, figure_noise.png; {time.perf_counter() - started:.1f} s)")
+        return EXIT_OK
+    if args.which == "ablations":
+        out = Path(args.out) if args.out else Path("runs") / f"experiment-ablations-{time.strftime('%Y%m%d-%H%M%S')}"
+        started = time.perf_counter()
+        experiment.run_ablations(
+            out, "fedsaddle " + " ".join(sys.argv[1:]), progress=lambda line: print(line, file=sys.stderr, flush=True)
+        )
+        print(f"report: {out / 'ablations.md'} ({time.perf_counter() - started:.1f} s)")
+        return EXIT_OK
     grpc = args.transport == "grpc"
     default_s = (0.0, 5.0, 10.0) if grpc else tuple(float(s) for s in range(16))
     grid = experiment.Grid(
@@ -404,7 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_local)
 
     p = commands.add_parser("experiment", help="reproduce the paper's experiments (figures, tables, CSV)")
-    p.add_argument("which", choices=["paper"], help="which experiment")
+    p.add_argument(
+        "which",
+        choices=["paper", "ablations", "noise"],
+        help="the paper's sweep, ablations of its choices, or stochastic gradients",
+    )
     p.add_argument("--seeds", type=int, help="seeds per setting (default 5; 1 with --transport grpc)")
     p.add_argument("--s", type=float, nargs="+", help="values of s (default 0..15; 0 5 10 with --transport grpc)")
     p.add_argument("--rounds", type=int, default=500, help="communication budget per run")

@@ -150,7 +150,7 @@ def run_algorithm(
     last = records[-1] if records and status != "diverged" else {}
     extra = {
         k: np.asarray(getattr(state, k)).squeeze().tolist()
-        for k in ("meta_iterations", "syncs", "steps")
+        for k in ("meta_iterations", "syncs", "steps", "theta")
         if hasattr(state, k)
     }
     result = AlgorithmResult(

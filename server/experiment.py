@@ -6,7 +6,7 @@ The grid: n = 10, d = 10, lambda = 1e-5, tau = 20, sigma = 0, s = 0..15, step
 sizes {0.1, 0.05, 0.01} / max(s, 1), for the five algorithms (FedAvg-S with the
 decaying local step, SCAFFOLD-Catalyst-S with theta = 1 and the paper's
 objective-decrease heuristic), plus SCAFFOLD-Catalyst-S with this project's
-default gradient-mapping stop rule beside it. Each algorithm's runs go through
+defaults beside it (the gradient-mapping stop rule and the estimated theta). Each algorithm's runs go through
 the in-process transport as one batch (server/sweep.py); with --transport grpc
 a subset runs over client processes instead and is checked bit for bit against
 the batch.
@@ -52,13 +52,15 @@ def paper_algorithms(step: float) -> dict[str, dict[str, Any]]:
             "name": "scaffold_catalyst_s",
             "gamma_local": step,
             "theta": 1.0,
+            "theta_rule": "fixed",
             "stop": {"rule": "objective", "rtol": 1e-3, "max_inner_syncs": 50},
         },
-        "catalyst_gradient_rule": {
+        "catalyst_ours": {
             "name": "scaffold_catalyst_s",
-            "label": "catalyst_gradient_rule",
+            "label": "catalyst_ours",
             "gamma_local": step,
             "theta": 1.0,
+            "theta_rule": "estimated",
             "stop": {"rule": "gradient", "rtol": 0.1, "max_inner_syncs": 50},
         },
     }
@@ -75,8 +77,9 @@ class Grid:
     rounds: int = 500
     convention: str = "exchanges"
     tau: int = 20
-    algorithms: tuple[str, ...] = (*PAPER_FIVE, "catalyst_gradient_rule")
+    algorithms: tuple[str, ...] = (*PAPER_FIVE, "catalyst_ours")
     overrides: dict[str, Any] = field(default_factory=dict)  # extra config fields, e.g. init
+    catalog: Callable[[float], dict[str, dict[str, Any]]] = paper_algorithms  # step -> algorithm entries
 
     def config(self, algorithm: str, s: float, scale: float, seed: int) -> RunConfig:
         step = scale / max(s, 1.0)
@@ -88,7 +91,7 @@ class Grid:
                 "sync": {"kind": "fixed", "tau": self.tau},
                 "rounds": self.rounds,
                 "round_convention": self.convention,
-                "algorithms": [paper_algorithms(step)[algorithm]],
+                "algorithms": [self.catalog(step)[algorithm]],
                 **self.overrides,
             }
         )
@@ -259,7 +262,7 @@ LABELS = {
     "fedavg_s": "FedAvg-S",
     "scaffold_s": "SCAFFOLD-S",
     "scaffold_catalyst_s": "SCAFFOLD-Catalyst-S (paper's stop heuristic)",
-    "catalyst_gradient_rule": "SCAFFOLD-Catalyst-S (gradient-mapping stop)",
+    "catalyst_ours": "SCAFFOLD-Catalyst-S (gradient stop, estimated theta)",
 }
 
 
@@ -292,7 +295,7 @@ def figure_curves(
                 continue
             xs = [p[0] for p in curves[0][:length]]
             ys = np.maximum(np.array([[p[1] for p in c[:length]] for c in curves]), PLOT_FLOOR)
-            style = "--" if algorithm == "catalyst_gradient_rule" else "-"
+            style = "--" if algorithm == "catalyst_ours" else "-"
             ax.semilogy(xs, np.median(ys, axis=0), style, label=f"{LABELS[algorithm]} ({b.step_scale:g}/max(s,1))")
             ax.fill_between(xs, ys.min(axis=0), ys.max(axis=0), alpha=0.15)
         ax.set_title(f"s = {s:g}")
@@ -325,7 +328,7 @@ def figure_final_vs_s(
         m = np.array(means, dtype=float)
         m[~np.isfinite(m)] = np.nan
         err = np.array([m - np.array(lows), np.array(highs) - m])
-        style = "--o" if algorithm == "catalyst_gradient_rule" else "-o"
+        style = "--o" if algorithm == "catalyst_ours" else "-o"
         ax.errorbar(s_values, m, yerr=np.maximum(err, 0), fmt=style, ms=3, capsize=2, label=LABELS[algorithm])
     ax.set_yscale("log")
     ax.set_xlabel("s (heterogeneity and ill-conditioning)")
@@ -354,3 +357,204 @@ def write_report(out: Path, grid: Grid, rows: Sequence[Row], command: str) -> di
     ]
     (out / "table.md").write_text("\n".join(tables))
     return best
+
+
+# -- ablations: the paper's ambiguities, and Catalyst's theta and stop rule -------------
+
+ABLATION_S = (0.0, 5.0, 10.0, 15.0)
+
+
+def _catalyst(
+    step: float, theta: float, stop: dict[str, Any], rule: str = "fixed", scale: float = 1.0
+) -> dict[str, Any]:
+    return {
+        "name": "scaffold_catalyst_s",
+        "gamma_local": step,
+        "theta": theta,
+        "theta_rule": rule,
+        "theta_scale": scale,
+        "stop": stop,
+    }
+
+
+def _catalyst_catalog(
+    theta: float, stop: dict[str, Any], rule: str = "fixed", scale: float = 1.0
+) -> Callable[[float], dict[str, dict[str, Any]]]:
+    return lambda step: {"x": _catalyst(step, theta, stop, rule, scale)}
+
+
+def ablations(
+    seeds: tuple[int, ...] = (0, 1, 2), rounds: int = 500
+) -> list[tuple[str, str, list[tuple[str, Grid, str]]]]:
+    """(title, what it shows, [(variant label, grid, algorithm)]) for each question."""
+
+    def grid(
+        algorithm: str, catalog: Callable[[float], dict[str, dict[str, Any]]] = paper_algorithms, **kw: Any
+    ) -> Grid:
+        return Grid(s_values=ABLATION_S, seeds=seeds, rounds=rounds, algorithms=(algorithm,), catalog=catalog, **kw)
+
+    def only(entry: Callable[[float], dict[str, Any]]) -> Callable[[float], dict[str, dict[str, Any]]]:
+        return lambda step: {"x": entry(step)}
+
+    objective = {"rule": "objective", "rtol": 1e-3, "max_inner_syncs": 50}
+    gradient = {"rule": "gradient", "rtol": 0.1, "max_inner_syncs": 50}
+    return [
+        (
+            "Starting point",
+            "The paper does not give z0. Default: x0 = y0 = 1 (all ones); alternative: z0 ~ N(0, I) per seed.",
+            [
+                (f"{a}, z0 = {init}", grid(a, overrides={"init": init}), a)
+                for a in PAPER_FIVE
+                for init in ("ones", "random")
+            ],
+        ),
+        (
+            "FedAvg-S local step",
+            "The Experiments decay FedAvg-S's step as gamma / (sqrt(k) + 1); k is read as the global local-step index.",
+            [
+                ("decaying (paper)", grid("fedavg_s"), "fedavg_s"),
+                (
+                    "constant",
+                    grid("x", only(lambda g: {"name": "fedavg_s", "gamma_local": g, "decay": "constant"})),
+                    "x",
+                ),
+            ],
+        ),
+        (
+            "Step size of the minibatch methods",
+            "The paper uses the same grid {0.1, 0.05, 0.01}/max(s,1) for all methods, although MD and Mirror-prox "
+            "take one step per round where the local methods take tau = 20. Alternative: the grid times tau.",
+            [(f"{a}, grid", grid(a), a) for a in ("minibatch_md", "mirror_prox")]
+            + [
+                (f"{a}, grid x tau", grid(a, step_scales=tuple(20 * s for s in STEP_SCALES)), a)
+                for a in ("minibatch_md", "mirror_prox")
+            ],
+        ),
+        (
+            "Catalyst's theta",
+            "The paper fixes theta = 1; its theory says theta = beta - mu under high heterogeneity (about 10 to 30 "
+            "here: beta is about max(a_i)/2 + 1, mu = lambda = 1e-5) and theta = c mu under low. 'estimated' sets "
+            "theta = c mu_hat each meta-iteration, mu_hat the secant monotonicity along the iterates (starting at 1).",
+            [
+                (
+                    f"theta = {theta:g}, {stop['rule']} stop",
+                    grid("x", _catalyst_catalog(theta, stop)),
+                    "x",
+                )
+                for stop in (objective, gradient)
+                for theta in (0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+            ]
+            + [
+                (
+                    f"estimated, c = {c:g}, {stop['rule']} stop",
+                    grid("x", _catalyst_catalog(1.0, stop, "estimated", c)),
+                    "x",
+                )
+                for stop in (objective, gradient)
+                for c in (0.5, 1.0, 2.0)
+            ],
+        ),
+        (
+            "Catalyst's inner stop rule",
+            "The paper leaves a meta-iteration on 'sufficient objective decrease' without a threshold; "
+            "the gradient rule leaves when ||G^theta(z~)|| <= rtol ||G(z_bar)||.",
+            [
+                (
+                    f"{rule['rule']}, rtol = {rtol:g}",
+                    grid("x", _catalyst_catalog(1.0, {**rule, "rtol": rtol})),
+                    "x",
+                )
+                for rule, rtols in ((objective, (1e-2, 1e-3, 1e-4)), (gradient, (0.5, 0.1, 0.01)))
+                for rtol in rtols
+            ]
+            + [
+                (
+                    "fixed, 10 inner syncs",
+                    grid("x", _catalyst_catalog(1.0, {"rule": "fixed", "inner_syncs": 10})),
+                    "x",
+                )
+            ],
+        ),
+    ]
+
+
+def run_ablations(
+    out: Path, command: str, seeds: tuple[int, ...] = (0, 1, 2), progress: Callable[[str], None] | None = None
+) -> None:
+    """Every ablation as a table: final ||x - x*|| (geometric mean over seeds, best step) at s = 0, 5, 10, 15."""
+    out.mkdir(parents=True, exist_ok=True)
+    data: dict[tuple[str, int], Shards] = {}
+    lines = [
+        "# Ablations\n",
+        f"Made by `{command}`. Each cell: final ||x - x*|| after 500 rounds (every exchange counted), geometric mean "
+        f"over {len(seeds)} seeds, at the best step of the variant's grid (its scale in parentheses). Values below "
+        "1e-16 are at the floating-point floor of a distance to z* = 0.\n",
+    ]
+    for title, note, variants in ablations(seeds):
+        lines += [f"## {title}\n", note + "\n", "| variant | " + " | ".join(f"s = {s:g}" for s in ABLATION_S) + " |"]
+        lines.append("|---|" + "---|" * len(ABLATION_S))
+        for label, grid, algorithm in variants:
+            members = grid.members(algorithm)
+            results = run_batch([m for _, m in members], data)
+            best = best_steps([Row(key, result) for (key, _), result in zip(members, results, strict=True)])
+            cells = [
+                f"{_fmt(best[(algorithm, s)].geometric_mean)} ({best[(algorithm, s)].step_scale:g})" for s in ABLATION_S
+            ]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            if progress:
+                progress(f"{title}: {label}")
+        lines.append("")
+    (out / "ablations.md").write_text("\n".join(lines))
+
+
+# -- stochastic gradients: where each method levels off ---------------------------------
+
+NOISE_LEVELS = (0.0, 0.01, 0.1, 1.0)
+
+
+def run_noise(out: Path, command: str, s: float = 5.0, seeds: tuple[int, ...] = (0, 1, 2), rounds: int = 500) -> None:
+    """Each method at the paper's largest step, under gradient noise sigma; figure and table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    data: dict[tuple[str, int], Shards] = {}
+    algorithms = (*PAPER_FIVE, "catalyst_ours")
+    curves: dict[tuple[str, float], list[AlgorithmResult]] = {}
+    for sigma in NOISE_LEVELS:
+        grid = Grid(s_values=(s,), seeds=seeds, rounds=rounds, step_scales=(0.1,), overrides={"gradient_noise": sigma})
+        for algorithm in algorithms:
+            members = grid.members(algorithm)
+            curves[(algorithm, sigma)] = run_batch([m for _, m in members], data)
+    fig, axes = plt.subplots(1, len(NOISE_LEVELS), figsize=(5 * len(NOISE_LEVELS), 4.2), dpi=110, sharey=True)
+    lines = [
+        "# Stochastic gradients\n",
+        f"Made by `{command}`. s = {s:g}, step 0.1/max(s, 1), tau = 20, {len(seeds)} seeds; gradient noise "
+        "E||G^_i - G_i||^2 = sigma^2, fresh for every oracle call (SCAFFOLD's two evaluations are independent). "
+        "Cells: median over seeds of ||x - x*|| over the last 10% of the budget (where the curve levels off).\n",
+        "| sigma | " + " | ".join(algorithms) + " |",
+        "|---|" + "---|" * len(algorithms),
+    ]
+    for ax, sigma in zip(axes, NOISE_LEVELS, strict=True):
+        cells = []
+        for algorithm in algorithms:
+            results = curves[(algorithm, sigma)]
+            length = min(len(r.records) for r in results)
+            xs = [rec["rounds"] for rec in results[0].records[:length]]
+            ys = np.maximum(np.array([[rec["dist_x"] for rec in r.records[:length]] for r in results]), PLOT_FLOOR)
+            style = "--" if algorithm == "catalyst_ours" else "-"
+            ax.semilogy(xs, np.median(ys, axis=0), style, label=LABELS[algorithm])
+            tail = ys[:, int(0.9 * length) :]
+            cells.append(_fmt(float(np.median(tail))) if length else "diverged")
+        lines.append(f"| {sigma:g} | " + " | ".join(cells) + " |")
+        ax.set_title(f"sigma = {sigma:g}")
+        ax.set_xlabel(_axis_label("exchanges"))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel(f"||x - x*|| (median over seeds; floor {PLOT_FLOOR:g})")
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(out / "figure_noise.png")
+    plt.close(fig)
+    (out / "noise.md").write_text("\n".join(lines) + "\n")

@@ -87,7 +87,7 @@ def _stacked(values: Sequence[Any]) -> Any:
 
 def build_batch(specs: Sequence[AlgorithmSpec]) -> Algorithm[Any]:
     """One algorithm object whose numeric hyperparameters are (B, 1) columns."""
-    numeric = ("gamma", "gamma_local", "gamma_global", "theta")
+    numeric = ("gamma", "gamma_local", "gamma_global", "theta", "theta_scale")
     fields = [f for f in numeric if f in type(specs[0]).model_fields]
     shapes = {s.model_copy(update={"label": None, **dict.fromkeys(fields, 1.0)}) for s in specs}
     if len(shapes) != 1 or len({type(s) for s in specs}) != 1:
@@ -103,9 +103,9 @@ def run_batch(members: Sequence[BatchRun], data: dict[tuple[str, int], Shards] |
     """
     configs = [m.config for m in members]
     first = configs[0]
-    shared = {(c.rounds, c.round_convention, c.sync, c.init if c.init != "random" else c.seed) for c in configs}
+    shared = {(c.rounds, c.round_convention, c.sync) for c in configs}
     if len(shared) != 1 or (not isinstance(first.sync, FixedSync) and len({c.seed for c in configs}) != 1):
-        raise ValueError("a batch needs one budget, convention, starting point and synchronization schedule")
+        raise ValueError("a batch needs one budget, convention and synchronization schedule")
     runs = [RunInfo(f"batch-{b}", c.problem, c.seed, c.gradient_noise) for b, c in enumerate(configs)]
     pool = BatchedLocalPool(runs, data)
     algorithm = build_batch([m.spec for m in members])
@@ -198,7 +198,7 @@ def _extra(state: Any, b: int) -> dict[str, Any]:
     if state is None:
         return {}
     out = {}
-    for k in ("meta_iterations", "syncs", "steps"):
+    for k in ("meta_iterations", "syncs", "steps", "theta"):
         if hasattr(state, k):
             value = getattr(state, k)
             out[k] = np.asarray(value)[b].squeeze().tolist() if np.ndim(value) else value

@@ -9,6 +9,7 @@ import pytest
 from conftest import config
 from formulas import expected_traffic
 
+from fedsaddle.common.problems import make_shards
 from fedsaddle.server.algorithms import FedAvgS, ScaffoldS, SyncSchedule, load_state, save_state
 from fedsaddle.server.algorithms.fedavg_s import FedAvgState
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldState
@@ -166,3 +167,21 @@ def test_invalid_steps_are_refused_at_construction() -> None:
         FedAvgS(-1.0)
     with pytest.raises(ValueError, match="gamma_global must be > 0"):
         ScaffoldS(0.0)
+
+
+def test_estimated_theta_is_a_secant_monotonicity_of_the_mean_operator() -> None:
+    # On the game, G(z) = M (z - z*): every secant <G(z') - G(z), z' - z> / ||z' - z||^2 lies between
+    # the extreme eigenvalues of M's symmetric part, so the estimated theta (c = 1) must too.
+    run = config(problem=GAME, rounds=201, algorithms=[{"name": "scaffold_catalyst_s", "gamma_local": 0.05}])
+    (result,) = run_all(run, LocalPool())
+    assert result.extra["meta_iterations"] >= 2
+    shards = make_shards(run.problem, run.seed, range(run.problem.num_clients))
+    mean_operator = shards.m.mean(axis=0)  # type: ignore[attr-defined]
+    low, high = np.linalg.eigvalsh((mean_operator + mean_operator.T) / 2)[[0, -1]]
+    assert low <= result.extra["theta"] <= high
+    assert result.extra["theta"] != 1.0  # it moved from its starting value
+    fixed = run_all(
+        config(problem=GAME, rounds=201, algorithms=[{**run.algorithms[0].model_dump(), "theta_rule": "fixed"}]),
+        LocalPool(),
+    )[0]
+    assert fixed.extra["theta"] == 1.0

@@ -127,7 +127,7 @@ def test_paper_experiment_over_grpc_matches_the_in_process_batch(tmp_path: Path)
     with open(out / "runs.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 * 3 * 6
-    assert {r["algorithm"] for r in rows} >= {"minibatch_md", "scaffold_catalyst_s", "catalyst_gradient_rule"}
+    assert {r["algorithm"] for r in rows} >= {"minibatch_md", "scaffold_catalyst_s", "catalyst_ours"}
     for name in ("figure1_curves.png", "figure2_final_vs_s.png", "table.md"):
         assert (out / name).stat().st_size > 0
     assert "every exchange counted" in (out / "table.md").read_text()

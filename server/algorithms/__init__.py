@@ -52,4 +52,6 @@ def build(
         return FedAvgS(get("gamma_local"), get("gamma_global"), spec.decay)
     if isinstance(spec, ScaffoldSpec):
         return ScaffoldS(get("gamma_local"), get("gamma_global"))
-    return ScaffoldCatalystS(get("gamma_local"), get("gamma_global"), get("theta"), spec.stop)
+    return ScaffoldCatalystS(
+        get("gamma_local"), get("gamma_global"), get("theta"), spec.stop, spec.theta_rule, get("theta_scale")
+    )

@@ -25,11 +25,23 @@ The inner stop rule is pluggable (config `stop`):
              monotonicity (mu + theta) this bounds the distance to the proximal
              point, and it costs no communication.
 Metrics are taken at z~, the newest synchronized iterate.
+
+theta: fixed (the paper's theta = 1), or `theta_rule="estimated"`: the paper's
+theory sets theta = c mu (low heterogeneity) or beta - mu (high), with mu the
+strong monotonicity. mu = lambda = 1e-5 on the paper's problem is a worst case
+that the iterates never see (its operator's eigenvalues have real part ~1/2), and
+theta = beta - mu is far too large there (docs/experiments.md, ablations). So
+mu is estimated where the algorithm runs: the secant monotonicity
+    mu_hat = sum_k <G(z~_k) - G(z~_{k-1}), z~_k - z~_{k-1}> / sum_k ||z~_k - z~_{k-1}||^2
+over the syncs of a meta-iteration, from the G(z~) SCAFFOLD-S gathers anyway (no
+extra communication), and each meta-iteration starts with theta = c mu_hat of
+the previous one (the first uses the configured theta).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -53,6 +65,9 @@ class CatalystState:
     meta_iterations: NDArray[np.int64]  # completed meta-iterations t
     inner_syncs: NDArray[np.int64]  # syncs in the current meta-iteration
     syncs: int  # syncs in total
+    theta: Array  # the proximal weight of the current meta-iteration
+    secant_inner: Array  # sum over this meta-iteration's syncs of <dG, dz>
+    secant_norm: Array  # ... and of ||dz||^2
 
 
 class ScaffoldCatalystS(Algorithm[CatalystState]):
@@ -64,16 +79,21 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
         gamma_global: float | Array | None = None,
         theta: float | Array = 1.0,
         stop: FixedInnerStop | ObjectiveStop | GradientStop | None = None,
+        theta_rule: Literal["fixed", "estimated"] = "fixed",
+        theta_scale: float | Array = 1.0,
     ) -> None:
         self.gamma_local, self.gamma_global = check_steps(gamma_local, gamma_global)
         self.theta = positive("theta", theta)
         self.stop = stop if stop is not None else GradientStop()
+        self.theta_rule = theta_rule
+        self.theta_scale = positive("theta_scale", theta_scale)
 
-    def _regularized_objective(self, f: Array, z: Array, z_bar: Array) -> Array:
+    @staticmethod
+    def _regularized_objective(f: Array, z: Array, z_bar: Array, theta: Array) -> Array:
         half = z.shape[-1] // 2
         dx, dy = z[..., :half] - z_bar[..., :half], z[..., half:] - z_bar[..., half:]
         squares = np.sum(dx * dx, axis=-1, keepdims=True) - np.sum(dy * dy, axis=-1, keepdims=True)
-        result: Array = f + 0.5 * self.theta * squares
+        result: Array = f + 0.5 * theta * squares
         return result
 
     def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> CatalystState:
@@ -89,6 +109,9 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
             meta_iterations=zeros.astype(np.int64),
             inner_syncs=zeros.astype(np.int64),
             syncs=0,
+            theta=zeros + self.theta,
+            secant_inner=zeros,
+            secant_norm=zeros,
         )
 
     def step(self, state: CatalystState, pool: ClientPool, schedule: SyncSchedule) -> CatalystState:
@@ -99,15 +122,23 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
             tau=schedule.next_interval(),
             gamma_local=self.gamma_local,
             gamma_global=self.gamma_global,
-            theta=self.theta,
+            theta=state.theta,
             anchor=state.z_bar,
             want_objective=isinstance(self.stop, ObjectiveStop),
         )
         inner = state.inner_syncs + 1
         objective = state.last_objective
         if result.objective is not None:
-            objective = self._regularized_objective(result.objective, result.z_tilde, state.z_bar)
+            objective = self._regularized_objective(result.objective, result.z_tilde, state.z_bar, state.theta)
         done = self._inner_done(state, inner, result.z_tilde, result.grad_tilde, objective)
+        dz, dg = result.z_tilde - state.z_tilde, result.grad_tilde - state.grad_tilde
+        secant_inner = state.secant_inner + np.sum(dg * dz, axis=-1, keepdims=True)
+        secant_norm = state.secant_norm + np.sum(dz * dz, axis=-1, keepdims=True)
+        theta = state.theta
+        if self.theta_rule == "estimated":
+            usable = done & (secant_norm > 0) & (secant_inner > 0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                theta = np.where(usable, self.theta_scale * (secant_inner / secant_norm), theta)
         # Where a meta-iteration ends, z_bar^{t+1} <- z~; there the regularizer
         # vanishes, so G^theta = G and f^theta = f. (A mask, not a branch: in a
         # batch of runs each run ends its meta-iterations on its own schedule.)
@@ -121,6 +152,9 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
             meta_iterations=state.meta_iterations + done,
             inner_syncs=np.where(done, 0, inner),
             syncs=state.syncs + 1,
+            theta=theta,
+            secant_inner=np.where(done, 0.0, secant_inner),
+            secant_norm=np.where(done, 0.0, secant_norm),
         )
 
     def _inner_done(
@@ -134,7 +168,7 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
             change = np.abs(objective - state.last_objective)
             done: NDArray[np.bool_] = at_cap | (change <= stop.rtol * np.abs(state.last_objective))
             return done
-        grad_theta = grad + self.theta * (z - state.z_bar)
+        grad_theta = grad + state.theta * (z - state.z_bar)
         done = at_cap | (norm(grad_theta) <= stop.rtol * state.anchor_grad_norm)
         return done
 
