@@ -215,24 +215,26 @@ def _fmt(value: float) -> str:
     return "0" if value <= 1e-300 else f"{value:.1e}"
 
 
+def _table(caption: str, first: str, columns: Sequence[str], rows: Iterable[tuple[str, Sequence[str]]]) -> str:
+    """A Markdown table under its caption: a header of `first` and `columns`, then (label, cells) rows."""
+    lines = [caption, "", f"| {first} | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    return "\n".join(lines) + "\n"
+
+
 def markdown_table(best: dict[tuple[str, float], Best], algorithms: Sequence[str], convention: str) -> str:
-    s_values = sorted({s for _, s in best})
     counted = "every exchange counted" if convention == "exchanges" else "the paper's convention"
-    lines = [
+
+    def cell(b: Best) -> str:
+        return f"{_fmt(b.geometric_mean)} [{_fmt(min(b.finals))}, {_fmt(max(b.finals))}] ({b.step_scale:g})"
+
+    return _table(
         f"Final ||x - x*|| after the budget ({counted}): geometric mean over seeds [min, max], "
         "at the best of the three step sizes (its scale in parentheses).",
-        "",
-        "| s | " + " | ".join(algorithms) + " |",
-        "|---|" + "---|" * len(algorithms),
-    ]
-    for s in s_values:
-        cells = []
-        for algorithm in algorithms:
-            b = best[(algorithm, s)]
-            finals = b.finals
-            cells.append(f"{_fmt(b.geometric_mean)} [{_fmt(min(finals))}, {_fmt(max(finals))}] ({b.step_scale:g})")
-        lines.append(f"| {s:g} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        "s",
+        algorithms,
+        ((f"{s:g}", [cell(best[(a, s)]) for a in algorithms]) for s in sorted({s for _, s in best})),
+    )
 
 
 def accuracy_table(rows: Sequence[Row], algorithms: Sequence[str], accuracy: float) -> str:
@@ -248,21 +250,17 @@ def accuracy_table(rows: Sequence[Row], algorithms: Sequence[str], accuracy: flo
         median = sorted(values)[len(values) // 2]
         if (algorithm, s) not in fastest or median < fastest[(algorithm, s)][0]:
             fastest[(algorithm, s)] = (median, scale)
-    s_values = sorted({s for _, s in fastest})
-    lines = [
+
+    def cell(median: float, scale: float) -> str:
+        return "not reached" if not math.isfinite(median) else f"{int(median)} ({scale:g})"
+
+    return _table(
         f"Rounds until ||x - x*|| <= {accuracy:g}, every exchange counted: median over seeds, at the step of the "
         "grid that gets there fastest (its scale in parentheses); 'not reached' = not within the run's budget.",
-        "",
-        "| s | " + " | ".join(algorithms) + " |",
-        "|---|" + "---|" * len(algorithms),
-    ]
-    for s in s_values:
-        cells = []
-        for algorithm in algorithms:
-            median, scale = fastest[(algorithm, s)]
-            cells.append("not reached" if not math.isfinite(median) else f"{int(median)} ({scale:g})")
-        lines.append(f"| {s:g} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        "s",
+        algorithms,
+        ((f"{s:g}", [cell(*fastest[(a, s)]) for a in algorithms]) for s in sorted({s for _, s in fastest})),
+    )
 
 
 # -- figures ---------------------------------------------------------------------------
@@ -513,19 +511,23 @@ def run_ablations(
         "1e-16 are at the floating-point floor of a distance to z* = 0.\n",
     ]
     for title, note, variants in ablations(seeds):
-        lines += [f"## {title}\n", note + "\n", "| variant | " + " | ".join(f"s = {s:g}" for s in ABLATION_S) + " |"]
-        lines.append("|---|" + "---|" * len(ABLATION_S))
+        rows: list[tuple[str, list[str]]] = []
         for label, grid, algorithm in variants:
             members = grid.members(algorithm)
             results = run_batch([m for _, m in members], data)
             best = best_steps([Row(key, result) for (key, _), result in zip(members, results, strict=True)])
-            cells = [
-                f"{_fmt(best[(algorithm, s)].geometric_mean)} ({best[(algorithm, s)].step_scale:g})" for s in ABLATION_S
-            ]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            rows.append(
+                (
+                    label,
+                    [
+                        f"{_fmt(best[(algorithm, s)].geometric_mean)} ({best[(algorithm, s)].step_scale:g})"
+                        for s in ABLATION_S
+                    ],
+                )
+            )
             if progress:
                 progress(f"{title}: {label}")
-        lines.append("")
+        lines.append(_table(f"## {title}\n\n{note}", "variant", [f"s = {s:g}" for s in ABLATION_S], rows))
     (out / "ablations.md").write_text("\n".join(lines))
 
 
@@ -556,9 +558,8 @@ def run_noise(out: Path, command: str, s: float = 5.0, seeds: tuple[int, ...] = 
         f"Made by `{command}`. s = {s:g}, step 0.1/max(s, 1), tau = 20, {len(seeds)} seeds; gradient noise "
         "E||G^_i - G_i||^2 = sigma^2, fresh for every oracle call (SCAFFOLD's two evaluations are independent). "
         "Cells: median over seeds of ||x - x*|| over the last 10% of the budget (where the curve levels off).\n",
-        "| sigma | " + " | ".join(algorithms) + " |",
-        "|---|" + "---|" * len(algorithms),
     ]
+    rows: list[tuple[str, list[str]]] = []
     for ax, sigma in zip(axes, NOISE_LEVELS, strict=True):
         cells = []
         for algorithm in algorithms:
@@ -570,7 +571,7 @@ def run_noise(out: Path, command: str, s: float = 5.0, seeds: tuple[int, ...] = 
             ax.semilogy(xs, np.median(ys, axis=0), style, label=LABELS[algorithm])
             tail = ys[:, int(0.9 * length) :]
             cells.append(_fmt(float(np.median(tail))) if length else "diverged")
-        lines.append(f"| {sigma:g} | " + " | ".join(cells) + " |")
+        rows.append((f"{sigma:g}", cells))
         ax.set_title(f"sigma = {sigma:g}")
         ax.set_xlabel(_axis_label("exchanges"))
         ax.grid(True, which="both", alpha=0.3)
@@ -580,4 +581,5 @@ def run_noise(out: Path, command: str, s: float = 5.0, seeds: tuple[int, ...] = 
     fig.tight_layout()
     fig.savefig(out / "figure_noise.png")
     plt.close(fig)
-    (out / "noise.md").write_text("\n".join(lines) + "\n")
+    lines.append(_table("", "sigma", algorithms, rows).lstrip("\n"))
+    (out / "noise.md").write_text("\n".join(lines))

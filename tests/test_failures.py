@@ -9,8 +9,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 from conftest import CLIENT_ENV, start_clients, stop_processes
@@ -65,26 +68,44 @@ def write_config(path: Path, **fields: object) -> Path:
     return path
 
 
-def test_a_killed_client_stops_the_run_with_its_name_and_nothing_hangs(tmp_path: Path) -> None:
+@dataclass
+class UnderWay:
+    """A coordinator subprocess and its client processes, with a long run in progress."""
+
+    coordinator: Coordinator
+    clients: list[subprocess.Popen[bytes]]
+    client_codes: list[int] = field(default_factory=list)  # filled when the block ends
+
+
+@contextmanager
+def run_under_way(tmp_path: Path, algorithm: dict[str, Any], num_clients: int, **transport: Any) -> Iterator[UnderWay]:
+    """Start `fedsaddle coordinator` and one client process per client; yield once rounds are going."""
     config = write_config(
         tmp_path / "run.yaml",
-        problem={"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 1.0},
-        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
-        rounds=1_000_000,  # far longer than the test
-        transport={"round_timeout_s": 10, "join_timeout_s": 60},
+        problem={"name": "paper_regression", "num_clients": num_clients, "dim": 10, "s": 1.0},
+        algorithms=[algorithm],
+        rounds=1_000_000,  # far longer than any test
+        transport=transport,
         output={"plot": False},
     )
     coordinator = Coordinator(config, tmp_path / "runs")
     address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
-    clients = start_clients(address, ["0", "1", "2"])
+    state = UnderWay(coordinator, start_clients(address, [str(i) for i in range(num_clients)]))
     try:
-        coordinator.wait_for(r"round\s+\d+/1000000", 60)  # the run is under way
-        killed_at = time.monotonic()
-        clients[1].send_signal(signal.SIGKILL)
-        code, log = coordinator.finish(timeout=30)
-        elapsed = time.monotonic() - killed_at
+        coordinator.wait_for(r"round\s+\d+/1000000", 60)
+        yield state
     finally:
-        codes = stop_processes(clients)
+        state.client_codes = stop_processes(state.clients)
+
+
+def test_a_killed_client_stops_the_run_with_its_name_and_nothing_hangs(tmp_path: Path) -> None:
+    algorithm = {"name": "minibatch_md", "gamma": 0.01}
+    with run_under_way(tmp_path, algorithm, 3, round_timeout_s=10, join_timeout_s=60) as run:
+        killed_at = time.monotonic()
+        run.clients[1].send_signal(signal.SIGKILL)
+        code, log = run.coordinator.finish(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    codes = run.client_codes
     assert code == 1
     assert re.search(r"run failed: client 1 \(.* at ipv4:127\.0\.0\.1:\d+\) disconnected during round \d+", log), log
     assert elapsed < 10  # detected from the broken connection, before the round timeout
@@ -140,25 +161,12 @@ def test_a_client_without_a_coordinator_gives_up_with_a_clear_error() -> None:
 
 
 def test_sigterm_stops_every_process_cleanly_with_outputs_written(tmp_path: Path) -> None:
-    config = write_config(
-        tmp_path / "run.yaml",
-        problem={"name": "paper_regression", "num_clients": 2, "dim": 10, "s": 1.0},
-        algorithms=[{"name": "fedavg_s", "gamma_local": 0.01}],
-        rounds=1_000_000,
-        output={"plot": False},
-    )
-    coordinator = Coordinator(config, tmp_path / "runs")
-    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
-    clients = start_clients(address, ["0", "1"])
-    try:
-        coordinator.wait_for(r"round\s+\d+/1000000", 60)
-        coordinator.process.send_signal(signal.SIGTERM)
-        code, log = coordinator.finish(timeout=30)
-    finally:
-        codes = stop_processes(clients)
+    with run_under_way(tmp_path, {"name": "fedavg_s", "gamma_local": 0.01}, 2) as run:
+        run.coordinator.process.send_signal(signal.SIGTERM)
+        code, log = run.coordinator.finish(timeout=30)
     assert code == 0, log
     assert "stopped by SIGTERM; outputs written, clients told goodbye" in log
-    assert codes == [0, 0]
+    assert run.client_codes == [0, 0]
     (run_dir,) = list((tmp_path / "runs").iterdir())
     summary = yaml.safe_load((run_dir / "summary.json").read_text())
     assert summary["transport"]["failure"] == "stopped by SIGTERM"
@@ -166,22 +174,9 @@ def test_sigterm_stops_every_process_cleanly_with_outputs_written(tmp_path: Path
 
 
 def test_a_client_stopped_by_sigterm_exits_cleanly_and_is_named(tmp_path: Path) -> None:
-    config = write_config(
-        tmp_path / "run.yaml",
-        problem={"name": "paper_regression", "num_clients": 2, "dim": 10, "s": 1.0},
-        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
-        rounds=1_000_000,
-        output={"plot": False},
-    )
-    coordinator = Coordinator(config, tmp_path / "runs")
-    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
-    clients = start_clients(address, ["0", "1"])
-    try:
-        coordinator.wait_for(r"round\s+\d+/1000000", 60)
-        clients[0].send_signal(signal.SIGTERM)
-        code, log = coordinator.finish(timeout=30)
-    finally:
-        codes = stop_processes(clients)
+    with run_under_way(tmp_path, {"name": "minibatch_md", "gamma": 0.01}, 2) as run:
+        run.clients[0].send_signal(signal.SIGTERM)
+        code, log = run.coordinator.finish(timeout=30)
     assert code == 1
     assert re.search(r"run failed: client 0 \(.*\) disconnected during round \d+", log), log
-    assert codes == [0, 0]
+    assert run.client_codes == [0, 0]
