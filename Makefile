@@ -44,6 +44,7 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/round_latency.py
+	$(BIN)/python bench/paper_sweep.py
 
 # A development CA, a coordinator certificate and client certificates in certs/.
 certs:
