@@ -6,7 +6,7 @@ import hashlib
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -15,7 +15,7 @@ import numpy as np
 from fedsaddle.common import seeding
 from fedsaddle.common.config import AlgorithmSpec, RunConfig
 from fedsaddle.common.problems import Array, solution
-from fedsaddle.server.algorithms import SyncSchedule, build
+from fedsaddle.server.algorithms import Algorithm, SyncSchedule, build
 from fedsaddle.server.algorithms.base import norm
 from fedsaddle.server.pool import ClientPool, Diverged, RunInfo
 
@@ -59,6 +59,20 @@ class AlgorithmResult:
 
 ProgressHook = Callable[[str, int, int, float], None]
 
+COUNTERS = ("meta_iterations", "syncs", "steps", "theta")
+
+
+def state_counters(state: Any, run: int | None = None) -> dict[str, Any]:
+    """The counters a result reports from an algorithm state (of run `run` in a batch)."""
+    if state is None:
+        return {}
+    out = {}
+    for k in COUNTERS:
+        if hasattr(state, k):
+            value = np.asarray(getattr(state, k))
+            out[k] = (value[run] if run is not None and value.ndim else value).squeeze().tolist()
+    return out
+
 
 class RunStopped(Exception):
     """A run ended early by something other than divergence (a lost client, a signal).
@@ -81,6 +95,35 @@ def initial_point(config: RunConfig) -> Array:
     return seeding.rng(config.seed, seeding.INIT).standard_normal(dim)
 
 
+def budgeted_steps(
+    algorithm: Algorithm[Any], pool: ClientPool, schedule: SyncSchedule, z0: Array, config: RunConfig
+) -> Iterator[tuple[int, Any, Any, int]]:
+    """Init, then one step at a time while the next step fits the round budget.
+
+    Yields (steps taken, the state before the step, the state after it, paper
+    rounds spent) once after init (steps 0, before None) and after every step.
+    The budget counts rounds as `config.round_convention` says.
+    """
+    paper = config.round_convention == "paper"
+    init_cost = algorithm.init_cost()
+    if (init_cost.paper if paper else init_cost.exchanges) > config.rounds:
+        return
+    state = algorithm.init(z0, pool, schedule)
+    paper_rounds = init_cost.paper
+    yield 0, None, state, paper_rounds
+    steps = 0
+    while True:
+        cost = algorithm.step_cost(state)
+        spent = paper_rounds if paper else pool.traffic["algorithm"].rounds
+        if spent + (cost.paper if paper else cost.exchanges) > config.rounds:
+            return
+        with np.errstate(over="ignore", invalid="ignore"):  # divergence is reported, not warned about
+            before, state = state, algorithm.step(state, pool, schedule)
+        paper_rounds += cost.paper
+        steps += 1
+        yield steps, before, state, paper_rounds
+
+
 def run_algorithm(
     spec: AlgorithmSpec,
     config: RunConfig,
@@ -96,11 +139,9 @@ def run_algorithm(
     schedule = SyncSchedule(config.sync, config.seed)
     z_star = solution(config.problem, config.seed)
     d = config.problem.dim
-    paper_key = "paper" if config.round_convention == "paper" else "exchanges"
     records: list[dict[str, float | int]] = []
-    paper_rounds = 0
 
-    def record(z: Array, steps: int) -> None:
+    def record(z: Array, steps: int, paper_rounds: int) -> None:
         entry: dict[str, float | int] = {
             "step": steps,
             "rounds": pool.traffic["algorithm"].rounds,
@@ -119,40 +160,23 @@ def run_algorithm(
     state: Any = None
     z = initial_point(config)
     try:
-        init_cost = algorithm.init_cost()
-        if getattr(init_cost, paper_key) <= config.rounds:
-            state = algorithm.init(z, pool, schedule)
-            paper_rounds += init_cost.paper
+        for steps, _, state, paper_rounds in budgeted_steps(algorithm, pool, schedule, z, config):
             z = algorithm.iterate(state)
-            record(z, 0)
-            steps = 0
-            while True:
-                cost = algorithm.step_cost(state)
-                spent = pool.traffic["algorithm"].rounds if paper_key == "exchanges" else paper_rounds
-                if spent + getattr(cost, paper_key) > config.rounds:
-                    break
-                with np.errstate(over="ignore", invalid="ignore"):  # divergence is reported, not warned about
-                    state = algorithm.step(state, pool, schedule)
-                paper_rounds += cost.paper
-                steps += 1
-                z = algorithm.iterate(state)
-                record(z, steps)
-                if not np.isfinite(z).all():
-                    raise Diverged(pool.round_id, ())
-                if progress is not None:
-                    spent = pool.traffic["algorithm"].rounds if paper_key == "exchanges" else paper_rounds
-                    progress(name, spent, config.rounds, records[-1].get("dist_z", float("nan")))
+            record(z, steps, paper_rounds)
+            if steps == 0:
+                continue
+            if not np.isfinite(z).all():
+                raise Diverged(pool.round_id, ())
+            if progress is not None:
+                spent = paper_rounds if config.round_convention == "paper" else pool.traffic["algorithm"].rounds
+                progress(name, spent, config.rounds, records[-1].get("dist_z", float("nan")))
     except Diverged as exc:
         status, detail = "diverged", str(exc)
     except (Exception, KeyboardInterrupt) as exc:  # re-raised below, with the partial result
         status, detail, stopped_by = "stopped", str(exc) or type(exc).__name__, exc
     wall = time.perf_counter() - start
     last = records[-1] if records and status != "diverged" else {}
-    extra = {
-        k: np.asarray(getattr(state, k)).squeeze().tolist()
-        for k in ("meta_iterations", "syncs", "steps", "theta")
-        if hasattr(state, k)
-    }
+    extra = state_counters(state)
     result = AlgorithmResult(
         name=name,
         spec=spec.model_dump(mode="json"),

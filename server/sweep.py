@@ -26,7 +26,7 @@ from fedsaddle.common.problems import Array, Shards, make_shards, solution, stac
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.server.algorithms import Algorithm, SyncSchedule, build
 from fedsaddle.server.algorithms.base import norm
-from fedsaddle.server.coordinator import AlgorithmResult, initial_point
+from fedsaddle.server.coordinator import AlgorithmResult, budgeted_steps, initial_point, state_counters
 from fedsaddle.server.pool import Category, ClientPool, RunInfo, TrafficCounts
 
 
@@ -112,7 +112,6 @@ def run_batch(members: Sequence[BatchRun], data: dict[tuple[str, int], Shards] |
     schedule = SyncSchedule(first.sync, first.seed)
     z_star = np.stack([_solution(c) for c in configs])
     d = first.problem.dim
-    paper_key = "paper" if first.round_convention == "paper" else "exchanges"
     B = len(members)
     # Records are kept as columns (one row per step, one column per run) and turned
     # into each run's list of dicts at the end; `recorded` says which runs were
@@ -126,13 +125,12 @@ def run_batch(members: Sequence[BatchRun], data: dict[tuple[str, int], Shards] |
     stopped = np.zeros(B, dtype=bool)
     frozen: list[tuple[dict[Category, TrafficCounts], dict[str, Any]] | None] = [None] * B
     start = time.perf_counter()
-    paper_rounds = 0
 
-    def record(z: Array, steps: int, before: Any, after: Any) -> None:
+    def record(z: Array, steps: int, paper_rounds: int, before: Any, after: Any) -> None:
         for b in np.flatnonzero((pool.diverged_round >= 0) & ~stopped):
             snapshot = pool.traffic_at_divergence[b]
             assert snapshot is not None
-            frozen[b] = (snapshot, _extra(before, int(b)))
+            frozen[b] = (snapshot, state_counters(before, int(b)))
             stopped[b] = True
         with np.errstate(over="ignore", invalid="ignore"):
             columns["dist_x"].append(norm(z[..., :d] - z_star[..., :d])[:, 0])
@@ -145,35 +143,22 @@ def run_batch(members: Sequence[BatchRun], data: dict[tuple[str, int], Shards] |
         recorded.append(going.copy())
         last_z[going] = z[going]
         for b in np.flatnonzero(going & ~np.isfinite(z).all(axis=-1)):
-            frozen[b] = (copy.deepcopy(pool.traffic), _extra(after, int(b)))
+            frozen[b] = (copy.deepcopy(pool.traffic), state_counters(after, int(b)))
             stopped[b] = True
 
     z = np.stack([initial_point(c) for c in configs])
     state: Any = None
-    init_cost = algorithm.init_cost()
-    if getattr(init_cost, paper_key) <= first.rounds:
-        state = algorithm.init(z, pool, schedule)
-        paper_rounds += init_cost.paper
+    for steps, before, state, paper_rounds in budgeted_steps(algorithm, pool, schedule, z, first):
         z = algorithm.iterate(state)
-        record(z, 0, None, state)
-        steps = 0
-        while not stopped.all():
-            cost = algorithm.step_cost(state)
-            spent = pool.traffic["algorithm"].rounds if paper_key == "exchanges" else paper_rounds
-            if spent + getattr(cost, paper_key) > first.rounds:
-                break
-            with np.errstate(over="ignore", invalid="ignore"):  # divergence is flagged, not warned about
-                before, state = state, algorithm.step(state, pool, schedule)
-            paper_rounds += cost.paper
-            steps += 1
-            z = algorithm.iterate(state)
-            record(z, steps, before, state)
+        record(z, steps, paper_rounds, before, state)
+        if stopped.all():
+            break
     wall = time.perf_counter() - start
     records = _per_run_records(columns, recorded, B)
     results = []
     for b, member in enumerate(members):
         diverged = frozen[b] is not None
-        traffic, extra = frozen[b] or (pool.traffic, _extra(state, b))
+        traffic, extra = frozen[b] or (pool.traffic, state_counters(state, b))
         last = records[b][-1] if records[b] and not diverged else {}
         results.append(
             AlgorithmResult(
@@ -191,18 +176,6 @@ def run_batch(members: Sequence[BatchRun], data: dict[tuple[str, int], Shards] |
             )
         )
     return results
-
-
-def _extra(state: Any, b: int) -> dict[str, Any]:
-    """Run b's counters in a batch state, as run_algorithm reports them for a run alone."""
-    if state is None:
-        return {}
-    out = {}
-    for k in ("meta_iterations", "syncs", "steps", "theta"):
-        if hasattr(state, k):
-            value = getattr(state, k)
-            out[k] = np.asarray(value)[b].squeeze().tolist() if np.ndim(value) else value
-    return out
 
 
 def _per_run_records(

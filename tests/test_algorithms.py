@@ -185,3 +185,13 @@ def test_estimated_theta_is_a_secant_monotonicity_of_the_mean_operator() -> None
         LocalPool(),
     )[0]
     assert fixed.extra["theta"] == 1.0
+
+
+def test_the_sync_schedule_state_restores_the_same_draws() -> None:
+    # The coordinator's coin is part of a run's state: a checkpoint must restore it exactly.
+    schedule = SyncSchedule(config(algorithms=[ALL_FIVE[0]], sync={"kind": "random", "p": 0.1}).sync, seed=7)
+    [schedule.next_interval() for _ in range(3)]
+    saved = schedule.state()
+    ahead = [schedule.next_interval() for _ in range(5)]
+    schedule.restore(saved)
+    assert [schedule.next_interval() for _ in range(5)] == ahead
