@@ -85,6 +85,7 @@ class Federation(pb_grpc.CoordinatorServicer):
         self.all_joined = asyncio.Event()
         self.run: RunInfo | None = None
         self.pending: PendingRound | None = None
+        self.lost: dict[int, str] = {}  # client index -> how its session ended, until it rejoins
 
     # -- sessions --------------------------------------------------------------------
 
@@ -116,6 +117,7 @@ class Federation(pb_grpc.CoordinatorServicer):
         self.sessions[session.id] = session
         for i in session.indices:
             self.owner[i] = session
+            self.lost.pop(i, None)
         log.info("%s joined", session.describe())
         if not self.missing():
             self.all_joined.set()
@@ -172,6 +174,8 @@ class Federation(pb_grpc.CoordinatorServicer):
             return
         self.all_joined.clear()
         log.error("%s %s", session.describe(), reason)
+        for i in session.indices:
+            self.lost[i] = f"{session.describe()} {reason}"
         pending = self.pending
         if (
             pending is not None
@@ -302,7 +306,7 @@ class Federation(pb_grpc.CoordinatorServicer):
     # -- rounds (called from the pool through the loop) ------------------------------
 
     async def announce(self, run: RunInfo) -> None:
-        self._check_alive()
+        self._check_alive(f"before run {run.run_id}")
         self.run = run
         for session in self.live_sessions():
             session.outbox.put_nowait(_run_instruction(run))
@@ -312,7 +316,7 @@ class Federation(pb_grpc.CoordinatorServicer):
     ) -> tuple[list[Answer], int, int]:
         """Send one round's task to every session and wait for all answers."""
         assert self.run is not None
-        sessions = tuple(self._check_alive())
+        sessions = tuple(self._check_alive(f"before round {round_id}"))
         loop = asyncio.get_running_loop()
         pending = PendingRound(self.run.run_id, round_id, want_objective, sessions, loop.create_future())
         self.pending = pending
@@ -333,10 +337,14 @@ class Federation(pb_grpc.CoordinatorServicer):
             self.pending = None
         return [pending.answers[s.id] for s in sessions], size * len(sessions), pending.bytes_up
 
-    def _check_alive(self) -> list[Session]:
+    def _check_alive(self, when: str) -> list[Session]:
+        """The live sessions; ClientLost naming how each missing client went, if any is missing."""
         missing = self.missing()
         if missing:
-            raise ClientLost(f"clients {missing} are not connected", tuple(missing))
+            known = sorted({self.lost[i] for i in missing if i in self.lost})
+            unknown = [i for i in missing if i not in self.lost]
+            parts = [*known, *([f"clients {unknown} are not connected"] if unknown else [])]
+            raise ClientLost(f"{'; '.join(parts)} {when}", tuple(missing))
         return self.live_sessions()
 
     async def goodbye(self, reason: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
 from fedsaddle.server.coordinator import AlgorithmResult, run_algorithm
 from fedsaddle.server.grpc_pool import GrpcPool
 from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.pool import ClientLost, RunInfo
 
 RUN = config(
     problem={"name": "paper_regression", "num_clients": 2, "dim": 3, "s": 2.0},
@@ -170,3 +172,26 @@ def test_bad_joins_are_refused(indices: list[int], code: grpc.StatusCode, messag
             next(stub.Join(request))
         assert refused.value.code() == code
         assert message in refused.value.details()
+
+
+def test_a_client_gone_between_rounds_is_named_at_the_next_round() -> None:
+    pool = GrpcPool(1, "127.0.0.1:0")
+    try:
+        channel = grpc.insecure_channel(pool.address)
+        hand = HandClient(channel, [0])
+        pool.wait_for_clients(10)
+        run = config(problem={"name": "paper_regression", "num_clients": 1, "dim": 3}, algorithms=RUN.algorithms)
+        pool.start_run(RunInfo("between", run.problem, run.seed, 0.0))
+        first_round = threading.Thread(target=pool.gradients, args=(np.ones(6),))
+        first_round.start()
+        task = hand.next_task()
+        assert hand.submit(hand.good(task)) == grpc.StatusCode.OK
+        first_round.join(timeout=10)
+        channel.close()  # the client goes away while no round is open
+        deadline = time.monotonic() + 10
+        while pool.federation.missing() != [0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ClientLost, match=r"client 0 \(hand at ipv4:127\.0\.0\.1:\d+\) disconnected before round 2"):
+            pool.gradients(np.ones(6))
+    finally:
+        pool.close()
