@@ -28,8 +28,8 @@ lint: $(STAMP)
 
 $(TYPECHECK)/fedsaddle:
 	mkdir -p $@
-	for f in __init__.py __main__.py cli.py py.typed; do ln -sf ../../fedsaddle/$$f $@/$$f; done
-	for d in common client server proto; do ln -sfn ../../$$d $@/$$d; done
+	for f in __init__.py __main__.py cli.py launch.py progress.py py.typed; do ln -sf ../../fedsaddle/$$f $@/$$f; done
+	for d in common client server experiments proto; do ln -sfn ../../$$d $@/$$d; done
 
 typecheck: $(STAMP) $(TYPECHECK)/fedsaddle
 	cd $(TYPECHECK) && ../$(BIN)/mypy --config-file ../pyproject.toml -p fedsaddle

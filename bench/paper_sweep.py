@@ -1,9 +1,10 @@
 """Time the paper's sweep through the in-process transport, batched over runs.
 
 16 values of s x 3 step sizes x 5 algorithms x 5 seeds = 1200 runs of 500 rounds
-(n = 10, d = 10, tau = 20). Prints the time per algorithm and in total, as the
-median over --repeats sweeps, and the same for one run at a time on a sample
-(extrapolated) so that the batching's effect is visible.
+(n = 10, d = 10, tau = 20), as `fedsaddle experiment paper` runs them: one batch
+per algorithm, spread over one process per core. Prints the median over
+--repeats sweeps, the same on one process, and one run at a time on a sample
+(extrapolated), so that each layer's effect is visible.
 
     python bench/paper_sweep.py [--repeats 3]
 """
@@ -11,46 +12,53 @@ median over --repeats sweeps, and the same for one run at a time on a sample
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
-from fedsaddle.common.problems import Shards
-from fedsaddle.server.coordinator import run_algorithm
-from fedsaddle.server.experiment import PAPER_FIVE, Grid
+from fedsaddle.experiments.batch import run_batch, run_batches
+from fedsaddle.experiments.grid import PAPER_FIVE, Grid
+from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
-from fedsaddle.server.sweep import run_batch
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sample", type=int, default=12, help="runs per algorithm timed one at a time")
+    parser.add_argument("--sample", type=int, default=4, help="runs per algorithm timed one at a time")
     args = parser.parse_args()
     grid = Grid(algorithms=PAPER_FIVE)
     members = {a: [m for _, m in grid.members(a)] for a in PAPER_FIVE}
-    totals: list[float] = []
-    per_algorithm: dict[str, list[float]] = {a: [] for a in PAPER_FIVE}
-    for _ in range(args.repeats):
-        data: dict[tuple[str, int], Shards] = {}  # shards are built inside the timing
+    batches = [members[a] for a in PAPER_FIVE]
+    runs = sum(len(m) for m in batches)
+    cores = os.cpu_count() or 1
+
+    def timed(action: object) -> float:
         started = time.perf_counter()
-        for algorithm in PAPER_FIVE:
-            t = time.perf_counter()
-            run_batch(members[algorithm], data)
-            per_algorithm[algorithm].append(time.perf_counter() - t)
-        totals.append(time.perf_counter() - started)
-    runs = sum(len(m) for m in members.values())
-    print(f"paper sweep: {runs} runs x {grid.rounds} rounds, batched per algorithm, median of {args.repeats}")
+        action()  # type: ignore[operator]
+        return time.perf_counter() - started
+
+    parallel = [timed(lambda: run_batches(batches)) for _ in range(args.repeats)]
+    serial = [timed(lambda: run_batches(batches, workers=1)) for _ in range(args.repeats)]
+    print(f"paper sweep: {runs} runs x {grid.rounds} rounds, one batch per algorithm, median of {args.repeats}")
+    print(
+        f"  {cores} processes (the default): {statistics.median(parallel):6.2f} s"
+        f" (min {min(parallel):.2f}, max {max(parallel):.2f})"
+    )
+    print(
+        f"  1 process:                {statistics.median(serial):6.2f} s (min {min(serial):.2f}, max {max(serial):.2f})"
+    )
     for algorithm in PAPER_FIVE:
+        batched = timed(lambda algorithm=algorithm: run_batch(members[algorithm]))
         alone = members[algorithm][:: max(1, len(members[algorithm]) // args.sample)][: args.sample]
-        t = time.perf_counter()
+        started = time.perf_counter()
         for member in alone:
             run_algorithm(member.spec, member.config, LocalPool())
-        one_at_a_time = (time.perf_counter() - t) / len(alone) * len(members[algorithm])
+        one_at_a_time = (time.perf_counter() - started) / len(alone) * len(members[algorithm])
         print(
-            f"  {algorithm:<22} {statistics.median(per_algorithm[algorithm]):6.2f} s batched"
+            f"    {algorithm:<22} {batched:6.2f} s batched on 1 process"
             f"   ~{one_at_a_time:6.1f} s one run at a time (from {len(alone)} runs)"
         )
-    print(f"total: {statistics.median(totals):.2f} s (min {min(totals):.2f}, max {max(totals):.2f})")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 from fedsaddle.common.problems import PaperRegressionSpec
-from fedsaddle.server.grpc_pool import GrpcPool
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientPool, RunInfo
+from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 
 def time_rounds(pool: ClientPool, run: RunInfo, rounds: int, warmup: int = 3) -> list[float]:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from fedsaddle.client.worker import Worker
 from fedsaddle.common import wire
 from fedsaddle.common.problems import PaperRegressionSpec, QuadraticGameSpec, make_shards
 from fedsaddle.common.tasks import Answer
+from fedsaddle.common.worker import Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
 

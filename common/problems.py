@@ -24,12 +24,10 @@ from collections.abc import Sequence
 from typing import Annotated, Literal, Protocol
 
 import numpy as np
-from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedsaddle.common import seeding
-
-Array = NDArray[np.float64]
+from fedsaddle.common.numeric import Array
 
 
 class Shards(Protocol):
@@ -118,6 +116,17 @@ class PaperRegressionShards:
         stacked.lam = np.array([r.lam for r in runs], dtype=float)
         stacked._scratch = {}
         return stacked
+
+    def select_runs(self, runs: Sequence[int]) -> PaperRegressionShards:
+        """The stacked data of some runs of a batch (for a batch whose other runs have stopped)."""
+        selected = type(self).__new__(type(self))
+        selected.indices, selected.dim, selected.dimension = self.indices, self.dim, self.dimension
+        rows = list(runs)
+        selected.a, selected.b = self.a[..., rows].copy(), self.b[..., rows].copy()
+        selected._half_a, selected._half_b = 0.5 * selected.a, 0.5 * selected.b
+        selected.lam = np.asarray(self.lam)[rows]
+        selected._scratch = {}
+        return selected
 
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         d = self.dim
@@ -247,6 +256,9 @@ class StackedShards:
 
     def objective(self, z: Array) -> Array:
         return np.stack([run.objective(z[..., b]) for b, run in enumerate(self.runs)], axis=-1)
+
+    def select_runs(self, runs: Sequence[int]) -> StackedShards:
+        return StackedShards([self.runs[r] for r in runs])
 
 
 def stack_shards(runs: Sequence[Shards]) -> Shards:

@@ -1,23 +1,23 @@
 """What the coordinator asks of clients in one round, and what they answer.
 
-These are transport-free values: the in-process pool hands them straight to a
+These are transport-free values (immutable, and NamedTuples because a batch of
+runs makes many of them): the in-process pool hands them straight to a
 worker, the gRPC pool encodes them with `fedsaddle.common.wire`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
-from numpy.typing import NDArray
 
-Array = NDArray[np.float64]
+from fedsaddle.common.numeric import Array
+
 Decay = Literal["constant", "inverse_sqrt"]
 
 
-@dataclass(frozen=True)
-class GradientTask:
+class GradientTask(NamedTuple):
     """Evaluate G_i(z): the average of `batch` stochastic estimates, or exactly."""
 
     z: Array
@@ -29,8 +29,7 @@ class GradientTask:
         return [self.z]
 
 
-@dataclass(frozen=True)
-class LocalStepsTask:
+class LocalStepsTask(NamedTuple):
     """Run `steps` local steps from z_start; answer sum_l weight(k_l) * g_i^l.
 
     Step l (global index k_l = step_offset + l) moves z_i by
@@ -41,7 +40,7 @@ class LocalStepsTask:
 
     z_start: Array
     steps: int
-    gamma_local: float | Array  # an array: one per run of a batch (see server/sweep.py)
+    gamma_local: float | Array  # an array: one per run of a batch (see experiments/batch.py)
     step_offset: int = 0
     decay: Decay = "constant"
     control: Array | None = None

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from fedsaddle.common.problems import Array
+from fedsaddle.common.numeric import Array
 from fedsaddle.common.tasks import Answer, Decay, GradientTask, LocalStepsTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 

@@ -1,28 +1,39 @@
-"""The `fedsaddle` command: simulate, coordinator, client, local."""
+"""fedsaddle: federated minimax (saddle-point) optimization over gRPC.
+
+The command line is thin: it parses and checks arguments, then calls
+fedsaddle.launch (processes), fedsaddle.server.coordinator (runs) and
+fedsaddle.experiments (the paper's sweeps), and maps how they ended to an exit
+code: 0 done, 1 the run failed, 2 bad usage or config, 130 interrupted.
+Heavy modules are imported inside the commands, so `--help` stays fast.
+"""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedsaddle.common.config import ConfigError, RunConfig, load_config, parse_config, parse_indices
+from fedsaddle import __version__
+from fedsaddle.common.indices import parse_indices
+
+if TYPE_CHECKING:
+    from fedsaddle.server.config import RunConfig
+    from fedsaddle.server.coordinator import Outcome
+    from fedsaddle.server.pool import ClientPool
 
 log = logging.getLogger("fedsaddle")
 
-EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-class Stopped(Exception):
-    """SIGTERM: finish cleanly (outputs written, clients told goodbye)."""
+class UsageError(Exception):
+    """Arguments that cannot work together, or a file they name that cannot be read: exit 2."""
 
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -42,13 +53,69 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 
-def default_config() -> RunConfig:
-    """The built-in run: the paper's problem at s = 10, 500 rounds, all five algorithms."""
-    return parse_config(DEFAULT_CONFIG, source="built-in config")
+# -- argument types: checked values, errors that name them ----------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def address(allow_port_zero: bool) -> Callable[[str], str]:
+    """HOST:PORT with a port in range ([host]:port for IPv6)."""
+
+    def check(text: str) -> str:
+        host, sep, port = text.rpartition(":")
+        if not sep or not host:
+            raise argparse.ArgumentTypeError(f"must be HOST:PORT, got {text!r}")
+        low = 0 if allow_port_zero else 1
+        if not port.isdigit() or not low <= int(port) <= 65535:
+            raise argparse.ArgumentTypeError(f"port must be a number from {low} to 65535, got {port!r} in {text!r}")
+        return text
+
+    return check
+
+
+def indices(text: str) -> str:
+    try:
+        parse_indices(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+# -- commands -----------------------------------------------------------------------------
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    config = load_config(args.config) if args.config else default_config()
+    from fedsaddle.server.config import load_config, parse_config
+
+    config = load_config(args.config) if args.config else parse_config(DEFAULT_CONFIG, source="built-in config")
     updates: dict[str, Any] = {}
     if getattr(args, "out", None):
         updates["output"] = config.output.model_copy(update={"dir": args.out})
@@ -57,43 +124,26 @@ def _config(args: argparse.Namespace) -> RunConfig:
     return config.model_copy(update=updates) if updates else config
 
 
-# -- commands --------------------------------------------------------------------------
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
     from fedsaddle.server.local_pool import LocalPool
 
-    config = _config(args)
-    return _run_and_report(config, LocalPool(), {"kind": "in-process"})
-
-
-def _grpc_pool(config: RunConfig, listen: str) -> Any:
-    from fedsaddle.server.auth import Authenticator, server_credentials
-    from fedsaddle.server.grpc_pool import GrpcPool
-
-    transport = config.transport
-    return GrpcPool(
-        config.problem.num_clients,
-        listen,
-        chunk_bytes=transport.chunk_bytes,
-        round_timeout_s=transport.round_timeout_s,
-        server_credentials=server_credentials(transport.tls) if transport.tls else None,
-        authenticator=Authenticator.from_file(transport.credentials) if transport.credentials else None,
-    )
+    return _run(_config(args), LocalPool(), {"kind": "in-process"})
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    from fedsaddle.launch import coordinator_pool
+
     config = _config(args)
-    pool = _grpc_pool(config, config.transport.listen)
+    pool = coordinator_pool(config)
     try:
-        _install_sigterm()
+        _stop_on_sigterm()
         print(
             f"coordinator listening on {pool.address}; waiting for {config.problem.num_clients} clients",
             file=sys.stderr,
             flush=True,
         )
         pool.wait_for_clients(config.transport.join_timeout_s)
-        return _run_and_report(config, pool, {"kind": "grpc", "address": pool.address})
+        return _run(config, pool, {"kind": "grpc", "address": pool.address})
     finally:
         pool.close()
 
@@ -101,11 +151,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     from fedsaddle.client.service import ClientError, ClientOptions, serve
 
-    indices = parse_indices(args.clients)
     token = _read_token(args.token_file)
     options = ClientOptions(
         args.coordinator,
-        indices,
+        parse_indices(args.clients),
         name=args.name or "",
         connect_timeout_s=args.connect_timeout,
         credentials=_channel_credentials(args),
@@ -120,63 +169,53 @@ def cmd_client(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-@contextlib.contextmanager
-def _loopback_federation(config: RunConfig, per_process: int, quiet_clients: bool) -> Iterator[tuple[Any, int]]:
-    """A GrpcPool on 127.0.0.1 and client processes for every index; all stopped afterwards."""
-    n = config.problem.num_clients
-    pool = _grpc_pool(config, "127.0.0.1:0")
-    children: dict[subprocess.Popen[bytes], str] = {}
-    try:
-        for first in range(0, n, per_process):
-            last = min(first + per_process, n) - 1
-            spec = f"{first}-{last}" if last > first else str(first)
-            quiet = ["--quiet"] if quiet_clients else []
-            command = [sys.executable, "-m", "fedsaddle", *quiet, "client"]
-            children[subprocess.Popen([*command, "--coordinator", pool.address, "--clients", spec])] = spec
-        print(
-            f"coordinator on {pool.address}; started {len(children)} client processes for {n} clients",
-            file=sys.stderr,
-            flush=True,
-        )
-        _wait_for_children_to_join(pool, children, config.transport.join_timeout_s)
-        yield pool, len(children)
-    finally:
-        pool.close()
-        _reap(list(children))
-
-
 def cmd_local(args: argparse.Namespace) -> int:
     """A coordinator in this process and client processes on loopback."""
+    from fedsaddle.launch import loopback_federation
+
     config = _config(args)
     if config.transport.tls or config.transport.credentials:
-        raise ValueError("`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens")
-    _install_sigterm()
-    with _loopback_federation(config, max(1, args.clients_per_process), args.quiet_clients) as (pool, processes):
-        transport = {"kind": "grpc", "address": pool.address, "client_processes": processes}
-        return _run_and_report(config, pool, transport)
+        raise UsageError("`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens")
+    _stop_on_sigterm()
+    with loopback_federation(config, args.clients_per_process, args.quiet_clients) as (pool, processes):
+        transport = {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
+        return _run(config, pool, transport)
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    """The paper's Experiments section: the sweep, its figures and tables."""
-    from fedsaddle.server import experiment
+    """The paper's Experiments section, its ablations, and gradient noise."""
+    from fedsaddle.progress import Progress
 
-    if args.which == "noise":
-        out = Path(args.out) if args.out else Path("runs") / f"experiment-noise-{time.strftime('%Y%m%d-%H%M%S')}"
-        started = time.perf_counter()
-        experiment.run_noise(out, "fedsaddle " + " ".join(sys.argv[1:]))
-        print(f"report: {out} (noise.md, figure_noise.png; {time.perf_counter() - started:.1f} s)")
-        return EXIT_OK
-    if args.which == "ablations":
-        out = Path(args.out) if args.out else Path("runs") / f"experiment-ablations-{time.strftime('%Y%m%d-%H%M%S')}"
-        started = time.perf_counter()
-        experiment.run_ablations(
-            out, "fedsaddle " + " ".join(sys.argv[1:]), progress=lambda line: print(line, file=sys.stderr, flush=True)
-        )
-        print(f"report: {out / 'ablations.md'} ({time.perf_counter() - started:.1f} s)")
-        return EXIT_OK
+    out = Path(args.out) if args.out else Path("runs") / f"experiment-{args.which}-{time.strftime('%Y%m%d-%H%M%S')}"
+    command = "fedsaddle " + " ".join(sys.argv[1:])
+    progress = Progress(unit="run")
+    started = time.perf_counter()
+    try:
+        if args.which == "noise":
+            from fedsaddle.experiments.noise import run_noise
+
+            run_noise(out, command)
+            print(f"report: {out} (noise.md, figure_noise.png; {time.perf_counter() - started:.1f} s)")
+            return EXIT_OK
+        if args.which == "ablations":
+            from fedsaddle.experiments.ablations import run_ablations, variant_count
+
+            total = variant_count()
+            run_ablations(out, command, progress=lambda done: progress.update("ablation variants", done, total))
+            print(f"report: {out / 'ablations.md'} ({time.perf_counter() - started:.1f} s)")
+            return EXIT_OK
+        return _paper_experiment(args, out, command, progress)
+    finally:
+        progress.close()
+
+
+def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progress: Any) -> int:
+    from fedsaddle.experiments.grid import Grid, run_grid, run_rows_on
+    from fedsaddle.experiments.report import write_report
+
     grpc = args.transport == "grpc"
     default_s = (0.0, 5.0, 10.0) if grpc else tuple(float(s) for s in range(16))
-    grid = experiment.Grid(
+    grid = Grid(
         s_values=tuple(args.s) if args.s else default_s,
         seeds=tuple(range(args.seeds if args.seeds else (1 if grpc else 5))),
         rounds=args.rounds,
@@ -184,52 +223,34 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         tau=args.tau,
         overrides={"init": args.init},
     )
-    command = "fedsaddle " + " ".join(sys.argv[1:])
-    out = Path(args.out) if args.out else Path("runs") / f"experiment-paper-{time.strftime('%Y%m%d-%H%M%S')}"
-    runs = len(grid.algorithms) * len(grid.s_values) * len(grid.step_scales) * len(grid.seeds)
     print(
-        f"{runs} runs: {len(grid.s_values)} values of s x {len(grid.step_scales)} steps x {len(grid.seeds)} seeds"
+        f"{grid.size} runs: {len(grid.s_values)} values of s x {len(grid.step_scales)} steps x {len(grid.seeds)} seeds"
         f" x {len(grid.algorithms)} algorithms",
         file=sys.stderr,
     )
     started = time.perf_counter()
-    rows = experiment.run_grid(grid, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = run_grid(grid, progress=lambda done: progress.update("in-process sweep", done, grid.size))
     print(f"in-process sweep: {time.perf_counter() - started:.2f} s", file=sys.stderr)
-    if grpc:
-        first = grid.config(grid.algorithms[0], grid.s_values[0], grid.step_scales[0], grid.seeds[0])
-        with _loopback_federation(first, 1, True) as (pool, _):
-            remote = experiment.run_rows_on(pool, grid, [row.key for row in rows])
-        same = sum(
-            a.result.z_sha256 == b.result.z_sha256
-            and [r["dist_x"] for r in a.result.records] == [r["dist_x"] for r in b.result.records]
-            for a, b in zip(rows, remote, strict=True)
+    if not grpc:
+        write_report(out, grid, rows, command)
+        print(f"report: {out}  (runs.csv, figure1_curves.png, figure2_final_vs_s.png, table.md)")
+        return EXIT_OK
+    from fedsaddle.launch import loopback_federation
+
+    first = grid.config(grid.algorithms[0], grid.s_values[0], grid.step_scales[0], grid.seeds[0])
+    with loopback_federation(first, 1, True) as (pool, _):
+        remote = run_rows_on(
+            pool, grid, [row.key for row in rows], lambda done: progress.update("over gRPC", done, len(rows))
         )
-        print(f"gRPC (10 client processes) vs in-process batch: {same}/{len(rows)} runs identical bit for bit")
-        experiment.write_report(out, grid, remote, command)
-        print(f"report: {out}")
-        return EXIT_OK if same == len(rows) else EXIT_RUN_FAILED
-    experiment.write_report(out, grid, rows, command)
-    print(f"report: {out}  (runs.csv, figure1_curves.png, figure2_final_vs_s.png, table.md)")
-    return EXIT_OK
-
-
-def _wait_for_children_to_join(pool: Any, children: dict[subprocess.Popen[bytes], str], timeout: float) -> None:
-    """wait_for_clients, but give up at once if a client process exits first."""
-    from fedsaddle.server.grpc_pool import MissingClients
-    from fedsaddle.server.pool import PoolError
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            pool.wait_for_clients(min(0.5, max(0.01, deadline - time.monotonic())))
-            return
-        except MissingClients:
-            dead = [(spec, c.returncode) for c, spec in children.items() if c.poll() is not None]
-            if dead:
-                exits = ", ".join(f"clients {spec} (exit {code})" for spec, code in dead)
-                raise PoolError(f"client process(es) exited before joining: {exits}") from None
-            if time.monotonic() >= deadline:
-                raise
+    same = sum(
+        a.result.z_sha256 == b.result.z_sha256
+        and [r["dist_x"] for r in a.result.records] == [r["dist_x"] for r in b.result.records]
+        for a, b in zip(rows, remote, strict=True)
+    )
+    print(f"gRPC (10 client processes) vs in-process batch: {same}/{len(rows)} runs identical bit for bit")
+    write_report(out, grid, remote, command)
+    print(f"report: {out}")
+    return EXIT_OK if same == len(rows) else EXIT_RUN_FAILED
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -260,13 +281,12 @@ def cmd_new_token(args: argparse.Namespace) -> int:
     """Print a fresh token for a client identity, and the line for the credentials file."""
     import secrets
 
-    from fedsaddle.server.auth import token_hash
+    from fedsaddle.server.transport.auth import token_hash
 
-    indices = parse_indices(args.clients)
     token = secrets.token_urlsafe(32)
     print(f"# give this token to {args.name} (e.g. in a file for --token-file):\n{token}\n")
     print("# and add this to the coordinator's credentials file, under `identities:`")
-    spec = ",".join(str(i) for i in indices)
+    spec = ",".join(str(i) for i in parse_indices(args.clients))
     print(f"  {args.name}:\n    indices: [{spec}]\n    token_sha256: {token_hash(token)}")
     return EXIT_OK
 
@@ -274,54 +294,49 @@ def cmd_new_token(args: argparse.Namespace) -> int:
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
-    config = _config(args)
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    print(yaml.safe_dump(_config(args).model_dump(mode="json"), sort_keys=False), end="")
     return EXIT_OK
 
 
-# -- helpers ---------------------------------------------------------------------------
+# -- running a config and what its ending means ---------------------------------------------
 
 
-def _run_and_report(config: RunConfig, pool: Any, transport: dict[str, Any]) -> int:
-    from fedsaddle.server.coordinator import Progress, RunStopped, run_algorithm
-    from fedsaddle.server.pool import PoolError
-    from fedsaddle.server.report import make_run_dir, table, write_outputs
+def _run(config: RunConfig, pool: ClientPool, transport: dict[str, Any]) -> int:
+    from fedsaddle.progress import Progress
+    from fedsaddle.server.coordinator import run_config
+    from fedsaddle.server.report import table
 
     progress = Progress()
-    results = []
-    run_dir = make_run_dir(config)
-    failure: str | None = None
-    unexpected: BaseException | None = None
     try:
-        for spec in config.algorithms:
-            results.append(run_algorithm(spec, config, pool, progress=progress))
-            progress.finish(spec.display_name)
-    except RunStopped as stop:
-        results.append(stop.result)
-        if isinstance(stop.cause, Stopped):
-            failure = "stopped by SIGTERM"
-        elif isinstance(stop.cause, KeyboardInterrupt):
-            failure = "interrupted"
-        else:
-            failure = str(stop.cause)
-            if not isinstance(stop.cause, PoolError):
-                unexpected = stop.cause
-    write_outputs(run_dir, config, results, {**transport, "failure": failure})
-    if results:
-        print(table(results))
-    print(f"run directory: {run_dir}")
-    if unexpected is not None:
-        raise unexpected  # outputs so far are written; main() reports it
-    if failure == "stopped by SIGTERM":
+        outcome = run_config(config, pool, transport, progress.rounds)
+    finally:
+        progress.close()
+    if outcome.results:
+        print(table(outcome.results))
+    print(f"run directory: {outcome.run_dir}")
+    return _exit_code(outcome)
+
+
+def _exit_code(outcome: Outcome) -> int:
+    from fedsaddle.server.coordinator import Stopped
+
+    if outcome.unexpected:
+        assert outcome.cause is not None
+        raise outcome.cause  # outputs so far are written; main() reports it
+    if outcome.failure is None:
+        return EXIT_OK
+    if isinstance(outcome.cause, Stopped):
         log.info("stopped by SIGTERM; outputs written, clients told goodbye")
         return EXIT_OK
-    if failure is not None:
-        log.error("run failed: %s", failure)
-        return EXIT_RUN_FAILED
-    return EXIT_OK
+    if isinstance(outcome.cause, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    log.error("run failed: %s", outcome.failure)
+    return EXIT_RUN_FAILED
 
 
-def _install_sigterm() -> None:
+def _stop_on_sigterm() -> None:
+    from fedsaddle.server.coordinator import Stopped
+
     def stop(signum: int, frame: object) -> None:
         raise Stopped
 
@@ -333,7 +348,7 @@ def _read_token(path: str | None) -> str:
         try:
             return Path(path).read_text().strip()
         except OSError as exc:
-            raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
+            raise UsageError(f"cannot read token file {path}: {exc.strerror}") from None
     return os.environ.get("FEDSADDLE_TOKEN", "").strip()
 
 
@@ -343,10 +358,10 @@ def _channel_credentials(args: argparse.Namespace) -> Any:
 
     if not args.ca:
         if args.cert or args.key:
-            raise ValueError("--cert and --key need --ca (they are for mutual TLS)")
+            raise UsageError("--cert and --key need --ca (they are for mutual TLS)")
         return None
     if bool(args.cert) != bool(args.key):
-        raise ValueError("--cert and --key go together")
+        raise UsageError("--cert and --key go together")
 
     def read(path: str | None) -> bytes | None:
         if path is None:
@@ -354,111 +369,129 @@ def _channel_credentials(args: argparse.Namespace) -> Any:
         try:
             return Path(path).read_bytes()
         except OSError as exc:
-            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+            raise UsageError(f"cannot read {path}: {exc.strerror}") from None
 
     return grpc.ssl_channel_credentials(
         root_certificates=read(args.ca), private_key=read(args.key), certificate_chain=read(args.cert)
     )
 
 
-def _add_tls_options(p: argparse.ArgumentParser) -> None:
+# -- the parser -------------------------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default, and keeps descriptions as written."""
+
+
+def _global_flags(parser: argparse.ArgumentParser, top: bool) -> None:
+    # On the top-level parser these have defaults; on subcommands SUPPRESS keeps a flag
+    # given before the subcommand from being reset by the subcommand's parser.
+    default: Any = False if top else argparse.SUPPRESS
+    parser.add_argument("-v", "--verbose", action="store_true", default=default, help="log debug details")
+    parser.add_argument("-q", "--quiet", action="store_true", default=default, help="log warnings and errors only")
+
+
+def _tls_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ca", help="CA certificate (PEM) that signed the coordinator's; turns TLS on")
-    p.add_argument("--cert", help="this client's certificate (PEM), for mutual TLS")
-    p.add_argument("--key", help="this client's private key (PEM), for mutual TLS")
+    p.add_argument("--cert", help="this side's certificate (PEM), for mutual TLS")
+    p.add_argument("--key", help="this side's private key (PEM), for mutual TLS")
     p.add_argument("--server-name", help="name to expect in the coordinator's certificate (default: the host)")
 
 
-def _reap(children: Sequence[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
-    deadline = time.monotonic() + grace
-    for child in children:
-        try:
-            child.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.terminate()
-    for child in children:
-        try:
-            child.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedsaddle", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-    parser.add_argument("--quiet", action="store_true", help="log warnings and errors only")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="fedsaddle",
+        description="Federated minimax (saddle-point) optimization over gRPC: the five algorithms of "
+        "'Efficient Algorithms for Federated Saddle Point Optimization'.",
+        epilog="Run `fedsaddle COMMAND --help` for a command's options. Exit codes: 0 done, 1 the run failed, "
+        "2 bad usage or config, 130 interrupted.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"fedsaddle {__version__}")
+    _global_flags(parser, top=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+
+    def command(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        p = commands.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+        _global_flags(p, top=False)
+        p.set_defaults(func=func)
+        return p
 
     def with_config(p: argparse.ArgumentParser, required: bool) -> None:
-        p.add_argument("--config", required=required, help="run config (YAML or JSON)")
+        p.add_argument(
+            "--config",
+            required=required,
+            help="run config, YAML or JSON" + ("" if required else " (default: built-in)"),
+        )
         p.add_argument("--out", help="folder for run directories (overrides output.dir)")
 
-    p = commands.add_parser("simulate", help="run a config in one process (in-process transport)")
+    p = command("simulate", "run a config in one process (the in-process transport)", cmd_simulate)
     with_config(p, required=True)
-    p.set_defaults(func=cmd_simulate)
 
-    p = commands.add_parser("coordinator", help="serve a config to client processes over gRPC")
+    p = command("coordinator", "serve a config to client processes over gRPC", cmd_coordinator)
     with_config(p, required=True)
-    p.add_argument("--listen", help="HOST:PORT to listen on (overrides transport.listen)")
-    p.set_defaults(func=cmd_coordinator)
+    p.add_argument("--listen", type=address(True), help="HOST:PORT to listen on (overrides transport.listen)")
 
-    p = commands.add_parser("client", help="host clients' data and run their local steps")
-    p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
-    p.add_argument("--clients", required=True, help="client indices this process hosts: 3, 0,2,5 or 0-4")
-    p.add_argument("--name", help="name shown in the coordinator's logs (default host:pid)")
-    p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator")
+    p = command("client", "host clients' data and run their local steps", cmd_client)
+    p.add_argument("--coordinator", required=True, type=address(False), help="HOST:PORT of the coordinator")
+    p.add_argument("--clients", required=True, type=indices, help="client indices this process hosts: 3, 0,2,5 or 0-4")
+    p.add_argument("--name", help="name shown in the coordinator's logs (default: host:pid)")
+    p.add_argument("--connect-timeout", type=positive_float, default=60.0, help="seconds to wait for the coordinator")
     p.add_argument("--token-file", help="file holding this client's token (default: $FEDSADDLE_TOKEN, if set)")
-    _add_tls_options(p)
-    p.set_defaults(func=cmd_client)
+    _tls_options(p)
 
-    p = commands.add_parser("local", help="coordinator plus client processes on 127.0.0.1 (default: built-in config)")
+    p = command("local", "a coordinator and client processes on 127.0.0.1 (default: the built-in config)", cmd_local)
     with_config(p, required=False)
-    p.add_argument("--clients-per-process", type=int, default=1, help="clients hosted by each process")
+    p.add_argument("--clients-per-process", type=positive_int, default=1, help="clients hosted by each process")
     p.add_argument("--quiet-clients", action="store_true", help="clients log warnings and errors only")
-    p.set_defaults(func=cmd_local)
 
-    p = commands.add_parser("experiment", help="reproduce the paper's experiments (figures, tables, CSV)")
+    p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
         "which",
         choices=["paper", "ablations", "noise"],
-        help="the paper's sweep, ablations of its choices, or stochastic gradients",
+        help="the paper's sweep, ablations of its open choices, or stochastic gradients",
     )
-    p.add_argument("--seeds", type=int, help="seeds per setting (default 5; 1 with --transport grpc)")
-    p.add_argument("--s", type=float, nargs="+", help="values of s (default 0..15; 0 5 10 with --transport grpc)")
-    p.add_argument("--rounds", type=int, default=500, help="communication budget per run")
+    p.add_argument("--seeds", type=positive_int, help="seeds per setting (default 5; 1 with --transport grpc)")
+    p.add_argument(
+        "--s", type=non_negative_float, nargs="+", help="values of s (default 0..15; 0 5 10 with --transport grpc)"
+    )
+    p.add_argument("--rounds", type=positive_int, default=500, help="communication budget per run")
     p.add_argument("--convention", choices=["exchanges", "paper"], default="exchanges", help="what a round is")
-    p.add_argument("--tau", type=int, default=20, help="local steps per sync")
-    p.add_argument("--init", choices=["ones", "zeros", "random"], default="ones", help="starting point")
-    p.add_argument("--transport", choices=["inprocess", "grpc"], default="inprocess")
-    p.add_argument("--out", help="report folder (default runs/experiment-paper-<time>)")
-    p.set_defaults(func=cmd_experiment)
+    p.add_argument("--tau", type=positive_int, default=20, help="local steps per sync")
+    p.add_argument("--init", choices=["ones", "zeros", "random"], default="ones", help="starting point z0")
+    p.add_argument(
+        "--transport",
+        choices=["inprocess", "grpc"],
+        default="inprocess",
+        help="grpc: also run the points over 10 client processes and check them bit for bit",
+    )
+    p.add_argument("--out", help="report folder (default: runs/experiment-WHICH-TIME)")
 
-    p = commands.add_parser("health", help="check a coordinator's gRPC health service (exit 0 if serving)")
-    p.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT of the coordinator")
-    p.add_argument("--service", default="", help="service name to ask about ('' = the whole server)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
-    _add_tls_options(p)
-    p.set_defaults(func=cmd_health)
+    p = command("health", "check a coordinator's gRPC health service (exit 0 if serving)", cmd_health)
+    p.add_argument("--address", type=address(False), default="127.0.0.1:50051", help="HOST:PORT of the coordinator")
+    p.add_argument("--service", default="", help="service to ask about ('' = the whole server)")
+    p.add_argument("--timeout", type=positive_float, default=5.0, help="seconds to wait for the answer")
+    _tls_options(p)
 
-    p = commands.add_parser("new-token", help="make a token for a client identity")
+    p = command("new-token", "make a token for a client identity", cmd_new_token)
     p.add_argument("--name", required=True, help="the identity's name (e.g. site-a)")
-    p.add_argument("--clients", required=True, help="indices it may speak for: 3, 0,2,5 or 0-4")
-    p.set_defaults(func=cmd_new_token)
+    p.add_argument("--clients", required=True, type=indices, help="indices it may speak for: 3, 0,2,5 or 0-4")
 
-    p = commands.add_parser("show-config", help="print a config with every default filled in")
+    p = command("show-config", "print a config with every default filled in", cmd_show_config)
     p.add_argument("--config", help="config file (default: the built-in one)")
-    p.set_defaults(func=cmd_show_config)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    from fedsaddle.server.config import ConfigError
+    from fedsaddle.server.coordinator import Stopped
+
     try:
         code: int = args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, UsageError) as exc:
         print(f"fedsaddle: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Stopped:
@@ -466,11 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except KeyboardInterrupt:
         print("fedsaddle: interrupted", file=sys.stderr)
-        return 130
-    except ValueError as exc:
-        print(f"fedsaddle: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as exc:  # a failure we did not foresee: say what, not a traceback
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a failure not foreseen: say what, not a traceback
         if os.environ.get("FEDSADDLE_TRACEBACK"):
             raise
         from fedsaddle.server.pool import PoolError

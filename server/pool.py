@@ -1,32 +1,36 @@
-"""The client pool: the one interface the algorithms talk to, and where traffic is counted.
+"""The client pool: the one interface between the coordinator and its clients, and where traffic is counted.
 
-An algorithm asks the pool for collective exchanges: `gradients(...)` or
-`local_steps(...)`. Each call is one communication round: the coordinator sends
-one task to every client and every client answers. The pool returns the clients'
-answers stacked in client-index order; the algorithm aggregates them.
+The driver hands the pool each exchange an algorithm yields (`exchange(task)`).
+One exchange is one communication round: the coordinator sends the task to every
+client and every client answers. The pool returns the answers as `Answers`, one
+row per client in client-index order; the algorithm aggregates them.
 
 Two transports implement `_exchange`: LocalPool (in-process, for simulation and
 tests) and GrpcPool (client processes over gRPC). Counting happens here, in
-`_run_round`, identically for both; GrpcPool adds the bytes it really moved.
+`exchange`, identically for both, through `round_traffic`; GrpcPool adds the
+bytes it really moved.
 
-Counts are logical, per client: a round sends each participating client one
-message carrying the task's vectors and receives one message back carrying its
-answer vector. A client process that hosts several clients still counts one
-message per client (its real gRPC traffic, in bytes, is counted apart).
+Counts are logical, per client: a round sends each client one message carrying
+the task's vectors and receives one message back carrying its answer. A client
+process that hosts several clients still counts one message per client (its real
+gRPC traffic, in bytes, is counted apart).
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
-from fedsaddle.common.problems import Array, PaperRegressionSpec, QuadraticGameSpec
-from fedsaddle.common.tasks import Answer, GradientTask, LocalStepsTask, Task
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems import PaperRegressionSpec, QuadraticGameSpec
+from fedsaddle.common.tasks import Answer, GradientTask, Task
+from fedsaddle.server.algorithms.base import Answers
 
 Category = Literal["algorithm", "evaluation"]
+CATEGORIES: tuple[Category, ...] = ("algorithm", "evaluation")
 
 
 class PoolError(RuntimeError):
@@ -68,6 +72,21 @@ class RunInfo:
         return self.problem.num_clients
 
 
+class RoundTraffic(NamedTuple):
+    """One round's logical traffic: its n clients, and the float64 entries each sends and receives."""
+
+    num_clients: int
+    floats_down: int  # per client: the task's vectors
+    floats_up: int  # per client: its answer vector, plus f_i(z) when asked
+
+
+def round_traffic(task: Task, num_clients: int, dimension: int) -> RoundTraffic:
+    """The traffic of one round of `task`: the single definition of what a round costs."""
+    down = sum(v.shape[-1] for v in task.payload())
+    up = dimension + (1 if isinstance(task, GradientTask) and task.want_objective else 0)
+    return RoundTraffic(num_clients, down, up)
+
+
 @dataclass
 class TrafficCounts:
     """Traffic of one category. `floats` counts float64 vector entries."""
@@ -87,6 +106,18 @@ class TrafficCounts:
         self.per_client_floats_down = self.per_client_floats_down or [0] * self.num_clients
         self.per_client_floats_up = self.per_client_floats_up or [0] * self.num_clients
 
+    def add(self, traffic: RoundTraffic, times: int = 1) -> None:
+        """Count `times` rounds of the given traffic."""
+        n = traffic.num_clients
+        self.rounds += times
+        self.messages_down += n * times
+        self.messages_up += n * times
+        self.floats_down += n * traffic.floats_down * times
+        self.floats_up += n * traffic.floats_up * times
+        for i in range(n):
+            self.per_client_floats_down[i] += traffic.floats_down * times
+            self.per_client_floats_up[i] += traffic.floats_up * times
+
     def as_dict(self) -> dict[str, object]:
         return {
             "rounds": self.rounds,
@@ -101,32 +132,8 @@ class TrafficCounts:
         }
 
 
-@dataclass
-class GradientAnswers:
-    """Per-client gradient mappings (n, D) and, when asked, objective values (n,)."""
-
-    gradients: Array
-    objective: Array | None
-
-    def mean(self) -> Array:
-        return mean_over_clients(self.gradients)
-
-    def mean_objective(self) -> Array | None:
-        """(1/n) sum_i f_i(z) with a trailing axis of 1 (shape (1,), or (B, 1) for a batch of runs)."""
-        return None if self.objective is None else mean_over_clients(self.objective[..., None])
-
-
-def mean_over_clients(per_client: Array) -> Array:
-    """(1/n) sum_i v_i over axis -2 (the client axis), added one client at a time in index order.
-
-    The explicit loop fixes the order of additions, so the result is the same bits
-    whether or not a leading axis batches several runs together.
-    """
-    total = per_client[..., 0, :].copy()
-    for i in range(1, per_client.shape[-2]):
-        total += per_client[..., i, :]
-    result: Array = total / per_client.shape[-2]
-    return result
+def fresh_traffic(num_clients: int) -> dict[Category, TrafficCounts]:
+    return {category: TrafficCounts(num_clients) for category in CATEGORIES}
 
 
 class ClientPool(abc.ABC):
@@ -137,44 +144,42 @@ class ClientPool(abc.ABC):
         self.round_id = 0
         self.traffic: dict[Category, TrafficCounts] = {}
 
-    # -- the interface the algorithms use ------------------------------------------------
-
     def start_run(self, run: RunInfo) -> None:
         """Announce a run; counters and round ids start afresh."""
         self.run = run
         self.round_id = 0
-        self.traffic = {c: TrafficCounts(run.num_clients) for c in ("algorithm", "evaluation")}
+        self.traffic = fresh_traffic(run.num_clients)
         self._announce(run)
 
-    def gradients(
-        self,
-        z: Array,
-        *,
-        batch: int = 1,
-        exact: bool = False,
-        want_objective: bool = False,
-        category: Category = "algorithm",
-    ) -> GradientAnswers:
-        """One round: every client answers G_i(z) (a minibatch of `batch` estimates)."""
-        task = GradientTask(z=z, batch=batch, exact=exact, want_objective=want_objective)
-        vectors, objective = self._run_round(task, category)
-        return GradientAnswers(vectors, objective)
+    def exchange(self, task: Task, category: Category = "algorithm") -> Answers:
+        """One round: send the task to every client and return their answers in client-index order.
 
-    def local_steps(
-        self,
-        z_start: Array,
-        *,
-        steps: int,
-        gamma_local: float | Array,
-        step_offset: int = 0,
-        decay: Literal["constant", "inverse_sqrt"] = "constant",
-        control: Array | None = None,
-        theta: float | Array = 0.0,
-    ) -> Array:
-        """One round: every client runs local steps and answers its direction sum (n, D)."""
-        task = LocalStepsTask(z_start, steps, gamma_local, step_offset, decay, control, theta)
-        vectors, _ = self._run_round(task, "algorithm")
-        return vectors
+        The round is counted even when clients report non-finite results (then
+        Diverged is raised): it happened.
+        """
+        run = self._require_run()
+        self.round_id += 1
+        answers = self._exchange(task, self.round_id, category)
+        n, dim = run.num_clients, run.dimension
+        want_objective = isinstance(task, GradientTask) and task.want_objective
+        vectors = np.empty((n, dim))
+        objective = np.empty(n) if want_objective else None
+        diverged: list[int] = []
+        for answer in answers:
+            if answer.diverged:
+                diverged.extend(answer.indices)
+                continue
+            vectors[list(answer.indices)] = answer.vectors
+            if objective is not None and answer.objective is not None:
+                objective[list(answer.indices)] = answer.objective
+        self.traffic[category].add(round_traffic(task, n, dim))
+        if diverged:
+            raise Diverged(self.round_id, tuple(sorted(diverged)))
+        return Answers(vectors, objective)
+
+    def gradients(self, z: Array, *, exact: bool = False, category: Category = "algorithm") -> Answers:
+        """One round of G_i(z) from every client (a convenience over `exchange`)."""
+        return self.exchange(GradientTask(z, exact=exact), category)
 
     @property
     def num_clients(self) -> int:
@@ -182,39 +187,6 @@ class ClientPool(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the transport (end sessions, stop servers)."""
-
-    # -- counting: the one place ---------------------------------------------------------
-
-    def _run_round(self, task: Task, category: Category) -> tuple[Array, Array | None]:
-        run = self._require_run()
-        self.round_id += 1
-        answers = self._exchange(task, self.round_id, category)
-        n, dim = run.num_clients, run.dimension
-        runs = task.payload()[0].shape[:-1]  # () for one run, (B,) for a batch of runs
-        vectors = np.empty((*runs, n, dim))
-        objective = np.empty((*runs, n)) if isinstance(task, GradientTask) and task.want_objective else None
-        diverged: list[int] = []
-        for answer in answers:
-            if answer.diverged:
-                diverged.extend(answer.indices)
-                continue
-            vectors[..., list(answer.indices), :] = answer.vectors
-            if objective is not None and answer.objective is not None:
-                objective[..., list(answer.indices)] = answer.objective
-        counts = self.traffic[category]
-        counts.rounds += 1
-        down = sum(v.shape[-1] for v in task.payload())  # per client and per run
-        up = dim + (1 if objective is not None else 0)
-        counts.messages_down += n
-        counts.messages_up += n
-        counts.floats_down += n * down
-        counts.floats_up += n * up
-        for i in range(n):
-            counts.per_client_floats_down[i] += down
-            counts.per_client_floats_up[i] += up
-        if diverged:
-            raise Diverged(self.round_id, tuple(sorted(diverged)))
-        return vectors, objective
 
     def _require_run(self) -> RunInfo:
         if self.run is None:

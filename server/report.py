@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedsaddle.common.config import RunConfig
-from fedsaddle.server.coordinator import AlgorithmResult
+from fedsaddle.server.config import RunConfig
+from fedsaddle.server.driver import AlgorithmResult
 
 
 def make_run_dir(config: RunConfig) -> Path:

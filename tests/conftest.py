@@ -2,43 +2,26 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
-from fedsaddle.common.config import RunConfig, parse_config
-from fedsaddle.server.grpc_pool import GrpcPool
-
-CLIENT_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def client_command(address: str, spec: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "fedsaddle", "--quiet", "client", "--coordinator", address, "--clients", spec, *extra]
+from fedsaddle import launch
+from fedsaddle.launch import CLIENT_ENV  # noqa: F401 - shared with the tests
+from fedsaddle.server.config import RunConfig, parse_config
+from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 
 def start_clients(address: str, groups: Sequence[str]) -> list[subprocess.Popen[bytes]]:
-    return [
-        subprocess.Popen(client_command(address, spec), env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for spec in groups
-    ]
+    return launch.start_clients(address, groups)
 
 
 def stop_processes(processes: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> list[int]:
     """Wait for the processes to end (they should, after a goodbye); kill stragglers."""
-    codes = []
-    for process in processes:
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        codes.append(process.returncode)
-    return codes
+    return launch.reap(processes, grace)
 
 
 @contextmanager

@@ -3,7 +3,7 @@ independently of the implementation so that tests can hold it to them."""
 
 from __future__ import annotations
 
-from fedsaddle.common.config import RunConfig
+from fedsaddle.server.config import RunConfig
 
 
 def expected_traffic(config: RunConfig, algorithm: str, syncs: int | None = None) -> dict[str, int]:

@@ -10,10 +10,10 @@ from conftest import config
 from formulas import expected_traffic
 
 from fedsaddle.common.problems import make_shards
-from fedsaddle.server.algorithms import FedAvgS, ScaffoldS, SyncSchedule, load_state, save_state
+from fedsaddle.server.algorithms import FedAvgS, ScaffoldS, SyncSchedule, build, load_state, save_state
 from fedsaddle.server.algorithms.fedavg_s import FedAvgState
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldState
-from fedsaddle.server.coordinator import run_algorithm, run_all
+from fedsaddle.server.driver import run_algorithm, run_all
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import RunInfo
 
@@ -124,10 +124,15 @@ def test_random_synchronization_reproduces_exactly_and_depends_on_the_seed() -> 
 
 
 def test_random_sync_intervals_are_geometric_with_mean_one_over_p() -> None:
-    schedule = SyncSchedule(config(algorithms=[ALL_FIVE[0]], sync={"kind": "random", "p": 0.05}).sync, seed=0)
-    draws = np.array([schedule.next_interval() for _ in range(20000)])
-    assert draws.min() >= 1
-    assert draws.mean() == pytest.approx(20.0, rel=0.03)
+    schedule = SyncSchedule(p=0.05)
+    clock = schedule.start(seed=0)
+    draws = []
+    for _ in range(20000):
+        tau, clock = schedule.next_interval(clock)
+        draws.append(tau)
+    assert min(draws) >= 1
+    assert np.mean(draws) == pytest.approx(20.0, rel=0.03)
+    assert SyncSchedule(tau=20).minibatch == SyncSchedule(p=0.05).minibatch == 20  # MD's deterministic tau
 
 
 def test_stochastic_gradients_are_seeded_and_change_the_iterates() -> None:
@@ -146,20 +151,39 @@ def test_a_too_large_step_is_reported_as_diverged() -> None:
     assert "non-finite" in result.detail
 
 
-def test_state_round_trips_through_a_file(tmp_path: Any) -> None:
-    run = config(problem=GAME, algorithms=[ALL_FIVE[3]], rounds=5)
+def drive(exchanges: Any, pool: LocalPool) -> Any:
+    """Run an algorithm's init or step generator against a pool; its returned state."""
+    try:
+        task = next(exchanges)
+        while True:
+            task = exchanges.send(pool.exchange(task))
+    except StopIteration as done:
+        return done.value
+
+
+@pytest.mark.parametrize("sync", [{"kind": "fixed", "tau": 3}, {"kind": "random", "p": 0.3}], ids=["fixed", "random"])
+@pytest.mark.parametrize("algorithm", ALL_FIVE, ids=lambda a: a["name"])
+def test_a_saved_state_resumes_with_the_same_bits(
+    algorithm: dict[str, Any], sync: dict[str, Any], tmp_path: Any
+) -> None:
+    run = config(problem=GAME, algorithms=[algorithm], sync=sync, seed=4)
     pool = LocalPool()
     pool.start_run(RunInfo("r", run.problem, run.seed, 0.0))
-    algorithm = ScaffoldS(0.05)
-    schedule = SyncSchedule(run.sync, run.seed)
-    state = algorithm.step(algorithm.init(np.ones(8), pool, schedule), pool, schedule)
+    solver = build(run.algorithms[0], run.sync)
+    state = drive(solver.init(np.ones(8), run.seed), pool)
+    for _ in range(3):
+        state = drive(solver.step(state), pool)
     save_state(state, tmp_path / "state.npz")
-    loaded = load_state(ScaffoldState, tmp_path / "state.npz")
-    assert np.array_equal(loaded.z_tilde, state.z_tilde)
-    assert np.array_equal(loaded.grad_tilde, state.grad_tilde)
-    assert loaded.syncs == state.syncs == 1
-    with pytest.raises(ValueError, match="holds a ScaffoldState, not a FedAvgState"):
-        load_state(FedAvgState, tmp_path / "state.npz")
+    loaded = load_state(type(state), tmp_path / "state.npz")
+    # The state holds everything, the synchronization clock included: the same next steps, bit for bit.
+    ahead, again = state, loaded
+    for _ in range(4):
+        ahead, again = drive(solver.step(ahead), pool), drive(solver.step(again), pool)
+    assert np.array_equal(solver.iterate(ahead), solver.iterate(again))
+    assert repr(ahead) == repr(again)
+    other = ScaffoldState if type(state) is not ScaffoldState else FedAvgState
+    with pytest.raises(ValueError, match=f"holds a {type(state).__name__}, not a {other.__name__}"):
+        load_state(other, tmp_path / "state.npz")
 
 
 def test_invalid_steps_are_refused_at_construction() -> None:
@@ -187,11 +211,19 @@ def test_estimated_theta_is_a_secant_monotonicity_of_the_mean_operator() -> None
     assert fixed.extra["theta"] == 1.0
 
 
-def test_the_sync_schedule_state_restores_the_same_draws() -> None:
+def test_the_sync_clock_is_a_value_that_replays_the_same_draws() -> None:
     # The coordinator's coin is part of a run's state: a checkpoint must restore it exactly.
-    schedule = SyncSchedule(config(algorithms=[ALL_FIVE[0]], sync={"kind": "random", "p": 0.1}).sync, seed=7)
-    [schedule.next_interval() for _ in range(3)]
-    saved = schedule.state()
-    ahead = [schedule.next_interval() for _ in range(5)]
-    schedule.restore(saved)
-    assert [schedule.next_interval() for _ in range(5)] == ahead
+    schedule = SyncSchedule(p=0.1)
+    clock = schedule.start(seed=7)
+    for _ in range(3):
+        _, clock = schedule.next_interval(clock)
+    saved = clock
+    ahead = []
+    for _ in range(5):
+        tau, clock = schedule.next_interval(clock)
+        ahead.append(tau)
+    replay, clock = [], saved
+    for _ in range(5):
+        tau, clock = schedule.next_interval(clock)
+        replay.append(tau)
+    assert replay == ahead

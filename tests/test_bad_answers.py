@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 from conftest import config
 
-from fedsaddle.client.worker import Worker
 from fedsaddle.common import wire
 from fedsaddle.common.problems import make_shards
 from fedsaddle.common.tasks import Answer
+from fedsaddle.common.worker import Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
-from fedsaddle.server.coordinator import AlgorithmResult, run_algorithm
-from fedsaddle.server.grpc_pool import GrpcPool
+from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientLost, RunInfo
+from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 RUN = config(
     problem={"name": "paper_regression", "num_clients": 2, "dim": 3, "s": 2.0},

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fedsaddle.common.config import ConfigError, load_config, parse_config
+from fedsaddle.server.config import ConfigError, load_config, parse_config
 
 VALID: dict[str, Any] = {"algorithms": [{"name": "minibatch_md", "gamma": 0.1}]}
 

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from fedsaddle.cli import build_parser
-from fedsaddle.common.config import load_config, parse_indices
+from fedsaddle.common.indices import parse_indices
+from fedsaddle.server.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -10,9 +10,9 @@ import pytest
 from conftest import config, federation
 from formulas import expected_traffic
 
-from fedsaddle.server.coordinator import AlgorithmResult, run_algorithm
-from fedsaddle.server.grpc_pool import GrpcPool
+from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 FIVE: list[dict[str, Any]] = [
     {"name": "minibatch_md", "gamma": 0.02},

@@ -21,7 +21,7 @@ import yaml
 from conftest import CLIENT_ENV, config, stop_processes
 from test_failures import Coordinator, write_config
 
-from fedsaddle.server.coordinator import run_algorithm
+from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 
 pytestmark = [

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from conftest import CLIENT_ENV, config, stop_processes
 
-from fedsaddle.common.config import ConfigError, TlsSpec
-from fedsaddle.server.auth import Authenticator, server_credentials, token_hash
-from fedsaddle.server.coordinator import run_algorithm
-from fedsaddle.server.grpc_pool import GrpcPool
+from fedsaddle.server.config import ConfigError, TlsSpec
+from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.auth import Authenticator, server_credentials, token_hash
+from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = config(

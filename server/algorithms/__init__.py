@@ -1,26 +1,40 @@
-"""The five algorithms of the paper, written once against the ClientPool interface."""
+"""The five algorithms of the paper, each written once as single-run code (see base.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from fedsaddle.common.config import (
-    CatalystSpec,
-    FedAvgSpec,
-    MinibatchMDSpec,
-    MirrorProxSpec,
-    ScaffoldSpec,
+from fedsaddle.server.algorithms.base import Algorithm, Answers, Exchanges, StepCost, load_state, save_state
+from fedsaddle.server.algorithms.catalyst import (
+    FixedSyncs,
+    GradientMapping,
+    InnerStop,
+    ObjectiveDecrease,
+    ScaffoldCatalystS,
 )
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, load_state, save_state
-from fedsaddle.server.algorithms.catalyst import ScaffoldCatalystS
 from fedsaddle.server.algorithms.fedavg_s import FedAvgS
 from fedsaddle.server.algorithms.minibatch_md import MinibatchMirrorDescent
 from fedsaddle.server.algorithms.mirror_prox import MirrorProx
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldS
+from fedsaddle.server.algorithms.schedule import SyncSchedule
+from fedsaddle.server.config import (
+    AlgorithmSpec,
+    CatalystSpec,
+    FedAvgSpec,
+    FixedInnerStop,
+    FixedSync,
+    GradientStop,
+    MinibatchMDSpec,
+    MirrorProxSpec,
+    ObjectiveStop,
+    RandomSync,
+    ScaffoldSpec,
+)
 
 __all__ = [
     "Algorithm",
+    "Answers",
+    "Exchanges",
     "FedAvgS",
     "MinibatchMirrorDescent",
     "MirrorProx",
@@ -34,24 +48,37 @@ __all__ = [
 ]
 
 
-def build(
-    spec: MinibatchMDSpec | MirrorProxSpec | FedAvgSpec | ScaffoldSpec | CatalystSpec,
-    overrides: Mapping[str, Any] | None = None,
-) -> Algorithm[Any]:
-    """The algorithm a config entry describes; `overrides` replace numeric fields
-    (a batch of runs passes one value per run, see server/sweep.py)."""
+def schedule_of(sync: FixedSync | RandomSync) -> SyncSchedule:
+    return SyncSchedule(tau=sync.tau) if isinstance(sync, FixedSync) else SyncSchedule(p=sync.p)
 
-    def get(field: str) -> Any:
-        return overrides[field] if overrides and field in overrides else getattr(spec, field)
 
+def stop_rule(spec: FixedInnerStop | ObjectiveStop | GradientStop) -> InnerStop:
+    if isinstance(spec, FixedInnerStop):
+        return FixedSyncs(spec.inner_syncs)
+    if isinstance(spec, ObjectiveStop):
+        return ObjectiveDecrease(spec.rtol, spec.max_inner_syncs)
+    return GradientMapping(spec.rtol, spec.max_inner_syncs)
+
+
+def build(spec: AlgorithmSpec, sync: FixedSync | RandomSync, dim_x: int | None = None) -> Algorithm[Any]:
+    """The algorithm a config entry describes, under the run's synchronization schedule."""
+    schedule = schedule_of(sync)
     if isinstance(spec, MinibatchMDSpec):
-        return MinibatchMirrorDescent(get("gamma"))
+        return MinibatchMirrorDescent(spec.gamma, schedule.minibatch)
     if isinstance(spec, MirrorProxSpec):
-        return MirrorProx(get("gamma"))
+        return MirrorProx(spec.gamma, schedule.minibatch)
     if isinstance(spec, FedAvgSpec):
-        return FedAvgS(get("gamma_local"), get("gamma_global"), spec.decay)
+        return FedAvgS(spec.gamma_local, spec.gamma_global, spec.decay, schedule)
     if isinstance(spec, ScaffoldSpec):
-        return ScaffoldS(get("gamma_local"), get("gamma_global"))
+        return ScaffoldS(spec.gamma_local, spec.gamma_global, schedule)
+    assert isinstance(spec, CatalystSpec)
     return ScaffoldCatalystS(
-        get("gamma_local"), get("gamma_global"), get("theta"), spec.stop, spec.theta_rule, get("theta_scale")
+        spec.gamma_local,
+        spec.gamma_global,
+        spec.theta,
+        stop_rule(spec.stop),
+        spec.theta_rule,
+        spec.theta_scale,
+        schedule,
+        dim_x,
     )

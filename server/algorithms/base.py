@@ -1,76 +1,128 @@
-"""What every algorithm shares: the step protocol, the sync schedule, state files.
+"""What every algorithm shares: the exchange protocol, answers, costs, checks, state files.
 
-An algorithm is (init, step) over an explicit state object: `init` may spend
-rounds (SCAFFOLD-S gathers G(z0)), `step` advances by one sync (or one MD / MP
-step) and returns a new state. The state is a frozen dataclass of arrays and
-numbers, so it can be saved after any step (`save_state`) and read back.
+An algorithm is plain single-run code that never touches a transport, in the
+style of sans-I/O protocol libraries. `init` and `step` are generators: each
+*yields* the exchange it needs next (a `GradientTask` or `LocalStepsTask`, see
+common/tasks.py), receives the clients' `Answers`, and finally *returns* the new
+state:
+
+    def step(self, state):
+        answers = yield GradientTask(state.z)          # clients send G_i(z)
+        return MDState(z=state.z - self.gamma * answers.mean(), ...)
+
+Whoever drives the generator decides how an exchange happens: one run over a
+pool (server/driver.py: in-process or over gRPC), or many runs at once whose
+pending exchanges go through one vectorized worker call (experiments/batch.py).
+
+A state is a NamedTuple of arrays and numbers (as in Optax), the synchronization
+clock included, so it can be saved after any step and read back (`save_state`).
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 import json
+import typing
+from collections.abc import Generator
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
-from fedsaddle.common import seeding
-from fedsaddle.common.config import FixedSync, RandomSync
-from fedsaddle.common.problems import Array
-from fedsaddle.server.pool import ClientPool
+from fedsaddle.common.numeric import Array, ordered_sum
+from fedsaddle.common.tasks import Task
 
 State = TypeVar("State")
+T = TypeVar("T")
 
 
-@dataclasses.dataclass(frozen=True)
-class StepCost:
-    """Rounds one step spends, counted both ways (see README, Communication)."""
+class Answers:
+    """The answers to one exchange: one row per answering client, in client-index order.
+
+    `mean()` is the aggregation rule, the only one in fedsaddle: the paper's
+    (1/n) sum_i v_i, or, when the run weights clients by their sample counts,
+    sum_i m_i v_i / sum_i m_i. Either way the sum runs in client-index order. A
+    driver that aggregates many runs at once may pass the means in (`aggregated`),
+    computed by the same rule.
+    """
+
+    __slots__ = ("_mean", "_mean_objective", "indices", "objective", "vectors", "weights")
+    _mean: Array | None
+    _mean_objective: float | None
+
+    def __init__(
+        self,
+        vectors: Array,
+        objective: Array | None = None,
+        weights: Array | None = None,
+        indices: tuple[int, ...] | None = None,
+        aggregated: tuple[Array, float | None] | None = None,
+    ) -> None:
+        self.vectors = vectors  # (m, D)
+        self.objective = objective  # (m,) f_i(z), when the task asked for it
+        self.weights = weights  # (m,) sample counts, or None for uniform weights
+        self.indices = indices  # the answering clients; None: all n, in order
+        self._mean, self._mean_objective = aggregated if aggregated is not None else (None, None)
+
+    def mean(self) -> Array:
+        """The aggregated vector (D,)."""
+        if self._mean is None:
+            self._mean = aggregate(self.vectors[None], self.weights)[0]
+        return self._mean
+
+    def mean_objective(self) -> float | None:
+        """f(z) = the aggregated f_i(z), when the task asked for objectives."""
+        if self.objective is None:
+            return None
+        if self._mean_objective is None:
+            self._mean_objective = float(aggregate(self.objective[None, :, None], self.weights)[0, 0])
+        return self._mean_objective
+
+
+def aggregate(rows: Array, weights: Array | None = None) -> Array:
+    """The aggregation rule over axis 1 of (runs, clients, D): (runs, D), clients added in index order."""
+    if weights is None:
+        result: Array = ordered_sum(rows.swapaxes(0, 1)) / rows.shape[1]
+        return result
+    column = weights[None, :, None]
+    total = float(ordered_sum(weights[:, None])[0])
+    weighted: Array = ordered_sum((column * rows).swapaxes(0, 1)) / total
+    return weighted
+
+
+# What `init` and `step` are: generators of exchanges that return a value.
+Exchanges = Generator[Task, Answers, T]
+
+
+def no_exchange(value: T) -> Exchanges[T]:
+    """An exchange generator that needs no round and returns `value` (for pure steps)."""
+    yield from ()
+    return value
+
+
+class StepCost(NamedTuple):
+    """Rounds one step spends, counted both ways (README, Communication accounting)."""
 
     exchanges: int  # every coordinator <-> clients exchange
     paper: int  # the paper's convention: syncs (and Mirror-prox's two gathers)
 
 
-class SyncSchedule:
-    """Draws the number of local steps before each sync.
-
-    Fixed: always tau. Random: the paper flips a coin with probability p after
-    every local step; the number of steps up to and including the first success
-    is Geometric(p), so the coordinator draws it once per sync from its seeded
-    stream and sends it with the task (identical in distribution, one draw).
-    """
-
-    def __init__(self, spec: FixedSync | RandomSync, seed: int) -> None:
-        self.spec = spec
-        self._rng = seeding.rng(seed, seeding.SYNC)
-
-    def next_interval(self) -> int:
-        if isinstance(self.spec, FixedSync):
-            return self.spec.tau
-        return int(self._rng.geometric(self.spec.p))
-
-    def state(self) -> dict[str, Any]:
-        return dict(self._rng.bit_generator.state)
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._rng.bit_generator.state = state
-
-
 class Algorithm(abc.ABC, Generic[State]):
+    """One of the paper's algorithms, as generators of exchanges over an explicit state."""
+
     name: str
 
     @abc.abstractmethod
-    def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> State:
-        """The starting state (may spend rounds; see init_cost)."""
+    def init(self, z0: Array, seed: int) -> Exchanges[State]:
+        """The starting state from z0 (SCAFFOLD-S spends a round on G(z0))."""
 
     @abc.abstractmethod
-    def step(self, state: State, pool: ClientPool, schedule: SyncSchedule) -> State:
-        """One sync (or one MD/MP step)."""
+    def step(self, state: State) -> Exchanges[State]:
+        """One sync (or one Minibatch MD / Mirror-prox step)."""
 
     @abc.abstractmethod
     def iterate(self, state: State) -> Array:
-        """The coordinator's current iterate: what metrics are taken at."""
+        """The coordinator's current iterate: where metrics are taken."""
 
     @abc.abstractmethod
     def step_cost(self, state: State) -> StepCost:
@@ -80,41 +132,49 @@ class Algorithm(abc.ABC, Generic[State]):
         return StepCost(0, 0)
 
 
-# -- arithmetic that must not depend on batching ----------------------------------------
-
-
-def norm(v: Array) -> Array:
-    """Euclidean norm over the last axis, kept as a trailing axis of 1.
-
-    Used for every norm an algorithm or a metric takes, so that one run alone and
-    the same run inside a batch of runs compute it with the same additions.
-    """
-    result: Array = np.sqrt(np.sum(v * v, axis=-1, keepdims=True))
-    return result
-
-
-def positive(name: str, value: float | Array, allow_zero: bool = False) -> float | Array:
-    """Check a step size or weight (a number, or one per run of a batch)."""
-    values = np.asarray(value, dtype=float)
-    ok = values >= 0 if allow_zero else values > 0
-    if not (np.all(ok) and np.all(np.isfinite(values))):
+def positive(name: str, value: float, allow_zero: bool = False) -> float:
+    """Check a step size or weight once, at construction, naming it if it is out of range."""
+    if not (np.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-    return value
+    return float(value)
 
 
 # -- state files -----------------------------------------------------------------------
 
 
+def _flatten(state: Any, prefix: str = "") -> tuple[dict[str, Array], dict[str, Any]]:
+    """A state's arrays (by dotted field name) and its other fields (JSON), nested states included."""
+    arrays: dict[str, Array] = {}
+    scalars: dict[str, Any] = {}
+    for name, value in zip(state._fields, state, strict=True):
+        if isinstance(value, np.ndarray):
+            arrays[prefix + name] = value
+        elif hasattr(value, "_fields"):
+            inner_arrays, scalars[name] = _flatten(value, f"{prefix}{name}.")
+            arrays.update(inner_arrays)
+        else:
+            scalars[name] = value
+    return arrays, scalars
+
+
+def _build(cls: type[Any], scalars: dict[str, Any], arrays: dict[str, Array], prefix: str = "") -> Any:
+    types = typing.get_type_hints(cls)
+    values = []
+    for name in cls._fields:
+        if prefix + name in arrays:
+            values.append(arrays[prefix + name])
+        elif hasattr(types[name], "_fields"):
+            values.append(_build(types[name], scalars[name], arrays, f"{prefix}{name}."))
+        else:
+            values.append(scalars[name])
+    return cls(*values)
+
+
 def save_state(state: Any, path: str | Path) -> None:
-    """Write a state dataclass to an .npz file (arrays exact, numbers as JSON)."""
-    arrays = {
-        f.name: getattr(state, f.name)
-        for f in dataclasses.fields(state)
-        if isinstance(getattr(state, f.name), np.ndarray)
-    }
-    scalars = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in arrays}
+    """Write a state (a NamedTuple, nested ones too) to an .npz file: arrays exact, the rest as JSON."""
+    arrays, scalars = _flatten(state)
     meta = json.dumps({"type": type(state).__name__, "scalars": scalars})
-    np.savez(Path(path), __meta__=np.array(meta), **arrays)
+    np.savez(Path(path), __meta__=np.array(meta), **arrays)  # type: ignore[arg-type]
 
 
 def load_state(cls: type[State], path: str | Path) -> State:
@@ -123,6 +183,6 @@ def load_state(cls: type[State], path: str | Path) -> State:
         meta = json.loads(str(data["__meta__"]))
         if meta["type"] != cls.__name__:
             raise ValueError(f"{path} holds a {meta['type']}, not a {cls.__name__}")
-        fields = {name: data[name].copy() for name in data.files if name != "__meta__"}
-    fields.update(meta["scalars"])
-    return cls(**fields)
+        arrays = {name: data[name].copy() for name in data.files if name != "__meta__"}
+    result: State = _build(cls, meta["scalars"], arrays)
+    return result

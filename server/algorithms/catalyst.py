@@ -1,73 +1,132 @@
-"""SCAFFOLD-Catalyst-S (paper, Algorithm SCAFFOLD-Catalyst-S).
+"""SCAFFOLD-Catalyst-S (paper, Algorithm SCAFFOLD-Catalyst-S), line by line:
 
-Meta-iteration t runs SCAFFOLD-S on the regularized clients
-    f_i^theta(x, y) = f_i(x, y) + theta/2 ||x - x_bar^t||^2 - theta/2 ||y - y_bar^t||^2,
-whose gradient mapping is G_i^theta(z) = G_i(z) + theta (z - z_bar^t), warm-started
-at z_bar^t, and sets z_bar^{t+1} to the point it reaches.
+    box                                                    code
+    for t = 0, 1, ...:                                     CatalystState.meta_iterations = t
+      communicate z_bar^t to all clients                   (not needed, see below)
+      f_i^theta = f_i + theta/2 ||x - x_bar^t||^2          step: inner SCAFFOLD-S syncs on
+                      - theta/2 ||y - y_bar^t||^2            G_i^theta(z) = G_i(z) + theta (z - z_bar^t)
+      z_bar^{t+1} <- SCAFFOLD-S({f_i^theta}, p)            when the inner stop rule says the subproblem
+                                                             is solved: z_bar^{t+1} = z~, t <- t + 1
 
-Communication: the box sends z_bar^t to the clients at every meta-iteration. It
-is not needed: in SCAFFOLD's local direction
-    G_i^theta(z_i) - G_i^theta(z~) + G^theta(z~)
-      = G_i(z_i) - G_i(z~) + theta (z_i - z~) + [G(z~) + theta (z~ - z_bar)]
-the anchor appears only in the bracket, which the coordinator computes and
-broadcasts as the control. The gradient rounds gather the plain G_i(z~), and the
-coordinator adds theta (z~ - z_bar) itself. A meta-iteration starts where the
-last one stopped, whose G was just gathered, so R inner syncs in total cost
-1 + 2R exchanges whatever the number of meta-iterations.
+One `step` is one sync of the inner solver, so the round budget, metrics and
+checkpoints work per sync as for the other algorithms; the meta-loop is the
+state's (z_bar, meta_iterations, inner_syncs). Each meta-iteration warm-starts
+SCAFFOLD-S where the last one stopped, whose G(z~) was just gathered, so R inner
+syncs cost 1 + 2R exchanges whatever the number of meta-iterations.
 
-The inner stop rule is pluggable (config `stop`):
+Where the code departs from the box: z_bar^t never travels. In SCAFFOLD's local
+direction G_i^theta(z_i) - G_i^theta(z~) + G^theta(z~) the anchor cancels except
+in the control G(z~) + theta (z~ - z_bar), which the coordinator computes and
+broadcasts anyway. The gradient rounds gather the plain G_i(z~).
+
+The inner stop rule is a small strategy (config `stop`):
   fixed      exactly `inner_syncs` syncs per meta-iteration;
-  objective  the paper's heuristic (Experimental Details: "sufficient objective
-             decrease"): stop when the regularized objective f^theta(z~) changes
-             by at most rtol relative to its previous value. f_i(z~) rides on
-             the gradient round (one more float per client);
+  objective  the paper's heuristic (Experimental Details, "sufficient objective
+             decrease"): stop when f^theta(z~) changes by at most rtol relative
+             to its previous value; f_i(z~) rides on the gradient round (one
+             more float per client);
   gradient   stop when ||G^theta(z~)|| <= rtol ||G(z_bar)||. By strong
              monotonicity (mu + theta) this bounds the distance to the proximal
              point, and it costs no communication.
-Metrics are taken at z~, the newest synchronized iterate.
 
-theta: fixed (the paper's theta = 1), or `theta_rule="estimated"`: the paper's
-theory sets theta = c mu (low heterogeneity) or beta - mu (high), with mu the
-strong monotonicity. mu = lambda = 1e-5 on the paper's problem is a worst case
-that the iterates never see (its operator's eigenvalues have real part ~1/2), and
-theta = beta - mu is far too large there (docs/experiments.md, ablations). So
-mu is estimated where the algorithm runs: the secant monotonicity
+theta is fixed (the paper's theta = 1) or estimated: the theory sets theta = c mu
+(low heterogeneity) or beta - mu (high), with mu the strong monotonicity, which
+the paper's mu = lambda = 1e-5 badly understates where the iterates live. So mu
+is estimated along the way by the secant monotonicity
     mu_hat = sum_k <G(z~_k) - G(z~_{k-1}), z~_k - z~_{k-1}> / sum_k ||z~_k - z~_{k-1}||^2
-over the syncs of a meta-iteration, from the G(z~) SCAFFOLD-S gathers anyway (no
-extra communication), and each meta-iteration starts with theta = c mu_hat of
-the previous one (the first uses the configured theta).
+over one meta-iteration's syncs, from the G(z~) SCAFFOLD-S gathers anyway, and
+the next meta-iteration uses theta = c mu_hat (the first uses the configured
+theta). Metrics are taken at z~, the newest synchronized iterate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
-import numpy as np
-from numpy.typing import NDArray
+from fedsaddle.common.numeric import Array, dot, norm
+from fedsaddle.common.tasks import GradientTask
+from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, positive
+from fedsaddle.server.algorithms.scaffold_s import ScaffoldS, ScaffoldState
+from fedsaddle.server.algorithms.schedule import SyncSchedule
 
-from fedsaddle.common.config import FixedInnerStop, GradientStop, ObjectiveStop
-from fedsaddle.common.problems import Array
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, norm, positive
-from fedsaddle.server.algorithms.scaffold_s import check_steps, gather_gradient, scaffold_sync
-from fedsaddle.server.pool import ClientPool
+# -- the inner stop rule -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CatalystState:
-    """Per-run scalars keep a trailing axis of 1 (shape (1,), or (B, 1) in a batch of runs)."""
+_COST = StepCost(exchanges=2, paper=1)
+_INIT_COST = StepCost(exchanges=1, paper=0)
 
-    z_bar: Array  # the meta-iterate (anchor of the regularizer)
-    z_tilde: Array  # inner SCAFFOLD-S's last synchronized iterate
+
+class InnerProgress(NamedTuple):
+    """What a stop rule may look at after an inner sync of meta-iteration t."""
+
+    inner_syncs: int  # syncs of this meta-iteration so far
+    z_tilde: Array
     grad_tilde: Array  # G(z~), unregularized
-    anchor_grad_norm: Array  # ||G(z_bar)|| = ||G^theta(z_bar)||
-    last_objective: Array  # f^theta(z~) at the previous inner sync (objective rule)
-    meta_iterations: NDArray[np.int64]  # completed meta-iterations t
-    inner_syncs: NDArray[np.int64]  # syncs in the current meta-iteration
-    syncs: int  # syncs in total
-    theta: Array  # the proximal weight of the current meta-iteration
-    secant_inner: Array  # sum over this meta-iteration's syncs of <dG, dz>
-    secant_norm: Array  # ... and of ||dz||^2
+    z_bar: Array
+    theta: float
+    anchor_grad_norm: float  # ||G(z_bar^t)||
+    objective: float  # f^theta(z~) now (objective rule only)
+    previous_objective: float  # f^theta(z~) at the previous inner sync, or f(z_bar^t)
+
+
+class FixedSyncs:
+    """Leave each meta-iteration after exactly `syncs` inner syncs."""
+
+    wants_objective = False
+
+    def __init__(self, syncs: int) -> None:
+        self.syncs = syncs
+
+    def done(self, progress: InnerProgress) -> bool:
+        return progress.inner_syncs >= self.syncs
+
+
+class ObjectiveDecrease:
+    """The paper's heuristic: |f^theta(z~_k) - f^theta(z~_{k-1})| <= rtol |f^theta(z~_{k-1})|."""
+
+    wants_objective = True
+
+    def __init__(self, rtol: float, max_syncs: int) -> None:
+        self.rtol, self.max_syncs = rtol, max_syncs
+
+    def done(self, progress: InnerProgress) -> bool:
+        change = abs(progress.objective - progress.previous_objective)
+        return progress.inner_syncs >= self.max_syncs or change <= self.rtol * abs(progress.previous_objective)
+
+
+class GradientMapping:
+    """||G^theta(z~)|| <= rtol ||G(z_bar)||, with G^theta(z~) = G(z~) + theta (z~ - z_bar)."""
+
+    wants_objective = False
+
+    def __init__(self, rtol: float, max_syncs: int) -> None:
+        self.rtol, self.max_syncs = rtol, max_syncs
+
+    def done(self, progress: InnerProgress) -> bool:
+        grad_theta = progress.grad_tilde + progress.theta * (progress.z_tilde - progress.z_bar)
+        return progress.inner_syncs >= self.max_syncs or norm(grad_theta) <= self.rtol * progress.anchor_grad_norm
+
+
+InnerStop = FixedSyncs | ObjectiveDecrease | GradientMapping
+
+
+# -- the algorithm -------------------------------------------------------------------------
+
+
+class CatalystState(NamedTuple):
+    z_bar: Array  # z_bar^t: the meta-iterate, anchor of the regularizer
+    inner: ScaffoldState  # the inner SCAFFOLD-S on f^theta: z~, G(z~) (unregularized), its clock
+    theta: float  # theta of meta-iteration t
+    meta_iterations: int  # t: meta-iterations completed
+    inner_syncs: int  # syncs of meta-iteration t so far
+    anchor_grad_norm: float  # ||G(z_bar^t)||, the gradient rule's yardstick
+    last_objective: float  # f^theta(z~) at the previous inner sync (objective rule)
+    secant_inner: float  # sum over meta-iteration t's syncs of <dG, dz~> (theta estimate)
+    secant_norm: float  # ... and of ||dz~||^2
+
+    @property
+    def syncs(self) -> int:
+        return self.inner.syncs
 
 
 class ScaffoldCatalystS(Algorithm[CatalystState]):
@@ -75,108 +134,97 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
 
     def __init__(
         self,
-        gamma_local: float | Array,
-        gamma_global: float | Array | None = None,
-        theta: float | Array = 1.0,
-        stop: FixedInnerStop | ObjectiveStop | GradientStop | None = None,
+        gamma_local: float,
+        gamma_global: float | None = None,
+        theta: float = 1.0,
+        stop: InnerStop | None = None,
         theta_rule: Literal["fixed", "estimated"] = "fixed",
-        theta_scale: float | Array = 1.0,
+        theta_scale: float = 1.0,
+        schedule: SyncSchedule | None = None,
+        dim_x: int | None = None,
     ) -> None:
-        self.gamma_local, self.gamma_global = check_steps(gamma_local, gamma_global)
+        self.inner_solver = ScaffoldS(gamma_local, gamma_global, schedule)
         self.theta = positive("theta", theta)
-        self.stop = stop if stop is not None else GradientStop()
+        self.stop: InnerStop = stop if stop is not None else GradientMapping(0.1, 50)
         self.theta_rule = theta_rule
         self.theta_scale = positive("theta_scale", theta_scale)
+        self.dim_x = dim_x  # length of x in z = (x, y); None: half of z
 
-    @staticmethod
-    def _regularized_objective(f: Array, z: Array, z_bar: Array, theta: Array) -> Array:
-        half = z.shape[-1] // 2
-        dx, dy = z[..., :half] - z_bar[..., :half], z[..., half:] - z_bar[..., half:]
-        squares = np.sum(dx * dx, axis=-1, keepdims=True) - np.sum(dy * dy, axis=-1, keepdims=True)
-        result: Array = f + 0.5 * theta * squares
-        return result
-
-    def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> CatalystState:
-        grad, objective = gather_gradient(pool, z0, isinstance(self.stop, ObjectiveStop))
-        anchor_norm = norm(grad)
-        zeros = np.zeros_like(anchor_norm)
+    def init(self, z0: Array, seed: int) -> Exchanges[CatalystState]:
+        # G(z_bar^0), and f(z_bar^0) for the objective rule: one gradient round.
+        answers = yield GradientTask(z0, exact=True, want_objective=self.stop.wants_objective)
+        grad = answers.mean()
+        objective = answers.mean_objective()
+        inner = ScaffoldState(z0.copy(), grad, self.inner_solver.schedule.start(seed), syncs=0)
         return CatalystState(
-            z_bar=np.array(z0, copy=True),
-            z_tilde=np.array(z0, copy=True),
-            grad_tilde=grad,
-            anchor_grad_norm=anchor_norm,
-            last_objective=objective if objective is not None else zeros,
-            meta_iterations=zeros.astype(np.int64),
-            inner_syncs=zeros.astype(np.int64),
-            syncs=0,
-            theta=zeros + self.theta,
-            secant_inner=zeros,
-            secant_norm=zeros,
+            z_bar=z0.copy(),
+            inner=inner,
+            theta=self.theta,
+            meta_iterations=0,
+            inner_syncs=0,
+            anchor_grad_norm=norm(grad),
+            last_objective=0.0 if objective is None else objective,
+            secant_inner=0.0,
+            secant_norm=0.0,
         )
 
-    def step(self, state: CatalystState, pool: ClientPool, schedule: SyncSchedule) -> CatalystState:
-        result = scaffold_sync(
-            pool,
-            state.z_tilde,
-            state.grad_tilde,
-            tau=schedule.next_interval(),
-            gamma_local=self.gamma_local,
-            gamma_global=self.gamma_global,
-            theta=state.theta,
-            anchor=state.z_bar,
-            want_objective=isinstance(self.stop, ObjectiveStop),
+    def step(self, state: CatalystState) -> Exchanges[CatalystState]:
+        # One sync of SCAFFOLD-S on the regularized clients f_i^theta of meta-iteration t.
+        inner, f = yield from self.inner_solver.sync(
+            state.inner, state.theta, state.z_bar, want_objective=self.stop.wants_objective
         )
-        inner = state.inner_syncs + 1
-        objective = state.last_objective
-        if result.objective is not None:
-            objective = self._regularized_objective(result.objective, result.z_tilde, state.z_bar, state.theta)
-        done = self._inner_done(state, inner, result.z_tilde, result.grad_tilde, objective)
-        dz, dg = result.z_tilde - state.z_tilde, result.grad_tilde - state.grad_tilde
-        secant_inner = state.secant_inner + np.sum(dg * dz, axis=-1, keepdims=True)
-        secant_norm = state.secant_norm + np.sum(dz * dz, axis=-1, keepdims=True)
-        theta = state.theta
-        if self.theta_rule == "estimated":
-            usable = done & (secant_norm > 0) & (secant_inner > 0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                theta = np.where(usable, self.theta_scale * (secant_inner / secant_norm), theta)
-        # Where a meta-iteration ends, z_bar^{t+1} <- z~; there the regularizer
-        # vanishes, so G^theta = G and f^theta = f. (A mask, not a branch: in a
-        # batch of runs each run ends its meta-iterations on its own schedule.)
-        anchor_objective = result.objective if result.objective is not None else objective
+        objective = state.last_objective if f is None else self._regularized(f, inner.z_tilde, state.z_bar, state.theta)
+        dz, dg = inner.z_tilde - state.inner.z_tilde, inner.grad_tilde - state.inner.grad_tilde
+        secant_inner, secant_norm = state.secant_inner + dot(dg, dz), state.secant_norm + dot(dz, dz)
+        progress = InnerProgress(
+            state.inner_syncs + 1,
+            inner.z_tilde,
+            inner.grad_tilde,
+            state.z_bar,
+            state.theta,
+            state.anchor_grad_norm,
+            objective,
+            state.last_objective,
+        )
+        if not self.stop.done(progress):
+            return state._replace(
+                inner=inner,
+                inner_syncs=state.inner_syncs + 1,
+                last_objective=objective,
+                secant_inner=secant_inner,
+                secant_norm=secant_norm,
+            )
+        # The subproblem is solved: z_bar^{t+1} <- z~. There the regularizer vanishes,
+        # so G^theta = G and f^theta = f at the new anchor.
         return CatalystState(
-            z_bar=np.where(done, result.z_tilde, state.z_bar),
-            z_tilde=result.z_tilde,
-            grad_tilde=result.grad_tilde,
-            anchor_grad_norm=np.where(done, norm(result.grad_tilde), state.anchor_grad_norm),
-            last_objective=np.where(done, anchor_objective, objective),
-            meta_iterations=state.meta_iterations + done,
-            inner_syncs=np.where(done, 0, inner),
-            syncs=state.syncs + 1,
-            theta=theta,
-            secant_inner=np.where(done, 0.0, secant_inner),
-            secant_norm=np.where(done, 0.0, secant_norm),
+            z_bar=inner.z_tilde,
+            inner=inner,
+            theta=self._next_theta(state.theta, secant_inner, secant_norm),
+            meta_iterations=state.meta_iterations + 1,
+            inner_syncs=0,
+            anchor_grad_norm=norm(inner.grad_tilde),
+            last_objective=objective if f is None else f,
+            secant_inner=0.0,
+            secant_norm=0.0,
         )
 
-    def _inner_done(
-        self, state: CatalystState, inner: NDArray[np.int64], z: Array, grad: Array, objective: Array
-    ) -> NDArray[np.bool_]:
-        stop = self.stop
-        if isinstance(stop, FixedInnerStop):
-            return inner >= stop.inner_syncs
-        at_cap = inner >= stop.max_inner_syncs
-        if isinstance(stop, ObjectiveStop):
-            change = np.abs(objective - state.last_objective)
-            done: NDArray[np.bool_] = at_cap | (change <= stop.rtol * np.abs(state.last_objective))
-            return done
-        grad_theta = grad + state.theta * (z - state.z_bar)
-        done = at_cap | (norm(grad_theta) <= stop.rtol * state.anchor_grad_norm)
-        return done
+    def _next_theta(self, theta: float, secant_inner: float, secant_norm: float) -> float:
+        """theta = c mu_hat from this meta-iteration's secants (when estimated and measurable)."""
+        if self.theta_rule == "estimated" and secant_norm > 0 and secant_inner > 0:
+            return self.theta_scale * (secant_inner / secant_norm)
+        return theta
+
+    def _regularized(self, f: float, z: Array, z_bar: Array, theta: float) -> float:
+        """f^theta(z) = f(z) + theta/2 ||x - x_bar||^2 - theta/2 ||y - y_bar||^2."""
+        split = self.dim_x if self.dim_x is not None else z.shape[-1] // 2
+        dx, dy = z[:split] - z_bar[:split], z[split:] - z_bar[split:]
+        return f + 0.5 * theta * (dot(dx, dx) - dot(dy, dy))
 
     def iterate(self, state: CatalystState) -> Array:
-        return state.z_tilde
+        return state.inner.z_tilde
 
     def init_cost(self) -> StepCost:
-        return StepCost(exchanges=1, paper=0)
+        return _INIT_COST
 
     def step_cost(self, state: CatalystState) -> StepCost:
-        return StepCost(exchanges=2, paper=1)
+        return _COST

@@ -1,28 +1,35 @@
 """FedAvg-S (paper, Algorithm FedAvg-S in the appendix).
 
-Per sync k: the clients start from z~, take tau_k local steps along
-g_i = G^_i(z_i), and send sum_l w_l g_i^l; the server steps
-    z~ <- z~ - gamma_global * (1/n) sum_i sum_l w_l g_i^l.
-w_l is the step's schedule weight: 1, or 1/(sqrt(k_l) + 1) for the decaying
-step the Experiments use, with k_l the global local-step index (the k of the
-framework). The box sends the unweighted sum with a constant gamma; weighting the
-sum keeps z~ equal to the clients' average iterate when gamma_global equals
-gamma_local, which is FedAvg-S's definition. Cost: one round per sync.
+Per sync k the clients start from z~, take tau_k local steps
+
+    z_i <- z_i - gamma_l * w_l * g_i^l,   g_i^l = G^_i(z_i),
+
+and communicate sum_l w_l g_i^l; the server steps
+
+    z~ <- z~ - gamma_g * (1/n) sum_i sum_l w_l g_i^l.
+
+w_l is the step's schedule weight: 1, or 1/(sqrt(k_l) + 1) for the decaying step
+of the paper's Experiments, with k_l the global local-step index (the k of the
+framework). The box sends the unweighted sum under a constant step; weighting the
+sum keeps z~ equal to the clients' average iterate when gamma_g = gamma_l, which
+is how the paper defines FedAvg-S. Cost: one round per sync.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
-from fedsaddle.common.problems import Array
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, positive
-from fedsaddle.server.pool import ClientPool, mean_over_clients
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.tasks import LocalStepsTask
+from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
+from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
+
+_COST = StepCost(exchanges=1, paper=1)
 
 
-@dataclass(frozen=True)
-class FedAvgState:
-    z_tilde: Array  # the last synchronized iterate
+class FedAvgState(NamedTuple):
+    z_tilde: Array  # z~, the last synchronized iterate
+    clock: SyncClock  # the synchronization stream
     syncs: int
     local_steps: int  # k: local steps taken so far (indexes the decay)
 
@@ -32,31 +39,35 @@ class FedAvgS(Algorithm[FedAvgState]):
 
     def __init__(
         self,
-        gamma_local: float | Array,
-        gamma_global: float | Array | None = None,
+        gamma_local: float,
+        gamma_global: float | None = None,
         decay: Literal["constant", "inverse_sqrt"] = "constant",
+        schedule: SyncSchedule | None = None,
     ) -> None:
         self.gamma_local = positive("gamma_local", gamma_local)
         self.gamma_global = positive("gamma_global", gamma_local if gamma_global is None else gamma_global)
         self.decay: Literal["constant", "inverse_sqrt"] = decay
+        self.schedule = schedule or SyncSchedule()
 
-    def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> FedAvgState:
-        return FedAvgState(z_tilde=z0.copy(), syncs=0, local_steps=0)
+    def init(self, z0: Array, seed: int) -> Exchanges[FedAvgState]:
+        return no_exchange(FedAvgState(z0.copy(), self.schedule.start(seed), syncs=0, local_steps=0))
 
-    def step(self, state: FedAvgState, pool: ClientPool, schedule: SyncSchedule) -> FedAvgState:
-        tau_k = schedule.next_interval()
-        direction_sums = pool.local_steps(
+    def step(self, state: FedAvgState) -> Exchanges[FedAvgState]:
+        tau_k, clock = self.schedule.next_interval(state.clock)  # the coin: steps until the next sync
+        # Clients: tau_k local steps from z~ along G^_i(z_i); they communicate sum_l w_l g_i^l.
+        sums = yield LocalStepsTask(
             state.z_tilde,
             steps=tau_k,
             gamma_local=self.gamma_local,
             step_offset=state.local_steps,
             decay=self.decay,
         )
-        z_tilde = state.z_tilde - self.gamma_global * mean_over_clients(direction_sums)
-        return FedAvgState(z_tilde=z_tilde, syncs=state.syncs + 1, local_steps=state.local_steps + tau_k)
+        # Server: z~ <- z~ - gamma_g * (1/n) sum_i sum_l w_l g_i^l.
+        z_tilde = state.z_tilde - self.gamma_global * sums.mean()
+        return FedAvgState(z_tilde, clock, syncs=state.syncs + 1, local_steps=state.local_steps + tau_k)
 
     def iterate(self, state: FedAvgState) -> Array:
         return state.z_tilde
 
     def step_cost(self, state: FedAvgState) -> StepCost:
-        return StepCost(exchanges=1, paper=1)
+        return _COST

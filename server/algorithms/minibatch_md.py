@@ -1,23 +1,29 @@
 """Minibatch Mirror Descent (paper, section Baselines).
 
-Every round, each client averages tau stochastic gradient mappings taken at the
-server's iterate; the server averages the n answers and steps:
-    z <- z - gamma * (1/n) sum_i G^_i(z).
+Each round every client averages tau stochastic gradient mappings taken at the
+server's iterate and sends the average; the server averages the n answers (tau n
+estimates in all) and steps:
+
+    z <- z - gamma * (1/n) sum_i G^_i(z)
+
 With the Euclidean mirror map on an unconstrained domain the mirror step is this
-plain step. Cost: one round per step.
+plain step. tau is deterministic, as the paper says; under random
+synchronization it is round(1/p) (see SyncSchedule.minibatch). Cost: one round
+per step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from fedsaddle.common.problems import Array
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, positive
-from fedsaddle.server.pool import ClientPool
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.tasks import GradientTask
+from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
+
+_COST = StepCost(exchanges=1, paper=1)
 
 
-@dataclass(frozen=True)
-class MDState:
+class MDState(NamedTuple):
     z: Array  # the server's iterate
     steps: int  # steps taken
 
@@ -25,19 +31,21 @@ class MDState:
 class MinibatchMirrorDescent(Algorithm[MDState]):
     name = "minibatch_md"
 
-    def __init__(self, gamma: float | Array) -> None:
+    def __init__(self, gamma: float, minibatch: int = 1) -> None:
         self.gamma = positive("gamma", gamma)
+        self.minibatch = minibatch
 
-    def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> MDState:
-        return MDState(z=z0.copy(), steps=0)
+    def init(self, z0: Array, seed: int) -> Exchanges[MDState]:
+        return no_exchange(MDState(z=z0.copy(), steps=0))
 
-    def step(self, state: MDState, pool: ClientPool, schedule: SyncSchedule) -> MDState:
-        batch = schedule.next_interval()  # tau gradient estimates per client
-        g = pool.gradients(state.z, batch=batch).mean()
-        return MDState(z=state.z - self.gamma * g, steps=state.steps + 1)
+    def step(self, state: MDState) -> Exchanges[MDState]:
+        # Clients: the average of tau estimates G^_i(z) at the server's z.
+        answers = yield GradientTask(state.z, batch=self.minibatch)
+        # Server: z <- z - gamma * (1/n) sum_i G^_i(z).
+        return MDState(z=state.z - self.gamma * answers.mean(), steps=state.steps + 1)
 
     def iterate(self, state: MDState) -> Array:
         return state.z
 
     def step_cost(self, state: MDState) -> StepCost:
-        return StepCost(exchanges=1, paper=1)
+        return _COST

@@ -1,44 +1,52 @@
 """Minibatch Mirror-prox (paper, section Baselines).
 
-Each step gathers two minibatch gradient mappings, at the iterate and at the
-extrapolated point (Euclidean mirror map, unconstrained: extragradient):
-    z_half <- z - gamma * G^(z)
-    z      <- z - gamma * G^(z_half)
-Cost: two rounds per step, in both conventions (the paper says so too).
+Each step gathers tau n gradient mappings twice, at the server's iterate z^r and
+at the extrapolated point z^{r+1/2} (Euclidean mirror map, unconstrained: the
+extragradient method):
+
+    z^{r+1/2} <- z^r - gamma * G^(z^r)
+    z^{r+1}   <- z^r - gamma * G^(z^{r+1/2})
+
+tau is deterministic, as for Minibatch Mirror Descent. Cost: two rounds per
+step, in both conventions (the paper counts both too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from fedsaddle.common.problems import Array
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, positive
-from fedsaddle.server.pool import ClientPool
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.tasks import GradientTask
+from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
+
+_COST = StepCost(exchanges=2, paper=2)
 
 
-@dataclass(frozen=True)
-class MirrorProxState:
-    z: Array  # z_hat^r, the server's iterate
+class MirrorProxState(NamedTuple):
+    z: Array  # z^r, the server's iterate
     steps: int
 
 
 class MirrorProx(Algorithm[MirrorProxState]):
     name = "mirror_prox"
 
-    def __init__(self, gamma: float | Array) -> None:
+    def __init__(self, gamma: float, minibatch: int = 1) -> None:
         self.gamma = positive("gamma", gamma)
+        self.minibatch = minibatch
 
-    def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> MirrorProxState:
-        return MirrorProxState(z=z0.copy(), steps=0)
+    def init(self, z0: Array, seed: int) -> Exchanges[MirrorProxState]:
+        return no_exchange(MirrorProxState(z=z0.copy(), steps=0))
 
-    def step(self, state: MirrorProxState, pool: ClientPool, schedule: SyncSchedule) -> MirrorProxState:
-        batch = schedule.next_interval()
-        z_half = state.z - self.gamma * pool.gradients(state.z, batch=batch).mean()
-        z_next = state.z - self.gamma * pool.gradients(z_half, batch=batch).mean()
-        return MirrorProxState(z=z_next, steps=state.steps + 1)
+    def step(self, state: MirrorProxState) -> Exchanges[MirrorProxState]:
+        # z^{r+1/2} <- z^r - gamma * G^(z^r)
+        answers = yield GradientTask(state.z, batch=self.minibatch)
+        z_half = state.z - self.gamma * answers.mean()
+        # z^{r+1} <- z^r - gamma * G^(z^{r+1/2})
+        answers = yield GradientTask(z_half, batch=self.minibatch)
+        return MirrorProxState(z=state.z - self.gamma * answers.mean(), steps=state.steps + 1)
 
     def iterate(self, state: MirrorProxState) -> Array:
         return state.z
 
     def step_cost(self, state: MirrorProxState) -> StepCost:
-        return StepCost(exchanges=2, paper=2)
+        return _COST

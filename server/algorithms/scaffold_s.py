@@ -1,105 +1,86 @@
-"""SCAFFOLD-S (paper, Algorithm SCAFFOLD-S).
+"""SCAFFOLD-S (paper, Algorithm SCAFFOLD-S), line by line:
 
-Per sync k, with z~ the last synchronized iterate and G(z~) its gathered mapping:
-  round 1: clients take tau_k local steps from z~ along
-               g_i = G^_i(z_i) - G^_i(z~) + G(z~)
-           and send sum_l g_i^l;  z~ <- z~ - gamma_global * (1/n) sum_i sum_l g_i^l.
-  round 2: clients send G_i(z~) at the new z~; the server forms G(z~) for the
-           next sync (the box's "communicate G_i(z~^{k+1})").
-Before the first sync one gradient round gathers G(z~^0). So R syncs cost
-1 + 2R exchanges (the paper's convention counts R).
+    box                                                 code
+    set z~^0 = z^0                                      init: z_tilde = z0, and one round for G(z~^0)
+    for k = 0, 1, ...: flip a coin c_k                  step: tau_k ~ Geometric(p) local steps (schedule)
+      g_i^k <- G^_i(z_i^k) - G^_i(z~^k) + G(z~^k)       LocalStepsTask(z~, control = G(z~))
+      z_i^{k+1} <- z_i^k - gamma_l g_i^k                  (on the clients)
+      if c_k = 1: clients communicate sum_l g_i^l       ... answered by the task
+        z~^{k+1} <- z~^k - gamma_g (1/n) sum_i sum_l    z_tilde - gamma_global * sums.mean()
+        z_i^{k+1} <- z~^{k+1}; broadcast z~^{k+1}       the next GradientTask carries z~^{k+1}
+        clients communicate G_i(z~^{k+1})               GradientTask(z~^{k+1}, exact)
+        server broadcasts G(z~^{k+1})                   sent as the control of the next sync
 
-Differences from the box, for a real network: clients do not keep G_i(z~)
-between rounds; each recomputes it locally from z~, which the local-steps task
+So R syncs cost 1 + 2R exchanges (the paper's convention counts R).
+
+Where the code departs from the box, for a real network: clients keep no
+G_i(z~) between rounds; each recomputes it from z~, which the local-steps task
 carries (an exact local evaluation, no extra communication). The box's separate
-broadcasts of the averaged sum and of z~ fold into that next task.
+broadcasts of the averaged sum and of z~^{k+1} fold into the next task.
 
-`scaffold_sync` also serves Catalyst: with theta > 0 it solves the regularized
-problem G^theta(z) = G(z) + theta (z - z_bar); see catalyst.py.
+`sync` also serves SCAFFOLD-Catalyst-S as its inner solver: with theta > 0 it
+runs on the regularized G_i^theta(z) = G_i(z) + theta (z - z_bar) (catalyst.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from fedsaddle.common.problems import Array
-from fedsaddle.server.algorithms.base import Algorithm, StepCost, SyncSchedule, positive
-from fedsaddle.server.pool import ClientPool, mean_over_clients
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.tasks import GradientTask, LocalStepsTask
+from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, positive
+from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
+
+_COST = StepCost(exchanges=2, paper=1)
+_INIT_COST = StepCost(exchanges=1, paper=0)
 
 
-@dataclass(frozen=True)
-class ScaffoldState:
-    z_tilde: Array  # the last synchronized iterate
-    grad_tilde: Array  # G(z~) = (1/n) sum_i G_i(z~), gathered after the last sync
+class ScaffoldState(NamedTuple):
+    z_tilde: Array  # z~, the last synchronized iterate
+    grad_tilde: Array  # G(z~) = (1/n) sum_i G_i(z~), gathered after the last sync (unregularized)
+    clock: SyncClock  # the synchronization stream
     syncs: int
-
-
-@dataclass(frozen=True)
-class SyncResult:
-    z_tilde: Array
-    grad_tilde: Array  # unregularized G(z~) at the new z~
-    objective: Array | None  # f(z~) = (1/n) sum_i f_i(z~) with a trailing axis of 1, when asked
-
-
-def check_steps(gamma_local: float | Array, gamma_global: float | Array | None) -> tuple[float | Array, float | Array]:
-    """Validate SCAFFOLD's step sizes; gamma_global defaults to gamma_local."""
-    positive("gamma_local", gamma_local, allow_zero=True)
-    gamma_global = gamma_local if gamma_global is None else gamma_global
-    return gamma_local, positive("gamma_global", gamma_global)
-
-
-def gather_gradient(pool: ClientPool, z: Array, want_objective: bool = False) -> tuple[Array, Array | None]:
-    """One round: the exact G(z), and f(z) when asked."""
-    answers = pool.gradients(z, exact=True, want_objective=want_objective)
-    return answers.mean(), answers.mean_objective()
-
-
-def scaffold_sync(
-    pool: ClientPool,
-    z_tilde: Array,
-    grad_tilde: Array,
-    *,
-    tau: int,
-    gamma_local: float | Array,
-    gamma_global: float | Array,
-    theta: float | Array = 0.0,
-    anchor: Array | None = None,
-    want_objective: bool = False,
-) -> SyncResult:
-    """One sync of SCAFFOLD-S on G^theta(z) = G(z) + theta (z - anchor): two rounds."""
-    control = grad_tilde if anchor is None else grad_tilde + theta * (z_tilde - anchor)
-    direction_sums = pool.local_steps(z_tilde, steps=tau, gamma_local=gamma_local, control=control, theta=theta)
-    z_next = z_tilde - gamma_global * mean_over_clients(direction_sums)
-    grad_next, objective = gather_gradient(pool, z_next, want_objective)
-    return SyncResult(z_next, grad_next, objective)
 
 
 class ScaffoldS(Algorithm[ScaffoldState]):
     name = "scaffold_s"
 
-    def __init__(self, gamma_local: float | Array, gamma_global: float | Array | None = None) -> None:
-        self.gamma_local, self.gamma_global = check_steps(gamma_local, gamma_global)
+    def __init__(
+        self, gamma_local: float, gamma_global: float | None = None, schedule: SyncSchedule | None = None
+    ) -> None:
+        self.gamma_local = positive("gamma_local", gamma_local, allow_zero=True)
+        self.gamma_global = positive("gamma_global", gamma_local if gamma_global is None else gamma_global)
+        self.schedule = schedule or SyncSchedule()
 
-    def init(self, z0: Array, pool: ClientPool, schedule: SyncSchedule) -> ScaffoldState:
-        grad, _ = gather_gradient(pool, z0)
-        return ScaffoldState(z_tilde=z0.copy(), grad_tilde=grad, syncs=0)
+    def init(self, z0: Array, seed: int) -> Exchanges[ScaffoldState]:
+        # G(z~^0): one gradient round before the first sync.
+        answers = yield GradientTask(z0, exact=True)
+        return ScaffoldState(z0.copy(), answers.mean(), self.schedule.start(seed), syncs=0)
 
-    def step(self, state: ScaffoldState, pool: ClientPool, schedule: SyncSchedule) -> ScaffoldState:
-        result = scaffold_sync(
-            pool,
-            state.z_tilde,
-            state.grad_tilde,
-            tau=schedule.next_interval(),
-            gamma_local=self.gamma_local,
-            gamma_global=self.gamma_global,
-        )
-        return ScaffoldState(z_tilde=result.z_tilde, grad_tilde=result.grad_tilde, syncs=state.syncs + 1)
+    def step(self, state: ScaffoldState) -> Exchanges[ScaffoldState]:
+        state, _ = yield from self.sync(state)
+        return state
+
+    def sync(
+        self, state: ScaffoldState, theta: float = 0.0, z_bar: Array | None = None, want_objective: bool = False
+    ) -> Exchanges[tuple[ScaffoldState, float | None]]:
+        """One sync, two rounds; on G^theta when z_bar is given. Also returns f(z~^{k+1}) when asked."""
+        tau_k, clock = self.schedule.next_interval(state.clock)
+        # The control G(z~), or on the regularized problem G^theta(z~) = G(z~) + theta (z~ - z_bar):
+        # in G_i^theta(z_i) - G_i^theta(z~) the anchor cancels, so z_bar never travels.
+        control = state.grad_tilde if z_bar is None else state.grad_tilde + theta * (state.z_tilde - z_bar)
+        sums = yield LocalStepsTask(state.z_tilde, tau_k, self.gamma_local, control=control, theta=theta)
+        # z~^{k+1} <- z~^k - gamma_g (1/n) sum_i sum_l g_i^l
+        z_tilde = state.z_tilde - self.gamma_global * sums.mean()
+        # Clients communicate G_i(z~^{k+1}); the server forms G(z~^{k+1}).
+        answers = yield GradientTask(z_tilde, exact=True, want_objective=want_objective)
+        return ScaffoldState(z_tilde, answers.mean(), clock, state.syncs + 1), answers.mean_objective()
 
     def iterate(self, state: ScaffoldState) -> Array:
         return state.z_tilde
 
     def init_cost(self) -> StepCost:
-        return StepCost(exchanges=1, paper=0)
+        return _INIT_COST
 
     def step_cost(self, state: ScaffoldState) -> StepCost:
-        return StepCost(exchanges=2, paper=1)
+        return _COST

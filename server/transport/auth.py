@@ -28,7 +28,8 @@ import grpc
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedsaddle.common.config import ConfigError, TlsSpec, describe_errors, parse_indices
+from fedsaddle.common.indices import parse_indices
+from fedsaddle.server.config import ConfigError, TlsSpec, describe_errors
 
 
 def token_hash(token: str) -> str:

@@ -1,13 +1,20 @@
-"""Local computation of the clients one process hosts, vectorized over its shards."""
+"""What clients compute for a task: local steps and gradients over their shards.
+
+Shared by the client runtime (client/) and the in-process transport
+(server/local_pool.py, experiments/batch.py), so that every transport runs the
+same arithmetic on the same data.
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
 from fedsaddle.common import seeding
-from fedsaddle.common.problems import Array, Shards
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems import PaperRegressionSpec, QuadraticGameSpec, Shards, make_shards
 from fedsaddle.common.tasks import Answer, GradientTask, LocalStepsTask, Task, step_weight
 
 
@@ -39,6 +46,15 @@ class Worker:
     @property
     def indices(self) -> tuple[int, ...]:
         return self.shards.indices
+
+    def select(self, runs: Sequence[int]) -> Worker:
+        """A worker over some runs of this batch (same data and seeds for those runs)."""
+        selected = Worker.__new__(Worker)
+        selected.shards = self.shards.select_runs(runs)  # type: ignore[attr-defined]
+        selected.batched = True
+        selected.seeds = tuple(self.seeds[r] for r in runs)
+        selected.noise_scale = self.noise_scale
+        return selected
 
     def execute(self, task: Task, round_id: int) -> Answer:
         with np.errstate(over="ignore", invalid="ignore"):
@@ -122,3 +138,26 @@ class Worker:
                 direction_sum += np.multiply(weight, g, out=scratch)
                 z -= np.multiply(gamma_local * weight, g, out=scratch)
         return direction_sum
+
+
+class ShardCache:
+    """The clients' shards by (problem, seed, indices): building them is a run's costly start.
+
+    Keeps the `size` most recently used entries.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple[str, int, tuple[int, ...]], Shards] = OrderedDict()
+
+    def get(self, problem: PaperRegressionSpec | QuadraticGameSpec, seed: int, indices: Sequence[int]) -> Shards:
+        key = (problem.model_dump_json(), seed, tuple(indices))
+        shards = self._entries.get(key)
+        if shards is None:
+            shards = make_shards(problem, seed, indices)
+            self._entries[key] = shards
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return shards

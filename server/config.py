@@ -158,7 +158,7 @@ class TransportSpec(_Model):
     chunk_bytes: int = Field(4 << 20, ge=1 << 10, le=64 << 20, description="largest payload piece per message")
     tls: TlsSpec | None = Field(None, description="serve TLS (and mutual TLS) instead of plaintext")
     credentials: str | None = Field(
-        None, description="file of client identities and the indices each may speak for (see server/auth.py)"
+        None, description="file of client identities and the indices each may speak for (see server/transport/auth.py)"
     )
 
 
@@ -191,26 +191,6 @@ class RunConfig(_Model):
         if repeated:
             raise ValueError(f"algorithm names repeat: {repeated}; give each a distinct `label`")
         return self
-
-
-def parse_indices(text: str) -> tuple[int, ...]:
-    """'3', '0,2,5' or '0-4' (ranges inclusive) -> sorted unique indices."""
-    indices: set[int] = set()
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part:
-                low, high = (int(v) for v in part.split("-", 1))
-                if low > high:
-                    raise ValueError
-                indices.update(range(low, high + 1))
-            else:
-                indices.add(int(part))
-    except ValueError:
-        raise ValueError(f"client indices must look like '3', '0,2,5' or '0-4', got {text!r}") from None
-    if any(i < 0 for i in indices):
-        raise ValueError(f"client indices must be >= 0, got {text!r}")
-    return tuple(sorted(indices))
 
 
 def _describe(error: Any) -> str:

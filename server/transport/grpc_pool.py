@@ -28,8 +28,8 @@ from fedsaddle.common import wire
 from fedsaddle.common.tasks import Answer, GradientTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
-from fedsaddle.server.auth import Authenticator, Identity, Refusal
 from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo
+from fedsaddle.server.transport.auth import Authenticator, Identity, Refusal
 
 log = logging.getLogger("fedsaddle.coordinator")
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from conftest import CLIENT_ENV, config
 
-from fedsaddle.server.coordinator import AlgorithmResult, run_algorithm
-from fedsaddle.server.experiment import Grid, best_steps, run_grid
+from fedsaddle.experiments.batch import BatchRun, run_batch, run_batches
+from fedsaddle.experiments.grid import Grid, best_steps, run_grid
+from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
-from fedsaddle.server.sweep import BatchRun, run_batch
 
 ALGORITHMS: list[dict[str, Any]] = [
     {"name": "minibatch_md", "gamma": 0.1},
@@ -71,16 +71,37 @@ def test_a_batch_with_gradient_noise_and_random_sync_equals_the_runs_alone() -> 
         assert same(result, run_algorithm(member.spec, member.config, LocalPool()))
 
 
-def test_batches_refuse_runs_that_cannot_share_a_schedule() -> None:
-    runs = [
-        config(seed=seed, sync={"kind": "random", "p": 0.3}, algorithms=[{"name": "fedavg_s", "gamma_local": 0.1}])
-        for seed in (0, 1)
+def test_a_batch_may_mix_algorithms_schedules_budgets_and_seeds() -> None:
+    # Each run is its own generator; only runs whose pending exchanges have the same shape share a worker call.
+    members = []
+    for index, algorithm in enumerate(ALGORITHMS):
+        for seed in (0, 1):
+            run = config(
+                seed=seed,
+                problem={"name": "paper_regression", "s": 3.0},
+                sync={"kind": "random", "p": 0.25} if index % 2 else {"kind": "fixed", "tau": 5},
+                rounds=21 + 4 * index + seed,
+                algorithms=[algorithm],
+            )
+            members.append(BatchRun(run, run.algorithms[0]))
+    for member, result in zip(members, run_batch(members), strict=True):
+        assert same(result, run_algorithm(member.spec, member.config, LocalPool()))
+
+
+def test_batches_over_worker_processes_equal_one_process() -> None:
+    batches = [
+        [BatchRun(c, c.algorithms[0]) for c in (config(seed=seed, algorithms=[a], rounds=25) for seed in range(5))]
+        for a in ALGORITHMS[2:4]
     ]
-    with pytest.raises(ValueError, match="synchronization schedule"):
+    parallel, serial = run_batches(batches, workers=2), run_batches(batches, workers=1)
+    assert [[r.z_sha256 for r in b] for b in parallel] == [[r.z_sha256 for r in b] for b in serial]
+    assert all(same(a, b) for pa, sa in zip(parallel, serial, strict=True) for a, b in zip(pa, sa, strict=True))
+
+
+def test_a_batch_refuses_runs_that_cannot_share_a_worker() -> None:
+    runs = [config(gradient_noise=noise, algorithms=[ALGORITHMS[0]]) for noise in (0.0, 0.1)]
+    with pytest.raises(ValueError, match="one gradient_noise"):
         run_batch([BatchRun(r, r.algorithms[0]) for r in runs])
-    mixed = [config(algorithms=[a]) for a in ALGORITHMS[:2]]
-    with pytest.raises(ValueError, match="one algorithm"):
-        run_batch([BatchRun(r, r.algorithms[0]) for r in mixed])
 
 
 def test_the_grid_keeps_the_best_step_per_algorithm_and_s() -> None:

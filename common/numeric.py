@@ -1,0 +1,57 @@
+"""Arithmetic whose result must not depend on how vectors are grouped.
+
+Bit identity between transports (one process, many processes, a batch of runs)
+rests on every sum being taken in the same order. These helpers fix that order:
+
+* `ordered_sum` adds vectors one after another in index order, never pairwise
+  and never in arrival order;
+* `norm` and `dot` reduce over the last, contiguous axis, which numpy does the
+  same way for one vector alone and for each row of a stack of vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+from numpy.typing import NDArray
+
+Array = NDArray[np.float64]
+
+# Below this many entries per vector, one cumulative sum beats a Python loop;
+# both add in index order, so they give the same bits.
+_SMALL = 4096
+
+
+def ordered_sum(vectors: Array) -> Array:
+    """v_0 + v_1 + ... + v_{m-1} over axis 0, added strictly in index order."""
+    if vectors.shape[0] == 1:
+        return np.array(vectors[0], copy=True)
+    if vectors[0].size <= _SMALL:
+        result: Array = np.cumsum(vectors, axis=0)[-1]
+        return result
+    total = np.array(vectors[0], copy=True)
+    for vector in vectors[1:]:
+        total += vector
+    return total
+
+
+def norm(v: Array) -> float:
+    """The Euclidean norm of one vector."""
+    return float(np.sqrt(np.sum(v * v)))
+
+
+def row_norms(v: Array) -> Array:
+    """The Euclidean norm of every row of a stack of vectors: row b equals norm(v[b])."""
+    result: Array = np.sqrt(np.sum(v * v, axis=-1))
+    return result
+
+
+def dot(a: Array, b: Array) -> float:
+    """<a, b>, summed as `norm` sums (not by BLAS, whose order depends on the build)."""
+    return float(np.sum(a * b))
+
+
+def sha256(z: Array) -> str:
+    """SHA-256 of a vector's little-endian float64 bytes: equal hashes, equal bits."""
+    return hashlib.sha256(np.ascontiguousarray(z, dtype="<f8").tobytes()).hexdigest()

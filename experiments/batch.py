@@ -1,0 +1,259 @@
+"""Many runs at once: every run is its own single-run generator; their exchanges share worker calls.
+
+Each member of a batch is an ordinary `Run` (server/driver.py) of the same
+algorithm code as a run alone. The driver here advances all of them together:
+whenever every unfinished run waits on an exchange, it groups the pending tasks
+by shape (kind, local steps, round id, ...), stacks each group's vectors along a
+leading run axis, and executes the group in one vectorized worker call; per-run
+numbers (step sizes, theta) travel as a column. Client arithmetic is elementwise
+per run, so each run gets the bits it gets alone, in-process or over gRPC
+(tests/test_batch.py checks this). Metrics at step boundaries are computed for
+all runs at a boundary at once.
+
+Runs of a batch share the problem kind, the clients, the dimension and the
+gradient noise (one stacked worker); they may differ in anything else: seed,
+problem parameters, algorithm, step sizes, budget, synchronization.
+
+`run_batches` spreads several batches over worker processes (one per core by
+default): a run's result does not depend on the process that computes it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems import solution, stack_shards
+from fedsaddle.common.tasks import GradientTask, LocalStepsTask, Task
+from fedsaddle.common.worker import ShardCache, Worker
+from fedsaddle.server.algorithms.base import Answers, aggregate
+from fedsaddle.server.config import AlgorithmSpec, RunConfig
+from fedsaddle.server.driver import AlgorithmResult, Run, StepDone, distances, make_run
+from fedsaddle.server.pool import RoundTraffic, fresh_traffic, round_traffic
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """One member of a batch: its config and the algorithm entry to run."""
+
+    config: RunConfig
+    spec: AlgorithmSpec
+
+
+class _Member:
+    """A run of the batch and its own counts."""
+
+    __slots__ = ("config", "event", "rounds", "run", "traffic", "z_star")
+
+    def __init__(self, member: BatchRun) -> None:
+        self.config = member.config
+        self.run: Run = make_run(member.spec, member.config)
+        z_star = solution(member.config.problem, member.config.seed)
+        if z_star is None:
+            raise ValueError(f"problem {member.config.problem.name} has no known solution to measure against")
+        self.z_star: Array = z_star
+        self.rounds = 0
+        self.traffic: Counter[RoundTraffic] = Counter()
+        self.event: Task | StepDone | None = None
+
+
+def _signature(task: Task, round_id: int) -> tuple[object, ...]:
+    """Tasks with equal signatures can run as one batched worker call."""
+    if isinstance(task, GradientTask):
+        return ("gradient", round_id, task.batch, task.exact, task.want_objective)
+    return ("local", round_id, task.steps, task.step_offset, task.decay, task.control is None)
+
+
+def _per_run(values: list[float]) -> float | Array:
+    """One number for the group when all runs agree (as a run alone sees it), else a (R, 1) column."""
+    first = values[0]
+    if all(v == first for v in values):
+        return first
+    return np.array(values, dtype=float)[:, None]
+
+
+def _stacked_task(tasks: list[Task]) -> Task:
+    first = tasks[0]
+    if isinstance(first, GradientTask):
+        z = np.stack([t.z for t in tasks])  # type: ignore[union-attr]
+        return GradientTask(z, batch=first.batch, exact=first.exact, want_objective=first.want_objective)
+    local: list[LocalStepsTask] = tasks  # type: ignore[assignment]
+    return LocalStepsTask(
+        z_start=np.stack([t.z_start for t in local]),
+        steps=first.steps,
+        gamma_local=_per_run([float(t.gamma_local) for t in local]),
+        step_offset=first.step_offset,
+        decay=first.decay,
+        control=None if first.control is None else np.stack([t.control for t in local]),  # type: ignore[misc]
+        theta=_per_run([float(t.theta) for t in local]),
+    )
+
+
+class _Workers:
+    """The stacked worker over all runs, and sub-workers for groups of some runs (cached)."""
+
+    def __init__(self, members: Sequence[_Member], cache: ShardCache) -> None:
+        configs = [m.config for m in members]
+        noise = {c.gradient_noise for c in configs}
+        if len(noise) != 1:
+            raise ValueError("a batch needs one gradient_noise for all runs")
+        shards = [cache.get(c.problem, c.seed, range(c.problem.num_clients)) for c in configs]
+        self.all = Worker(stack_shards(shards), [c.seed for c in configs], noise.pop())
+        self._some: dict[tuple[int, ...], Worker] = {}
+
+    def over(self, rows: tuple[int, ...], total: int) -> Worker:
+        if len(rows) == total:
+            return self.all
+        worker = self._some.get(rows)
+        if worker is None:
+            if len(self._some) > 16:
+                self._some.clear()
+            worker = self._some[rows] = self.all.select(rows)
+        return worker
+
+
+ProgressHook = Callable[[int, int], None]  # (runs finished, runs in all)
+
+
+def run_batch(
+    members: Sequence[BatchRun], cache: ShardCache | None = None, progress: ProgressHook | None = None
+) -> list[AlgorithmResult]:
+    """Run every member; each result is what `run_algorithm` gives the same run alone."""
+    runs = [_Member(m) for m in members]
+    workers = _Workers(runs, cache or ShardCache(size=len(members)))
+    dim_x = members[0].config.problem.dim
+    started = time.perf_counter()
+    for member in runs:
+        member.event = member.run.advance(None)
+    finished = 0
+    while True:
+        _record_boundaries(runs, dim_x)
+        waiting = [b for b, m in enumerate(runs) if m.event is not None]
+        done_now = len(runs) - len(waiting)
+        if progress is not None and done_now != finished:
+            progress(done_now, len(runs))
+        finished = done_now
+        if not waiting:
+            break
+        groups: dict[tuple[object, ...], list[int]] = {}
+        for b in waiting:
+            task = runs[b].event
+            assert isinstance(task, GradientTask | LocalStepsTask)
+            groups.setdefault(_signature(task, runs[b].rounds + 1), []).append(b)
+        for rows in groups.values():
+            _exchange(runs, tuple(rows), workers)
+    wall = time.perf_counter() - started
+    return [m.run.result(_traffic_dict(m), wall_s=wall / len(runs)) for m in runs]
+
+
+def _record_boundaries(runs: list[_Member], dim_x: int) -> None:
+    """Record every run that stands at a step boundary, then advance it, until none does."""
+    while True:
+        at_boundary = [m for m in runs if isinstance(m.event, StepDone)]
+        if not at_boundary:
+            return
+        iterates = np.stack([m.run.algorithm.iterate(m.event.state) for m in at_boundary])  # type: ignore[union-attr]
+        z_star = np.stack([m.z_star for m in at_boundary])
+        dist_x, dist_z = distances(iterates, z_star, dim_x)
+        finite = list(map(bool, np.isfinite(iterates).all(axis=1).ravel()))
+        xs, zs = dist_x.tolist(), dist_z.tolist()
+        now = time.perf_counter()
+        for i, m in enumerate(at_boundary):
+            done: StepDone = m.event  # type: ignore[assignment]
+            going = m.run.record(done, m.rounds, xs[i], zs[i], finite[i], now)
+            m.event = m.run.advance(None) if going else None
+
+
+def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> None:
+    """One round for the runs in `rows` (tasks of one signature): one worker call, then each run goes on."""
+    tasks: list[Task] = [runs[b].event for b in rows]  # type: ignore[misc]
+    first = runs[rows[0]]
+    with np.errstate(over="ignore", invalid="ignore"):
+        answer = workers.over(rows, len(runs)).execute(_stacked_task(tasks), first.rounds + 1)
+    vectors, objective = answer.vectors, answer.objective
+    finite = np.isfinite(vectors).all(axis=(1, 2))
+    if objective is not None:
+        finite &= np.isfinite(objective).all(axis=1)
+    bad = [not v for v in map(bool, finite.ravel())]
+    n, dimension = vectors.shape[1], vectors.shape[2]
+    traffic = round_traffic(tasks[0], n, dimension)
+    with np.errstate(over="ignore", invalid="ignore"):
+        # Every run's aggregate at once: the same rule, per run, as Answers.mean() alone.
+        means = aggregate(vectors)
+        objective_means = None if objective is None else aggregate(objective[:, :, None])[:, 0].tolist()
+        for i, b in enumerate(rows):
+            member = runs[b]
+            member.rounds += 1
+            member.traffic[traffic] += 1
+            if bad[i]:
+                # As a run alone: the round is counted, then the run stops as diverged.
+                member.run.stop("diverged", f"round {member.rounds}: non-finite values from the clients")
+                member.event = None
+                continue
+            answers = Answers(
+                vectors[i],
+                None if objective is None else objective[i],
+                aggregated=(means[i], None if objective_means is None else objective_means[i]),
+            )
+            member.event = member.run.advance(answers)
+
+
+def _traffic_dict(member: _Member) -> dict[str, dict[str, object]]:
+    counts = fresh_traffic(member.config.problem.num_clients)
+    for traffic, times in member.traffic.items():
+        counts["algorithm"].add(traffic, times)
+    return {category: c.as_dict() for category, c in counts.items()}
+
+
+def _run_chunk(members: Sequence[BatchRun]) -> list[AlgorithmResult]:
+    return run_batch(members)
+
+
+def run_batches(
+    batches: Sequence[Sequence[BatchRun]],
+    workers: int | None = None,
+    progress: ProgressHook | None = None,
+) -> list[list[AlgorithmResult]]:
+    """Run several batches, each split over `workers` processes (default: one per core).
+
+    Results come back in the order of `batches` and of their members.
+    `progress(runs finished, runs in all)` is called as pieces complete.
+    """
+    workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
+    total = sum(len(b) for b in batches)
+    if workers == 1:
+        results, done = [], 0
+        for batch in batches:
+            offset = done
+            hook = None if progress is None else (lambda d, _t, offset=offset: progress(offset + d, total))
+            results.append(run_batch(batch, progress=hook))
+            done += len(batch)
+        return results
+    # Interleaved pieces balance the work: runs of neighbouring s or steps diverge alike.
+    pieces = [(b, k) for b, batch in enumerate(batches) for k in range(min(workers, len(batch)))]
+    # fork is fast and safe while no gRPC object exists in this process (grpc/grpc#13873).
+    method = "forkserver" if "grpc" in sys.modules else "fork"
+    out: list[list[AlgorithmResult | None]] = [[None] * len(batch) for batch in batches]
+    done = 0
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
+        futures = {
+            pool.submit(_run_chunk, list(batches[b][k :: min(workers, len(batches[b]))])): (b, k) for b, k in pieces
+        }
+        for future in as_completed(futures):
+            b, k = futures[future]
+            step = min(workers, len(batches[b]))
+            for i, result in zip(range(k, len(batches[b]), step), future.result(), strict=True):
+                out[b][i] = result
+            done += len(out[b][k::step])
+            if progress is not None:
+                progress(done, total)
+    return [[r for r in batch if r is not None] for batch in out]

@@ -1,0 +1,60 @@
+"""Progress of long commands: a bar with an ETA on a terminal (tqdm), plain lines in logs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+
+class Progress:
+    """One bar per task (an algorithm's rounds, an experiment's runs).
+
+    On a terminal it is a tqdm bar with rate and ETA; otherwise (logs, CI, pipes)
+    a plain line every 10% and at the end, so output stays readable.
+    """
+
+    def __init__(self, stream: TextIO | None = None, unit: str = "round") -> None:
+        self.stream = stream or sys.stderr
+        self.unit = unit
+        self.tty = self.stream.isatty()
+        self._bars: dict[str, Any] = {}
+        self._deciles: dict[str, int] = {}
+        self._started: dict[str, float] = {}
+
+    def update(self, name: str, done: int, total: int, note: str = "") -> None:
+        if self.tty:
+            bar = self._bars.get(name)
+            if bar is None:
+                from tqdm import tqdm
+
+                bar = self._bars[name] = tqdm(
+                    total=total, desc=f"{name:<22}", unit=self.unit, file=self.stream, dynamic_ncols=True, leave=True
+                )
+            bar.update(done - bar.n)
+            if note:
+                bar.set_postfix_str(note, refresh=False)
+            if done >= total:
+                self.finish(name)
+            return
+        started = self._started.setdefault(name, time.perf_counter())
+        decile = 10 * done // max(total, 1)
+        if decile > self._deciles.get(name, -1):
+            self._deciles[name] = decile
+            elapsed = time.perf_counter() - started
+            extra = f"  {note}" if note else ""
+            self.stream.write(f"{name:<22} {self.unit} {done:>6}/{total}{extra}  {elapsed:7.1f} s\n")
+            self.stream.flush()
+
+    def finish(self, name: str) -> None:
+        bar = self._bars.pop(name, None)
+        if bar is not None:
+            bar.close()
+
+    def close(self) -> None:
+        for name in list(self._bars):
+            self.finish(name)
+
+    def rounds(self, name: str, spent: int, budget: int, dist_z: float) -> None:
+        """The driver's progress hook: rounds spent of the budget, and ||z - z*||."""
+        self.update(name, spent, budget, "" if dist_z != dist_z else f"||z-z*|| {dist_z:.3e}")

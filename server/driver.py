@@ -1,0 +1,279 @@
+"""The run driver: one algorithm, one run, within its round budget.
+
+`run_loop` is the one run loop of fedsaddle. It is a generator like the
+algorithms it drives: it yields each exchange the algorithm asks for and, after
+init and after every step, a `StepDone`; it stops before a step that would
+exceed the budget. `Run` wraps it with what a run reports (status, per-step
+records, final iterate). Two drivers feed it:
+
+* `run_algorithm` here: one run over one pool (in-process or gRPC);
+* `experiments/batch.py`: many runs at once, their exchanges in one worker call.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fedsaddle.common import seeding
+from fedsaddle.common.numeric import Array, row_norms, sha256
+from fedsaddle.common.problems import solution
+from fedsaddle.common.tasks import Task
+from fedsaddle.server.algorithms import Algorithm, Answers, StepCost, build
+from fedsaddle.server.config import AlgorithmSpec, RunConfig
+from fedsaddle.server.pool import ClientPool, Diverged, RunInfo
+
+# -- the run loop ---------------------------------------------------------------------------
+
+
+class StepDone(NamedTuple):
+    """The run finished init (steps = 0) or a step, having spent `spent` so far."""
+
+    steps: int
+    state: Any
+    spent: StepCost
+
+
+Event = Task | StepDone
+
+
+def run_loop(
+    algorithm: Algorithm[Any], z0: Array, seed: int, budget: int, convention: str
+) -> Generator[Event, Any, None]:
+    """Init, then one step at a time while the next step fits the budget (counted by `convention`)."""
+    paper = convention == "paper"
+    exchanges, paper_rounds = algorithm.init_cost()
+    if (paper_rounds if paper else exchanges) > budget:
+        return
+    state = yield from algorithm.init(z0, seed)
+    yield StepDone(0, state, StepCost(exchanges, paper_rounds))
+    steps = 0
+    while True:
+        cost = algorithm.step_cost(state)
+        if (paper_rounds + cost.paper if paper else exchanges + cost.exchanges) > budget:
+            return
+        state = yield from algorithm.step(state)
+        exchanges, paper_rounds, steps = exchanges + cost.exchanges, paper_rounds + cost.paper, steps + 1
+        yield StepDone(steps, state, StepCost(exchanges, paper_rounds))
+
+
+# -- a run and its outcome ------------------------------------------------------------------
+
+
+@dataclass
+class AlgorithmResult:
+    """The outcome of one algorithm's run."""
+
+    name: str
+    spec: dict[str, Any]
+    status: str  # "ok", "diverged" or "stopped"
+    records: list[dict[str, float | int]]
+    final_z: Array
+    dist_x: float
+    dist_z: float
+    traffic: dict[str, dict[str, Any]]
+    wall_s: float
+    detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def z_sha256(self) -> str:
+        return sha256(self.final_z)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "spec": self.spec,
+            "status": self.status,
+            "detail": self.detail,
+            "dist_x": self.dist_x,
+            "dist_z": self.dist_z,
+            "rounds": self.traffic["algorithm"]["rounds"],
+            "paper_rounds": self.records[-1]["paper_rounds"] if self.records else 0,
+            "wall_s": self.wall_s,
+            "z_sha256": self.z_sha256,
+            "traffic": self.traffic,
+            **self.extra,
+        }
+
+
+COUNTERS = ("meta_iterations", "syncs", "steps", "theta")
+
+
+def state_counters(state: Any) -> dict[str, Any]:
+    """The counters a result reports from an algorithm state."""
+    return {} if state is None else {k: getattr(state, k) for k in COUNTERS if hasattr(state, k)}
+
+
+def distances(z: Array, z_star: Array, dim_x: int) -> tuple[Array, Array]:
+    """||x - x*|| and ||z - z*|| for each row of a stack of iterates (one row per run)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return row_norms(z[:, :dim_x] - z_star[:, :dim_x]), row_norms(z - z_star)
+
+
+class Run:
+    """One run of one algorithm: its loop, and what it records and reports.
+
+    A driver advances it with `advance(answers)`, which returns the next exchange
+    or step boundary (None at the end), and reports boundaries with `record`.
+    """
+
+    def __init__(
+        self, name: str, spec: dict[str, Any], algorithm: Algorithm[Any], z0: Array, config: RunConfig
+    ) -> None:
+        self.name, self.spec, self.algorithm = name, spec, algorithm
+        self.loop = run_loop(algorithm, z0, config.seed, config.rounds, config.round_convention)
+        self.started = time.perf_counter()
+        self.records: list[dict[str, float | int]] = []
+        self.state: Any = None
+        self.final_z = z0
+        self.status, self.detail = "ok", ""
+        self.finished = False
+
+    def advance(self, answers: Answers | None) -> Event | None:
+        """Send the answers to the pending exchange (None after a boundary); the next event."""
+        try:
+            return self.loop.send(answers)
+        except StopIteration:
+            self.finished = True
+            return None
+
+    def record(
+        self,
+        done: StepDone,
+        rounds: int,
+        dist_x: float | None,
+        dist_z: float | None,
+        finite: bool | None = None,
+        now: float | None = None,
+    ) -> bool:
+        """Record a step boundary; False if the iterate is no longer finite (the run diverged).
+
+        `finite` and `now` may be passed in by a driver that handles many runs at once.
+        """
+        entry: dict[str, float | int] = {
+            "step": done.steps,
+            "rounds": rounds,
+            "paper_rounds": done.spent.paper,
+            "time_s": (time.perf_counter() if now is None else now) - self.started,
+        }
+        if dist_x is not None and dist_z is not None:
+            entry["dist_x"], entry["dist_z"] = dist_x, dist_z
+        self.records.append(entry)
+        self.state = done.state
+        self.final_z = self.algorithm.iterate(done.state)
+        if finite is None:
+            finite = bool(np.isfinite(self.final_z).all())
+        if done.steps > 0 and not finite:
+            self.stop("diverged", f"the iterate is not finite after round {rounds}")
+            return False
+        return True
+
+    def stop(self, status: str, detail: str) -> None:
+        """End the run early (diverged, or stopped by a failure); its loop is closed."""
+        self.status, self.detail = status, detail
+        self.loop.close()
+        self.finished = True
+
+    def result(self, traffic: dict[str, dict[str, Any]], wall_s: float | None = None) -> AlgorithmResult:
+        last = self.records[-1] if self.records and self.status != "diverged" else {}
+        return AlgorithmResult(
+            name=self.name,
+            spec=self.spec,
+            status=self.status,
+            records=self.records,
+            final_z=self.final_z,
+            dist_x=float(last.get("dist_x", float("nan"))),
+            dist_z=float(last.get("dist_z", float("nan"))),
+            traffic=traffic,
+            wall_s=time.perf_counter() - self.started if wall_s is None else wall_s,
+            detail=self.detail,
+            extra=state_counters(self.state),
+        )
+
+
+# -- driving one run over a pool ------------------------------------------------------------
+
+ProgressHook = Callable[[str, int, int, float], None]
+
+
+class RunStopped(Exception):
+    """A run ended early by something other than divergence (a lost client, a signal).
+
+    Carries the partial result, so the metrics so far are never lost, and the cause.
+    """
+
+    def __init__(self, result: AlgorithmResult, cause: BaseException) -> None:
+        super().__init__(str(cause) or type(cause).__name__)
+        self.result = result
+        self.cause = cause
+
+
+def initial_point(config: RunConfig) -> Array:
+    dim = 2 * config.problem.dim
+    if config.init == "ones":
+        return np.ones(dim)
+    if config.init == "zeros":
+        return np.zeros(dim)
+    return seeding.rng(config.seed, seeding.INIT).standard_normal(dim)
+
+
+def make_run(spec: AlgorithmSpec, config: RunConfig) -> Run:
+    algorithm = build(spec, config.sync, dim_x=config.problem.dim)
+    return Run(spec.display_name, spec.model_dump(mode="json"), algorithm, initial_point(config), config)
+
+
+def run_algorithm(
+    spec: AlgorithmSpec,
+    config: RunConfig,
+    pool: ClientPool,
+    run_id: str | None = None,
+    progress: ProgressHook | None = None,
+) -> AlgorithmResult:
+    """Run one algorithm on a pool until its next step would exceed the round budget."""
+    run = make_run(spec, config)
+    pool.start_run(
+        RunInfo(run_id or f"{run.name}-{uuid.uuid4().hex[:8]}", config.problem, config.seed, config.gradient_noise)
+    )
+    z_star = solution(config.problem, config.seed)
+    dim_x = config.problem.dim
+    paper = config.round_convention == "paper"
+    stopped_by: BaseException | None = None
+    try:
+        event = run.advance(None)
+        while event is not None:
+            if isinstance(event, StepDone):
+                rounds = pool.traffic["algorithm"].rounds
+                dist_x = dist_z = None
+                if z_star is not None:
+                    xs, zs = distances(run.algorithm.iterate(event.state)[None], z_star[None], dim_x)
+                    dist_x, dist_z = float(xs[0]), float(zs[0])
+                if not run.record(event, rounds, dist_x, dist_z):
+                    break
+                if progress is not None and event.steps > 0:
+                    spent = event.spent.paper if paper else rounds
+                    progress(run.name, spent, config.rounds, float("nan") if dist_z is None else dist_z)
+                event = run.advance(None)
+            else:
+                with np.errstate(over="ignore", invalid="ignore"):  # divergence is reported, not warned about
+                    answers = pool.exchange(event)
+                    event = run.advance(answers)
+    except Diverged as exc:
+        run.stop("diverged", str(exc))
+    except (Exception, KeyboardInterrupt) as exc:  # re-raised below, with the partial result
+        run.stop("stopped", str(exc) or type(exc).__name__)
+        stopped_by = exc
+    result = run.result({category: counts.as_dict() for category, counts in pool.traffic.items()})
+    if stopped_by is not None:
+        raise RunStopped(result, stopped_by) from stopped_by
+    return result
+
+
+def run_all(config: RunConfig, pool: ClientPool, progress: ProgressHook | None = None) -> list[AlgorithmResult]:
+    """Run every algorithm of the config, one after another, on the same pool."""
+    return [run_algorithm(spec, config, pool, progress=progress) for spec in config.algorithms]

@@ -1,0 +1,1 @@
+"""The gRPC transport: the coordinator's server side of every client session."""
