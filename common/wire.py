@@ -1,9 +1,12 @@
 """numpy <-> protobuf: tasks and answers, vectors as raw float64 bytes, chunking.
 
 A payload is the concatenation of float64 vectors (little-endian). If it fits in
-`chunk_bytes` it travels inline in the Task / Answer; otherwise the header goes
+`chunk_bytes` it travels inline in the Task or Answer; otherwise the header goes
 with an empty payload and Chunk messages carry it in order. Every decoder here
 checks what it reads and raises WireError with a message that says what is wrong.
+
+The coordinator serializes a round's Task once (`encode_task` returns the
+serialized Instructions) and sends the same bytes to every session.
 """
 
 from __future__ import annotations
@@ -47,69 +50,93 @@ def to_bytes(vectors: Sequence[Array]) -> bytes:
 
 
 def from_bytes(data: bytes | bytearray, length: int) -> Array:
+    """A read-only float64 view of the bytes (no copy), of exactly `length` entries."""
     if len(data) != 8 * length:
         raise WireError(f"payload has {len(data)} bytes, expected {8 * length} ({length} float64 entries)")
-    return np.frombuffer(data, dtype=FLOAT64).astype(np.float64, copy=False)
+    return np.frombuffer(data, dtype=FLOAT64)
 
 
 def chunks(data: bytes, chunk_bytes: int) -> Iterator[pb.Chunk]:
+    view = memoryview(data)
     for offset in range(0, len(data), chunk_bytes):
-        yield pb.Chunk(offset=offset, data=data[offset : offset + chunk_bytes])
+        yield pb.Chunk(offset=offset, data=view[offset : offset + chunk_bytes].tobytes())
 
 
 class Assembler:
-    """Collects a chunked payload of known size, refusing gaps, overlaps and overruns."""
+    """Collects a chunked payload of known size, refusing gaps, overlaps and overruns.
+
+    Memory grows with the chunks that arrived, never ahead of them: a peer that
+    announces a large payload and sends nothing costs nothing.
+    """
 
     def __init__(self, total_bytes: int) -> None:
-        self.buffer = bytearray(total_bytes)
+        self.total = total_bytes
         self.filled = 0
+        self._pieces: list[bytes] = []
 
     @property
     def done(self) -> bool:
-        return self.filled == len(self.buffer)
+        return self.filled == self.total
 
     def add(self, chunk: pb.Chunk) -> None:
         if chunk.offset != self.filled:
             raise WireError(f"chunk at byte {chunk.offset}, expected byte {self.filled}")
         end = self.filled + len(chunk.data)
-        if end > len(self.buffer):
-            raise WireError(f"chunks overrun the payload: {end} bytes of {len(self.buffer)}")
+        if end > self.total:
+            raise WireError(f"chunks overrun the payload: {end} bytes of {self.total}")
         if not chunk.data:
             raise WireError("empty chunk")
-        self.buffer[self.filled : end] = chunk.data
+        self._pieces.append(chunk.data)
         self.filled = end
+
+    def payload(self) -> bytes:
+        """The whole payload (call when done)."""
+        data = b"".join(self._pieces)
+        self._pieces = [data]
+        return data
 
 
 # -- tasks: coordinator -> client ------------------------------------------------------
 
 
-def encode_task(run_id: str, round_id: int, task: Task, chunk_bytes: int) -> list[pb.Instruction]:
-    """The Task instruction, followed by Chunks if the payload is larger than one chunk."""
-    payload = to_bytes(task.payload())
-    message = pb.Task(run_id=run_id, round_id=round_id, payload_length=len(payload) // 8)
+def task_message(run_id: str, round_id: int, task: Task, payload_length: int) -> pb.Task:
+    """The Task header (without its payload)."""
+    message = pb.Task(run_id=run_id, round_id=round_id, payload_length=payload_length)
     if isinstance(task, GradientTask):
         message.kind = pb.GRADIENT
         message.gradient.CopyFrom(
             pb.GradientParams(batch=task.batch, exact=task.exact, want_objective=task.want_objective)
         )
-    else:
-        if np.size(task.gamma_local) > 1 or np.size(task.theta) > 1:
-            raise WireError("a batch of runs (array step sizes) runs in-process only; one run travels over gRPC")
-        message.kind = pb.LOCAL_STEPS
-        message.local.CopyFrom(
-            pb.LocalSteps(
-                steps=task.steps,
-                gamma_local=float(np.ravel(task.gamma_local)[0]),
-                step_offset=task.step_offset,
-                decay=_DECAY[task.decay],
-                correction=pb.NONE if task.control is None else pb.SCAFFOLD,
-                theta=float(np.ravel(task.theta)[0]),
-            )
+        return message
+    if np.size(task.gamma_local) > 1 or np.size(task.theta) > 1:
+        raise WireError("a batch of runs (array step sizes) runs in-process only; one run travels over gRPC")
+    message.kind = pb.LOCAL_STEPS
+    message.local.CopyFrom(
+        pb.LocalSteps(
+            steps=task.steps,
+            gamma_local=float(np.ravel(task.gamma_local)[0]),
+            step_offset=task.step_offset,
+            decay=_DECAY[task.decay],
+            correction=pb.NONE if task.control is None else pb.SCAFFOLD,
+            theta=float(np.ravel(task.theta)[0]),
         )
+    )
+    return message
+
+
+def encode_task(
+    run_id: str, round_id: int, task: Task, chunk_bytes: int, client_indices: Sequence[int] = ()
+) -> list[bytes]:
+    """The serialized Task instruction, followed by serialized Chunks if the payload is larger than one chunk."""
+    payload = to_bytes(task.payload())
+    message = task_message(run_id, round_id, task, len(payload) // 8)
+    message.client_indices.extend(client_indices)
     if len(payload) <= chunk_bytes:
         message.payload = payload
-        return [pb.Instruction(task=message)]
-    return [pb.Instruction(task=message), *(pb.Instruction(chunk=c) for c in chunks(payload, chunk_bytes))]
+        return [pb.Instruction(task=message).SerializeToString()]
+    pieces = [pb.Instruction(task=message).SerializeToString()]
+    pieces.extend(pb.Instruction(chunk=c).SerializeToString() for c in chunks(payload, chunk_bytes))
+    return pieces
 
 
 def decode_task(message: pb.Task, payload: bytes | bytearray, dimension: int) -> Task:
@@ -143,24 +170,19 @@ def decode_task(message: pb.Task, payload: bytes | bytearray, dimension: int) ->
 # -- answers: client -> coordinator ----------------------------------------------------
 
 
-def encode_answer(session_id: str, run_id: str, round_id: int, answer: Answer, chunk_bytes: int) -> list[pb.AnswerPart]:
-    header = pb.Answer(
-        session_id=session_id,
-        run_id=run_id,
-        round_id=round_id,
-        client_indices=list(answer.indices),
-        diverged=answer.diverged,
-    )
+def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) -> list[pb.ClientMessage]:
+    """The Answer message, followed by Chunks if the payload is larger than one chunk."""
+    header = pb.Answer(run_id=run_id, round_id=round_id, client_indices=list(answer.indices), diverged=answer.diverged)
     if answer.diverged:
-        return [pb.AnswerPart(answer=header)]
+        return [pb.ClientMessage(answer=header)]
     payload = to_bytes([answer.vectors])
     header.payload_length = len(payload) // 8
     if answer.objective is not None:
         header.objective = to_bytes([answer.objective])
     if len(payload) <= chunk_bytes:
         header.payload = payload
-        return [pb.AnswerPart(answer=header)]
-    return [pb.AnswerPart(answer=header), *(pb.AnswerPart(chunk=c) for c in chunks(payload, chunk_bytes))]
+        return [pb.ClientMessage(answer=header)]
+    return [pb.ClientMessage(answer=header), *(pb.ClientMessage(chunk=c) for c in chunks(payload, chunk_bytes))]
 
 
 def decode_answer(header: pb.Answer, payload: bytes | bytearray, dimension: int, want_objective: bool) -> Answer:
@@ -169,9 +191,9 @@ def decode_answer(header: pb.Answer, payload: bytes | bytearray, dimension: int,
     if header.diverged:
         return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
     values = from_bytes(payload, len(indices) * dimension).reshape(len(indices), dimension)
-    bad = ~np.isfinite(values)
-    if bad.any():
-        row, col = (int(v) for v in np.argwhere(bad)[0])
+    finite = np.isfinite(values)
+    if not finite.all():
+        row, col = (int(v) for v in np.argwhere(~finite)[0])
         raise WireError(f"client {indices[row]}: entry {col} is {values[row, col]} (non-finite values are refused)")
     objective = None
     if want_objective:

@@ -11,12 +11,14 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
 
 class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TASK_KIND_UNSPECIFIED: _ClassVar[TaskKind]
     GRADIENT: _ClassVar[TaskKind]
     LOCAL_STEPS: _ClassVar[TaskKind]
+    EVALUATE: _ClassVar[TaskKind]
 
 class Correction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,19 +31,55 @@ class StepDecay(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_DECAY_UNSPECIFIED: _ClassVar[StepDecay]
     CONSTANT: _ClassVar[StepDecay]
     INVERSE_SQRT: _ClassVar[StepDecay]
+
+class RejectCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REJECT_CODE_UNSPECIFIED: _ClassVar[RejectCode]
+    INVALID_ARGUMENT: _ClassVar[RejectCode]
+    ALREADY_EXISTS: _ClassVar[RejectCode]
+    PERMISSION_DENIED: _ClassVar[RejectCode]
+    FAILED_PRECONDITION: _ClassVar[RejectCode]
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    DONE: _ClassVar[Outcome]
+    FAILED: _ClassVar[Outcome]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
+PROTOCOL_VERSION_2: ProtocolVersion
 TASK_KIND_UNSPECIFIED: TaskKind
 GRADIENT: TaskKind
 LOCAL_STEPS: TaskKind
+EVALUATE: TaskKind
 CORRECTION_UNSPECIFIED: Correction
 NONE: Correction
 SCAFFOLD: Correction
 STEP_DECAY_UNSPECIFIED: StepDecay
 CONSTANT: StepDecay
 INVERSE_SQRT: StepDecay
+REJECT_CODE_UNSPECIFIED: RejectCode
+INVALID_ARGUMENT: RejectCode
+ALREADY_EXISTS: RejectCode
+PERMISSION_DENIED: RejectCode
+FAILED_PRECONDITION: RejectCode
+OUTCOME_UNSPECIFIED: Outcome
+DONE: Outcome
+FAILED: Outcome
 
-class JoinRequest(_message.Message):
+class ClientMessage(_message.Message):
+    __slots__ = ("hello", "ready", "answer", "chunk")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    ready: Ready
+    answer: Answer
+    chunk: Chunk
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., answer: _Optional[_Union[Answer, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
     __slots__ = ("protocol_version", "client_indices", "client_name")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLIENT_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -51,45 +89,83 @@ class JoinRequest(_message.Message):
     client_name: str
     def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., client_indices: _Optional[_Iterable[int]] = ..., client_name: _Optional[str] = ...) -> None: ...
 
+class Ready(_message.Message):
+    __slots__ = ("run_id", "dimension", "sample_counts", "error")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    dimension: int
+    sample_counts: _containers.RepeatedScalarFieldContainer[int]
+    error: str
+    def __init__(self, run_id: _Optional[str] = ..., dimension: _Optional[int] = ..., sample_counts: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class Answer(_message.Message):
+    __slots__ = ("run_id", "round_id", "client_indices", "payload_length", "payload", "objective", "diverged", "sample_counts")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round_id: int
+    client_indices: _containers.RepeatedScalarFieldContainer[int]
+    payload_length: int
+    payload: bytes
+    objective: bytes
+    diverged: bool
+    sample_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., client_indices: _Optional[_Iterable[int]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., objective: _Optional[bytes] = ..., diverged: _Optional[bool] = ..., sample_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Instruction(_message.Message):
-    __slots__ = ("welcome", "run", "task", "chunk", "goodbye")
+    __slots__ = ("welcome", "run", "task", "chunk", "rejected", "goodbye")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     run: RunSpec
     task: Task
     chunk: Chunk
+    rejected: Rejected
     goodbye: Goodbye
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("session_id", "federation_id", "num_clients", "chunk_bytes")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("federation_id", "num_clients", "chunk_bytes")
     FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
     federation_id: str
     num_clients: int
     chunk_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., federation_id: _Optional[str] = ..., num_clients: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, federation_id: _Optional[str] = ..., num_clients: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("run_id", "problem_json", "seed", "gradient_noise", "dimension")
+    __slots__ = ("run_id", "problem_name", "problem_json", "synthetic_seed", "noise_seed", "gradient_noise", "dimension", "want_sample_counts")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_NAME_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_JSON_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
+    SYNTHETIC_SEED_FIELD_NUMBER: _ClassVar[int]
+    NOISE_SEED_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_NOISE_FIELD_NUMBER: _ClassVar[int]
     DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    WANT_SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
+    problem_name: str
     problem_json: str
-    seed: int
+    synthetic_seed: int
+    noise_seed: int
     gradient_noise: float
     dimension: int
-    def __init__(self, run_id: _Optional[str] = ..., problem_json: _Optional[str] = ..., seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ...) -> None: ...
+    want_sample_counts: bool
+    def __init__(self, run_id: _Optional[str] = ..., problem_name: _Optional[str] = ..., problem_json: _Optional[str] = ..., synthetic_seed: _Optional[int] = ..., noise_seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ..., want_sample_counts: _Optional[bool] = ...) -> None: ...
 
 class GradientParams(_message.Message):
     __slots__ = ("batch", "exact", "want_objective")
@@ -118,7 +194,7 @@ class LocalSteps(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., gamma_local: _Optional[float] = ..., step_offset: _Optional[int] = ..., decay: _Optional[_Union[StepDecay, str]] = ..., correction: _Optional[_Union[Correction, str]] = ..., theta: _Optional[float] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("run_id", "round_id", "kind", "gradient", "local", "payload_length", "payload")
+    __slots__ = ("run_id", "round_id", "kind", "gradient", "local", "payload_length", "payload", "client_indices", "metric_names")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +202,8 @@ class Task(_message.Message):
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round_id: int
     kind: TaskKind
@@ -133,7 +211,9 @@ class Task(_message.Message):
     local: LocalSteps
     payload_length: int
     payload: bytes
-    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., gradient: _Optional[_Union[GradientParams, _Mapping]] = ..., local: _Optional[_Union[LocalSteps, _Mapping]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    client_indices: _containers.RepeatedScalarFieldContainer[int]
+    metric_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., gradient: _Optional[_Union[GradientParams, _Mapping]] = ..., local: _Optional[_Union[LocalSteps, _Mapping]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., client_indices: _Optional[_Iterable[int]] = ..., metric_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -143,40 +223,20 @@ class Chunk(_message.Message):
     data: bytes
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class Goodbye(_message.Message):
-    __slots__ = ("reason",)
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
-
-class Answer(_message.Message):
-    __slots__ = ("session_id", "run_id", "round_id", "client_indices", "payload_length", "payload", "objective", "diverged")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+class Rejected(_message.Message):
+    __slots__ = ("round_id", "code", "details")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
-    CLIENT_INDICES_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
-    DIVERGED_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    run_id: str
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
     round_id: int
-    client_indices: _containers.RepeatedScalarFieldContainer[int]
-    payload_length: int
-    payload: bytes
-    objective: bytes
-    diverged: bool
-    def __init__(self, session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., client_indices: _Optional[_Iterable[int]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., objective: _Optional[bytes] = ..., diverged: _Optional[bool] = ...) -> None: ...
+    code: RejectCode
+    details: str
+    def __init__(self, round_id: _Optional[int] = ..., code: _Optional[_Union[RejectCode, str]] = ..., details: _Optional[str] = ...) -> None: ...
 
-class AnswerPart(_message.Message):
-    __slots__ = ("answer", "chunk")
-    ANSWER_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    answer: Answer
-    chunk: Chunk
-    def __init__(self, answer: _Optional[_Union[Answer, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
-
-class SubmitReceipt(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class Goodbye(_message.Message):
+    __slots__ = ("reason", "outcome")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    outcome: Outcome
+    def __init__(self, reason: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ...) -> None: ...

@@ -34,55 +34,33 @@ class CoordinatorStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Join = channel.unary_stream(
-                '/fedsaddle.v1.Coordinator/Join',
-                request_serializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.JoinRequest.SerializeToString,
+        self.Session = channel.stream_stream(
+                '/fedsaddle.v2.Coordinator/Session',
+                request_serializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.ClientMessage.SerializeToString,
                 response_deserializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.Instruction.FromString,
-                _registered_method=True)
-        self.Submit = channel.stream_unary(
-                '/fedsaddle.v1.Coordinator/Submit',
-                request_serializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.AnswerPart.SerializeToString,
-                response_deserializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.SubmitReceipt.FromString,
-                _registered_method=True)
-        self.SubmitOne = channel.unary_unary(
-                '/fedsaddle.v1.Coordinator/SubmitOne',
-                request_serializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.Answer.SerializeToString,
-                response_deserializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.SubmitReceipt.FromString,
                 _registered_method=True)
 
 
 class CoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Join(self, request, context):
-        """Joins the federation for the client indices in the request and streams the
-        coordinator's instructions back: Welcome, then RunSpec / Task / Chunk, then
-        Goodbye. Errors: INVALID_ARGUMENT (bad or empty indices, wrong protocol
-        version), ALREADY_EXISTS (an index is held by another live session),
-        UNAUTHENTICATED / PERMISSION_DENIED (credentials, when configured).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Submit(self, request_iterator, context):
-        """Answers one Task for every client index of the session. The first part is
-        the Answer; if its payload did not fit, Chunk parts follow in order.
-        Errors, none of which changes the coordinator's state:
-        UNAUTHENTICATED     unknown session id
-        PERMISSION_DENIED   answering for indices the session does not hold
-        FAILED_PRECONDITION wrong run id, or a stale round id (not the round
-        the coordinator is waiting on)
-        ALREADY_EXISTS      this session already answered this round
-        INVALID_ARGUMENT    wrong payload length, non-finite entries, bad chunks
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SubmitOne(self, request, context):
-        """The same as Submit for an answer whose payload fits in one message; one
-        unary call costs less than opening a stream. Same errors as Submit.
+    def Session(self, request_iterator, context):
+        """One client process's session: ClientMessages up, Instructions down.
+        The stream ends with one of these statuses:
+        OK                  after a Goodbye.
+        INVALID_ARGUMENT    the first message is not a valid Hello (no indices,
+        repeated or out-of-range indices, another protocol
+        version), or bytes that are not a ClientMessage, or a
+        message that breaks the order above.
+        ALREADY_EXISTS      an index of the Hello is held by another live session.
+        UNAUTHENTICATED     credentials are configured and the call proves no
+        identity (no or unknown token, unknown certificate).
+        PERMISSION_DENIED   the identity may not speak for an index of the Hello.
+        DEADLINE_EXCEEDED   no Hello within the coordinator's hello timeout.
+        RESOURCE_EXHAUSTED  the coordinator is at its limit of sessions or
+        streams, or this session stopped reading its stream
+        and its undelivered Tasks exceeded their bound.
+        UNAVAILABLE         the coordinator is shutting down.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,26 +69,16 @@ class CoordinatorServicer:
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Join': grpc.unary_stream_rpc_method_handler(
-                    servicer.Join,
-                    request_deserializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.JoinRequest.FromString,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.ClientMessage.FromString,
                     response_serializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.Instruction.SerializeToString,
-            ),
-            'Submit': grpc.stream_unary_rpc_method_handler(
-                    servicer.Submit,
-                    request_deserializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.AnswerPart.FromString,
-                    response_serializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.SubmitReceipt.SerializeToString,
-            ),
-            'SubmitOne': grpc.unary_unary_rpc_method_handler(
-                    servicer.SubmitOne,
-                    request_deserializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.Answer.FromString,
-                    response_serializer=fedsaddle_dot_proto_dot_fedsaddle__pb2.SubmitReceipt.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'fedsaddle.v1.Coordinator', rpc_method_handlers)
+            'fedsaddle.v2.Coordinator', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('fedsaddle.v1.Coordinator', rpc_method_handlers)
+    server.add_registered_method_handlers('fedsaddle.v2.Coordinator', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -118,7 +86,7 @@ class Coordinator:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Join(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -128,66 +96,12 @@ class Coordinator:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/fedsaddle.v1.Coordinator/Join',
-            fedsaddle_dot_proto_dot_fedsaddle__pb2.JoinRequest.SerializeToString,
-            fedsaddle_dot_proto_dot_fedsaddle__pb2.Instruction.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Submit(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/fedsaddle.v1.Coordinator/Submit',
-            fedsaddle_dot_proto_dot_fedsaddle__pb2.AnswerPart.SerializeToString,
-            fedsaddle_dot_proto_dot_fedsaddle__pb2.SubmitReceipt.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SubmitOne(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/fedsaddle.v1.Coordinator/SubmitOne',
-            fedsaddle_dot_proto_dot_fedsaddle__pb2.Answer.SerializeToString,
-            fedsaddle_dot_proto_dot_fedsaddle__pb2.SubmitReceipt.FromString,
+            '/fedsaddle.v2.Coordinator/Session',
+            fedsaddle_dot_proto_dot_fedsaddle__pb2.ClientMessage.SerializeToString,
+            fedsaddle_dot_proto_dot_fedsaddle__pb2.Instruction.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,5 +52,6 @@ def run_config(
             outcome.failure = "interrupted"
         else:
             outcome.failure = str(stop.cause)
+            pool.failure = outcome.failure
     write_outputs(outcome.run_dir, config, outcome.results, {**transport, "failure": outcome.failure})
     return outcome

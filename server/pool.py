@@ -143,6 +143,7 @@ class ClientPool(abc.ABC):
         self.run: RunInfo | None = None
         self.round_id = 0
         self.traffic: dict[Category, TrafficCounts] = {}
+        self.failure: str | None = None  # why the runs on this pool failed, if they did (told to clients at close)
 
     def start_run(self, run: RunInfo) -> None:
         """Announce a run; counters and round ids start afresh."""

@@ -1,7 +1,8 @@
-"""Bad answers over real connections: each is refused with a precise status and changes nothing."""
+"""Bad input over real connections: each is refused with a precise code and changes nothing."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -12,10 +13,7 @@ import numpy as np
 import pytest
 from conftest import config
 
-from fedsaddle.common import wire
-from fedsaddle.common.problems import make_shards
-from fedsaddle.common.tasks import Answer
-from fedsaddle.common.worker import Worker
+from fedsaddle.client.session import ClientSession
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
@@ -29,124 +27,147 @@ RUN = config(
     rounds=3,
     sync={"kind": "fixed", "tau": 4},
 )
-CHUNK = 1 << 20
 
 
 class HandClient:
-    """A client session driven by the test, one instruction at a time."""
+    """A client session driven by the test, one message at a time, over a real stream.
 
-    def __init__(self, channel: grpc.Channel, indices: list[int]) -> None:
-        self.stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-        self.indices = indices
-        self.stream: Iterator[pb.Instruction] = self.stub.Join(
-            pb.JoinRequest(protocol_version=pb.PROTOCOL_VERSION_1, client_indices=indices, client_name="hand")
-        )
-        self.session_id = next(self.stream).welcome.session_id
-        self.unary = False  # answer with SubmitOne instead of the streaming Submit
-        self.worker: Worker | None = None
-        self.run_id = ""
+    A reader thread answers RunSpecs with Ready, as a real client does (unless
+    `auto_ready` is off), and queues every other instruction for the test.
+    """
+
+    def __init__(
+        self, channel: grpc.Channel, indices: list[int], version: int = pb.PROTOCOL_VERSION_2, auto_ready: bool = True
+    ) -> None:
+        self.requests: queue.Queue[pb.ClientMessage | None] = queue.Queue()
+        self.inbox: queue.Queue[pb.Instruction | grpc.RpcError | None] = queue.Queue()
+        self.auto_ready = auto_ready
+        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        self.stream: Iterator[pb.Instruction] = stub.Session(iter(self.requests.get, None))
+        self.state = ClientSession(tuple(indices))  # computes the good answers, as a real client would
+        hello = self.state.hello("hand")
+        hello.hello.protocol_version = version  # type: ignore[assignment]
+        self.send(hello)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for instruction in self.stream:
+                if instruction.HasField("run") and self.auto_ready:
+                    for reply in self.state.handle(instruction):
+                        self.send(reply)
+                else:
+                    self.inbox.put(instruction)
+        except grpc.RpcError as error:
+            self.inbox.put(error)
+        self.inbox.put(None)
+
+    def send(self, message: pb.ClientMessage) -> None:
+        self.requests.put(message)
+
+    def close(self) -> None:
+        self.requests.put(None)
+
+    def next(self, timeout: float = 10) -> pb.Instruction:
+        item = self.inbox.get(timeout=timeout)
+        if isinstance(item, grpc.RpcError):
+            raise item
+        assert item is not None, "stream ended"
+        return item
+
+    def welcome(self) -> pb.Welcome:
+        instruction = self.next()
+        self.state.handle(instruction)
+        return instruction.welcome
 
     def next_task(self) -> pb.Task:
-        for instruction in self.stream:
-            if instruction.HasField("run"):
-                run = instruction.run
-                self.run_id = run.run_id
-                shards = make_shards(RUN.problem, run.seed, self.indices)
-                self.worker = Worker(shards, run.seed, run.gradient_noise)
-            elif instruction.HasField("task"):
-                return instruction.task
-        raise AssertionError("stream ended")
-
-    def answer_for(self, task: pb.Task) -> Answer:
-        assert self.worker is not None
-        return self.worker.execute(wire.decode_task(task, task.payload, 6), task.round_id)
-
-    def submit(self, header: pb.Answer) -> grpc.StatusCode:
-        try:
-            if self.unary:
-                self.stub.SubmitOne(header)
-            else:
-                self.stub.Submit(iter([pb.AnswerPart(answer=header)]))
-        except grpc.RpcError as error:
-            return error.code()  # type: ignore[no-any-return]
-        return grpc.StatusCode.OK
+        instruction = self.next()
+        assert instruction.HasField("task"), instruction
+        return instruction.task
 
     def good(self, task: pb.Task) -> pb.Answer:
-        (part,) = wire.encode_answer(self.session_id, task.run_id, task.round_id, self.answer_for(task), CHUNK)
-        return part.answer
+        (message,) = self.state.handle(pb.Instruction(task=task))
+        return message.answer
+
+    def refused_with(self, message: pb.ClientMessage) -> str:
+        """Send a bad message; the code of the Rejected instruction that must come back."""
+        self.send(message)
+        instruction = self.next()
+        assert instruction.HasField("rejected"), instruction
+        return pb.RejectCode.Name(instruction.rejected.code)
 
 
-def with_payload(header: pb.Answer, values: np.ndarray[Any, Any], length: int | None = None) -> pb.Answer:
+def answer(header: pb.Answer, values: np.ndarray[Any, Any] | None = None, **fields: Any) -> pb.ClientMessage:
     bad = pb.Answer()
     bad.CopyFrom(header)
-    bad.payload = values.tobytes()
-    bad.payload_length = values.size if length is None else length
-    return bad
+    if values is not None:
+        bad.payload = values.tobytes()
+        bad.payload_length = values.size
+    for name, value in fields.items():
+        if name == "client_indices":
+            del bad.client_indices[:]
+            bad.client_indices.extend(value)
+        else:
+            setattr(bad, name, value)
+    return pb.ClientMessage(answer=bad)
 
 
-def test_bad_answers_are_refused_and_the_run_ends_as_if_they_never_came() -> None:
+def test_bad_answers_are_rejected_and_the_run_ends_as_if_they_never_came() -> None:
     pool = GrpcPool(2, "127.0.0.1:0")
     outcome: dict[str, AlgorithmResult] = {}
+    channel = grpc.insecure_channel(pool.address)
     try:
-        channel = grpc.insecure_channel(pool.address)
         first, second = HandClient(channel, [0]), HandClient(channel, [1])
+        first.welcome(), second.welcome()
         pool.wait_for_clients(10)
         runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(RUN.algorithms[0], RUN, pool)))
         runner.start()
-        statuses: list[tuple[str, grpc.StatusCode]] = []
-        for round_index in range(RUN.rounds):
-            first.unary = second.unary = round_index % 2 == 1  # both RPCs check the same way
+        codes: list[tuple[str, str]] = []
+        for _ in range(RUN.rounds):
             task_a, task_b = first.next_task(), second.next_task()
             good_a, good_b = first.good(task_a), second.good(task_b)
-            assert second.submit(good_b) == grpc.StatusCode.OK
-            statuses.append(("duplicate", second.submit(good_b)))
+            second.send(pb.ClientMessage(answer=good_b))
+            codes.append(("duplicate", second.refused_with(pb.ClientMessage(answer=good_b))))
             vectors = np.frombuffer(good_a.payload, dtype="<f8")
-            statuses.append(("short", first.submit(with_payload(good_a, vectors[:-1]))))
-            statuses.append(("length mismatch", first.submit(with_payload(good_a, vectors, length=5))))
-            nan = vectors.copy()
-            nan[2] = np.nan
-            statuses.append(("nan", first.submit(with_payload(good_a, nan))))
-            inf = vectors.copy()
-            inf[0] = np.inf
-            statuses.append(("inf", first.submit(with_payload(good_a, inf))))
-            stale = pb.Answer()
-            stale.CopyFrom(good_a)
-            stale.round_id = task_a.round_id - 1
-            statuses.append(("stale round", first.submit(stale)))
-            other_run = pb.Answer()
-            other_run.CopyFrom(good_a)
-            other_run.run_id = "another-run"
-            statuses.append(("wrong run", first.submit(other_run)))
-            impostor = pb.Answer()
-            impostor.CopyFrom(good_b)
-            impostor.session_id = first.session_id
-            statuses.append(("someone else's index", first.submit(impostor)))
-            forged = pb.Answer()
-            forged.CopyFrom(good_a)
-            forged.session_id = "0" * 32
-            statuses.append(("unknown session", first.submit(forged)))
-            assert first.submit(good_a) == grpc.StatusCode.OK
+            codes.append(("short", first.refused_with(answer(good_a, vectors[:-1]))))
+            codes.append(("length mismatch", first.refused_with(answer(good_a, payload_length=5))))
+            nan, inf = vectors.copy(), vectors.copy()
+            nan[2], inf[0] = np.nan, np.inf
+            codes.append(("nan", first.refused_with(answer(good_a, nan))))
+            codes.append(("inf", first.refused_with(answer(good_a, inf))))
+            codes.append(("stale round", first.refused_with(answer(good_a, round_id=task_a.round_id - 1))))
+            codes.append(("wrong run", first.refused_with(answer(good_a, run_id="another-run"))))
+            codes.append(("someone else's index", first.refused_with(answer(good_b))))
+            codes.append(("no indices", first.refused_with(answer(good_a, client_indices=[]))))
+            chunked = answer(good_a, payload=b"")  # a header announcing chunks ...
+            first.send(chunked)
+            gap = pb.ClientMessage(chunk=pb.Chunk(offset=8, data=good_a.payload[8:]))  # ... and a gap
+            codes.append(("chunk gap", first.refused_with(gap)))
+            stray = pb.ClientMessage(chunk=pb.Chunk(offset=0, data=good_a.payload))
+            codes.append(("chunk without answer", first.refused_with(stray)))
+            first.send(pb.ClientMessage(answer=good_a))
         runner.join(timeout=30)
         assert not runner.is_alive()
-        late = pb.Answer()
-        late.CopyFrom(good_a)
-        assert first.submit(late) == grpc.StatusCode.FAILED_PRECONDITION
+        codes.append(("after the run", first.refused_with(pb.ClientMessage(answer=good_a))))
     finally:
         pool.close()
         channel.close()
     expected = {
-        "duplicate": grpc.StatusCode.ALREADY_EXISTS,
-        "short": grpc.StatusCode.INVALID_ARGUMENT,
-        "length mismatch": grpc.StatusCode.INVALID_ARGUMENT,
-        "nan": grpc.StatusCode.INVALID_ARGUMENT,
-        "inf": grpc.StatusCode.INVALID_ARGUMENT,
-        "stale round": grpc.StatusCode.FAILED_PRECONDITION,
-        "wrong run": grpc.StatusCode.FAILED_PRECONDITION,
-        "someone else's index": grpc.StatusCode.PERMISSION_DENIED,
-        "unknown session": grpc.StatusCode.UNAUTHENTICATED,
+        "duplicate": "ALREADY_EXISTS",
+        "short": "INVALID_ARGUMENT",
+        "length mismatch": "INVALID_ARGUMENT",
+        "nan": "INVALID_ARGUMENT",
+        "inf": "INVALID_ARGUMENT",
+        "stale round": "FAILED_PRECONDITION",
+        "wrong run": "FAILED_PRECONDITION",
+        "someone else's index": "PERMISSION_DENIED",
+        "no indices": "INVALID_ARGUMENT",
+        "chunk gap": "INVALID_ARGUMENT",
+        "chunk without answer": "INVALID_ARGUMENT",
+        "after the run": "FAILED_PRECONDITION",
     }
-    assert statuses == [(what, expected[what]) for what, _ in statuses]
-    assert len(statuses) == len(expected) * RUN.rounds
+    assert codes == [(what, expected[what]) for what, _ in codes]
+    assert len(codes) == (len(expected) - 1) * RUN.rounds + 1
     # None of the refused answers touched the state: the run equals a clean in-process run.
     local = run_algorithm(RUN.algorithms[0], RUN, LocalPool())
     assert outcome["r"].z_sha256 == local.z_sha256
@@ -154,44 +175,110 @@ def test_bad_answers_are_refused_and_the_run_ends_as_if_they_never_came() -> Non
 
 
 @pytest.mark.parametrize(
-    ("indices", "code", "message"),
+    ("indices", "version", "code", "message"),
     [
-        ([], grpc.StatusCode.INVALID_ARGUMENT, "no client indices given"),
-        ([2], grpc.StatusCode.INVALID_ARGUMENT, "client indices [2] are outside [0, 2)"),
-        ([0, 0], grpc.StatusCode.INVALID_ARGUMENT, "client indices repeat"),
-        ([1], grpc.StatusCode.ALREADY_EXISTS, "client indices [1] are already connected"),
+        ([], pb.PROTOCOL_VERSION_2, grpc.StatusCode.INVALID_ARGUMENT, "no client indices given"),
+        ([2], pb.PROTOCOL_VERSION_2, grpc.StatusCode.INVALID_ARGUMENT, "client indices [2] are outside [0, 2)"),
+        ([0, 0], pb.PROTOCOL_VERSION_2, grpc.StatusCode.INVALID_ARGUMENT, "client indices repeat: [0]"),
+        ([1], pb.PROTOCOL_VERSION_2, grpc.StatusCode.ALREADY_EXISTS, "client indices [1] are already connected"),
+        ([0], pb.PROTOCOL_VERSION_1, grpc.StatusCode.INVALID_ARGUMENT, "protocol version 1 is not supported"),
     ],
 )
-def test_bad_joins_are_refused(indices: list[int], code: grpc.StatusCode, message: str) -> None:
+def test_bad_hellos_are_refused(indices: list[int], version: int, code: grpc.StatusCode, message: str) -> None:
     with GrpcPool(2, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
         holder = HandClient(channel, [1])
-        assert holder.session_id
-        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-        request = pb.JoinRequest(protocol_version=pb.PROTOCOL_VERSION_1, client_indices=indices)
-        with pytest.raises(grpc.RpcError) as refused:
-            next(stub.Join(request))
-        assert refused.value.code() == code
-        assert message in refused.value.details()
+        assert holder.welcome().num_clients == 2
+        refused = HandClient(channel, indices, version)
+        with pytest.raises(grpc.RpcError) as error:
+            refused.welcome()
+        assert error.value.code() == code
+        assert message in error.value.details()
+        holder.close()
+        refused.close()
+
+
+def raw_stream(channel: grpc.Channel) -> Any:
+    """The Session method without protobuf: the test sends raw bytes."""
+    return channel.stream_stream(
+        "/fedsaddle.v2.Coordinator/Session", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
+
+
+def test_bytes_that_are_not_protobuf_and_a_silent_stream_get_precise_statuses() -> None:
+    with GrpcPool(1, "127.0.0.1:0", hello_timeout_s=1.0) as pool, grpc.insecure_channel(pool.address) as channel:
+        with pytest.raises(grpc.RpcError) as error:
+            list(raw_stream(channel)(iter([b"\xff\xff\xff\xff not a protobuf"])))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a ClientMessage" in error.value.details()
+        assert "DecodeError" not in error.value.details()
+        silent: queue.Queue[bytes | None] = queue.Queue()
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            list(raw_stream(channel)(iter(silent.get, None)))
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 10
+        silent.put(None)
+        first = pb.ClientMessage(ready=pb.Ready(run_id="x")).SerializeToString()
+        with pytest.raises(grpc.RpcError) as error:
+            list(raw_stream(channel)(iter([first])))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "must start with a Hello" in error.value.details()
 
 
 def test_a_client_gone_between_rounds_is_named_at_the_next_round() -> None:
     pool = GrpcPool(1, "127.0.0.1:0")
+    channel = grpc.insecure_channel(pool.address)
     try:
-        channel = grpc.insecure_channel(pool.address)
         hand = HandClient(channel, [0])
+        hand.welcome()
         pool.wait_for_clients(10)
         run = config(problem={"name": "paper_regression", "num_clients": 1, "dim": 3}, algorithms=RUN.algorithms)
-        pool.start_run(RunInfo("between", run.problem, run.seed, 0.0))
-        first_round = threading.Thread(target=pool.gradients, args=(np.ones(6),))
+        starting = threading.Thread(target=pool.start_run, args=(RunInfo("between", run.problem, run.seed, 0.0),))
+        starting.start()
+        first_round = threading.Thread(target=lambda: (starting.join(), pool.gradients(np.ones(6))))
         first_round.start()
         task = hand.next_task()
-        assert hand.submit(hand.good(task)) == grpc.StatusCode.OK
+        hand.send(pb.ClientMessage(answer=hand.good(task)))
         first_round.join(timeout=10)
         channel.close()  # the client goes away while no round is open
         deadline = time.monotonic() + 10
-        while pool.federation.missing() != [0] and time.monotonic() < deadline:
+        while pool.missing() != [0] and time.monotonic() < deadline:
             time.sleep(0.05)
         with pytest.raises(ClientLost, match=r"client 0 \(hand at ipv4:127\.0\.0\.1:\d+\) disconnected before round 2"):
             pool.gradients(np.ones(6))
     finally:
         pool.close()
+
+
+def test_a_ready_with_an_error_or_the_wrong_dimension_stops_the_run_before_round_one() -> None:
+    with GrpcPool(2, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
+        honest, broken = HandClient(channel, [0], auto_ready=False), HandClient(channel, [1], auto_ready=False)
+        honest.welcome(), broken.welcome()
+        pool.wait_for_clients(10)
+        failures: list[BaseException] = []
+
+        def start(run_id: str) -> None:
+            try:
+                pool.start_run(RunInfo(run_id, RUN.problem, RUN.seed, 0.0))
+            except Exception as exc:
+                failures.append(exc)
+
+        for run_id, reply in (
+            ("r1", pb.Ready(run_id="r1", error="data/client-1.npz: row 5 holds NaN")),
+            ("r2", pb.Ready(run_id="r2", dimension=8)),
+        ):
+            starter = threading.Thread(target=start, args=(run_id,))
+            starter.start()
+            for hand in (honest, broken):
+                instruction = hand.next()
+                assert instruction.HasField("run")
+                replies = hand.state.handle(instruction)
+                hand.send(pb.ClientMessage(ready=reply) if hand is broken else replies[0])
+            starter.join(timeout=10)
+        assert [str(f) for f in failures] == [
+            "client 1 (hand at ipv4:127.0.0.1:" + str(failures[0]).split("127.0.0.1:")[1].split(")")[0] + ") "
+            "cannot serve run r1: data/client-1.npz: row 5 holds NaN",
+            "client 1 (hand at ipv4:127.0.0.1:" + str(failures[1]).split("127.0.0.1:")[1].split(")")[0] + ") "
+            "has data of dimension 8, but run r2 expects 6",
+        ]
+        honest.close(), broken.close()

@@ -75,6 +75,7 @@ class UnderWay:
     coordinator: Coordinator
     clients: list[subprocess.Popen[bytes]]
     client_codes: list[int] = field(default_factory=list)  # filled when the block ends
+    client_logs: list[str] = field(default_factory=list)  # their stderr, filled when the block ends
 
 
 @contextmanager
@@ -95,7 +96,19 @@ def run_under_way(tmp_path: Path, algorithm: dict[str, Any], num_clients: int, *
         coordinator.wait_for(r"round\s+\d+/1000000", 60)
         yield state
     finally:
+        logs = [read_stderr(c) for c in state.clients]
         state.client_codes = stop_processes(state.clients)
+        state.client_logs = logs
+
+
+def read_stderr(process: subprocess.Popen[bytes], timeout: float = 30) -> str:
+    """A client's stderr once it has exited (killed after `timeout`)."""
+    try:
+        _, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+    return err.decode(errors="replace")
 
 
 def test_a_killed_client_stops_the_run_with_its_name_and_nothing_hangs(tmp_path: Path) -> None:
@@ -111,7 +124,10 @@ def test_a_killed_client_stops_the_run_with_its_name_and_nothing_hangs(tmp_path:
         r"run failed: client 1 \(.* at ipv4:127\.0\.0\.1:\d+\) disconnected (during|before) round \d+", log
     ), log
     assert elapsed < 10  # detected from the broken connection, before the round timeout
-    assert codes[0] == 0 and codes[2] == 0  # the others were told goodbye and exited cleanly
+    # The others were told that the run failed, and why, and exit with an error.
+    assert codes[0] == 1 and codes[2] == 1, run.client_logs
+    for log_text in (run.client_logs[0], run.client_logs[2]):
+        assert re.search(r"the coordinator ended the run as failed: client 1 \(.*\) disconnected", log_text), log_text
     assert codes[1] == -signal.SIGKILL
     (run_dir,) = list((tmp_path / "runs").iterdir())
     summary = yaml.safe_load((run_dir / "summary.json").read_text())
@@ -183,4 +199,4 @@ def test_a_client_stopped_by_sigterm_exits_cleanly_and_is_named(tmp_path: Path) 
         code, log = run.coordinator.finish(timeout=30)
     assert code == 1
     assert re.search(r"run failed: client 0 \(.*\) disconnected (during|before) round \d+", log), log
-    assert run.client_codes == [0, 0]
+    assert run.client_codes == [0, 1]  # the stopped client exits cleanly; the other learns the run failed

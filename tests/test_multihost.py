@@ -177,5 +177,5 @@ def test_a_cut_link_fails_the_run_naming_the_client_and_nothing_stays_running(ne
         r"run failed: round \d+: no answer within 5 s from client 2 \(site-b at ipv4:10\.77\.0\.3:\d+\)", log
     ), log
     assert detected < 5 + 10  # the round timeout, plus process exit
-    assert codes[0] == 0 and codes[2] == 0  # told goodbye
+    assert codes[0] == 1 and codes[2] == 1  # told the run failed
     assert gave_up_by_itself and codes[1] == 1

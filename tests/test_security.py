@@ -99,7 +99,7 @@ def test_tokens_let_each_identity_speak_only_for_its_clients(
     )
     denied = refused(client(pool.address, "0-2", *token_args(tmp_path, "site-b")))
     assert "PERMISSION_DENIED: identity 'site-b' may not speak for clients [0, 1]" in denied
-    assert pool.federation.missing() == [0, 1, 2]  # none of them joined
+    assert pool.missing() == [0, 1, 2]  # none of them joined
     good = [
         client(pool.address, "0-1", *token_args(tmp_path, "site-a")),
         client(pool.address, "2", *token_args(tmp_path, "site-b")),

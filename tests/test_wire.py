@@ -32,17 +32,17 @@ def test_a_task_round_trips_bit_for_bit_inline_and_chunked() -> None:
         z, steps=7, gamma_local=0.01, step_offset=40, decay="inverse_sqrt", control=control, theta=2.0
     )
     for chunk_bytes in (1 << 20, 1024):  # 16 kB payload: inline, then 16 chunks
-        messages = wire.encode_task("run", 9, task, chunk_bytes)
-        assert len(messages) == (1 if chunk_bytes > 16000 else 1 + 16)
-        header = messages[0].task
+        pieces = [pb.Instruction.FromString(p) for p in wire.encode_task("run", 9, task, chunk_bytes)]
+        assert len(pieces) == (1 if chunk_bytes > 16000 else 1 + 16)
+        header = pieces[0].task
         payload = header.payload
-        if len(messages) > 1:
+        if len(pieces) > 1:
             assembler = wire.Assembler(8 * header.payload_length)
-            for m in messages[1:]:
-                assembler.add(pb.Chunk.FromString(m.chunk.SerializeToString()))
+            for piece in pieces[1:]:
+                assembler.add(piece.chunk)
             assert assembler.done
-            payload = bytes(assembler.buffer)
-        decoded = wire.decode_task(pb.Task.FromString(header.SerializeToString()), payload, 1000)
+            payload = assembler.payload()
+        decoded = wire.decode_task(header, payload, 1000)
         assert isinstance(decoded, LocalStepsTask)
         assert decoded.z_start.tobytes() == z.tobytes()
         assert decoded.control is not None and decoded.control.tobytes() == control.tobytes()
@@ -51,12 +51,13 @@ def test_a_task_round_trips_bit_for_bit_inline_and_chunked() -> None:
 
 def test_gradient_task_and_answer_round_trip() -> None:
     z = np.array([1.5, -2.0, 3.25, np.pi])
-    messages = wire.encode_task("r", 1, GradientTask(z, batch=3, exact=False, want_objective=True), 1 << 20)
-    decoded = wire.decode_task(messages[0].task, messages[0].task.payload, 4)
+    (piece,) = wire.encode_task("r", 1, GradientTask(z, batch=3, exact=False, want_objective=True), 1 << 20)
+    message = pb.Instruction.FromString(piece).task
+    decoded = wire.decode_task(message, message.payload, 4)
     assert isinstance(decoded, GradientTask)
     assert decoded.z.tobytes() == z.tobytes() and decoded.batch == 3 and decoded.want_objective
     answer = Answer((2, 5), np.arange(8.0).reshape(2, 4), np.array([0.5, -1.0]))
-    (part,) = wire.encode_answer("s", "r", 1, answer, 1 << 20)
+    (part,) = wire.encode_answer("r", 1, answer, 1 << 20)
     back = wire.decode_answer(part.answer, part.answer.payload, 4, want_objective=True)
     assert back.indices == (2, 5)
     assert np.array_equal(back.vectors, answer.vectors)
@@ -82,7 +83,18 @@ def test_the_assembler_refuses_gaps_and_overruns() -> None:
         assembler.add(pb.Chunk(offset=12, data=b"x" * 4))
     with pytest.raises(wire.WireError, match="overrun"):
         assembler.add(pb.Chunk(offset=8, data=b"x" * 9))
+    with pytest.raises(wire.WireError, match="empty chunk"):
+        assembler.add(pb.Chunk(offset=8, data=b""))
     assert not assembler.done
+    assembler.add(pb.Chunk(offset=8, data=b"y" * 8))
+    assert assembler.done and assembler.payload() == b"x" * 8 + b"y" * 8
+
+
+def test_the_assembler_holds_only_what_arrived() -> None:
+    # A peer announcing a huge payload and sending little costs the coordinator little.
+    assembler = wire.Assembler(8 << 30)
+    assembler.add(pb.Chunk(offset=0, data=b"z" * 1024))
+    assert sum(len(p) for p in assembler._pieces) == 1024
 
 
 def test_message_limit_is_raised_only_as_far_as_one_chunk_needs() -> None:

@@ -28,8 +28,9 @@ import grpc
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedsaddle.common.indices import parse_indices
+from fedsaddle.common.indices import parse_indices, some
 from fedsaddle.server.config import ConfigError, TlsSpec, describe_errors
+from fedsaddle.server.transport.refusal import Refusal, printable
 
 
 def token_hash(token: str) -> str:
@@ -58,13 +59,6 @@ class CredentialsFile(BaseModel):
 class Identity:
     name: str
     indices: frozenset[int]
-
-
-class Refusal(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
 
 
 class Authenticator:
@@ -99,9 +93,9 @@ class Authenticator:
             identity = self._identities.get(common_name.decode(errors="replace"))
             if identity is not None:
                 return identity
-        names = [n.decode(errors="replace") for n in peer_common_names]
+        names = [printable(n, 64) for n in peer_common_names]
         if names:
-            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"client certificate {names} names no known identity")
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"client certificate {names[:3]} names no known identity")
         raise Refusal(grpc.StatusCode.UNAUTHENTICATED, "no credentials: send a token or a client certificate")
 
     @staticmethod
@@ -110,7 +104,7 @@ class Authenticator:
         if foreign:
             raise Refusal(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"identity {identity.name!r} may not speak for clients {foreign}",
+                f"identity {identity.name!r} may not speak for clients {some(foreign)}",
             )
 
 

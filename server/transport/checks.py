@@ -1,0 +1,93 @@
+"""Checks of what a client process sends: pure functions, each refusing with a precise status.
+
+Nothing here touches a socket or the coordinator's state; the servicer calls
+these before anything a message carries is used.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import grpc
+
+from fedsaddle.common import wire
+from fedsaddle.common.indices import some
+from fedsaddle.common.tasks import Answer
+from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.transport.refusal import Refusal
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def hello_indices(hello: pb.Hello, num_clients: int) -> tuple[int, ...]:
+    """The indices a Hello asks for, sorted; Refusal(INVALID_ARGUMENT) naming what is wrong."""
+    if hello.protocol_version != pb.PROTOCOL_VERSION_2:
+        raise Refusal(
+            INVALID, f"protocol version {hello.protocol_version} is not supported (this coordinator speaks 2)"
+        )
+    indices = tuple(int(i) for i in hello.client_indices)
+    if not indices:
+        raise Refusal(INVALID, "no client indices given")
+    if len(set(indices)) != len(indices):
+        repeated = {i for i in indices if indices.count(i) > 1} if len(indices) < 10_000 else set()
+        raise Refusal(INVALID, f"client indices repeat: {some(repeated)}" if repeated else "client indices repeat")
+    outside = [i for i in indices if i >= num_clients]
+    if outside:
+        raise Refusal(INVALID, f"client indices {some(outside)} are outside [0, {num_clients})")
+    return tuple(sorted(indices))
+
+
+class Expectation(NamedTuple):
+    """What the open round expects from one session."""
+
+    run_id: str
+    round_id: int
+    indices: tuple[int, ...]  # the session's clients taking part, in index order
+    entries: int  # float64 entries per client in the payload
+    want_objective: bool
+
+
+def answer_header(
+    header: pb.Answer, session_indices: tuple[int, ...], expected: Expectation | None, answered: bool
+) -> int:
+    """Whether an Answer header can be this session's answer to the open round: the payload's
+    byte length if so, else Refusal with the status that says why."""
+    claimed = tuple(int(i) for i in header.client_indices)
+    foreign = sorted(set(claimed) - set(session_indices))
+    if foreign:
+        raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"this session may not answer for clients {some(foreign)}")
+    if expected is None or header.run_id != expected.run_id:
+        current = expected.run_id if expected else "none is open"
+        raise Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"answer for run {header.run_id[:64]!r}, but the open round belongs to run {current!r}",
+        )
+    if header.round_id != expected.round_id:
+        raise Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"stale answer for round {header.round_id}; the coordinator is waiting on round {expected.round_id}",
+        )
+    if answered:
+        raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"this session already answered round {expected.round_id}")
+    if claimed != expected.indices:
+        raise Refusal(
+            INVALID,
+            f"an answer to round {expected.round_id} must list clients {some(expected.indices)} in order, "
+            f"got {some(claimed)}",
+        )
+    entries = 0 if header.diverged else len(claimed) * expected.entries
+    if header.payload_length != entries:
+        raise Refusal(
+            INVALID,
+            f"answer has {header.payload_length} float64 entries, expected {entries} "
+            f"({len(claimed)} client(s) x {expected.entries})",
+        )
+    return 8 * entries
+
+
+def answer(header: pb.Answer, payload: bytes, expected: Expectation) -> Answer:
+    """The answer's vectors, checked (length, finiteness, objective); Refusal(INVALID_ARGUMENT) if bad."""
+    try:
+        return wire.decode_answer(header, payload, expected.entries, expected.want_objective)
+    except wire.WireError as exc:
+        raise Refusal(INVALID, str(exc)) from None

@@ -1,0 +1,223 @@
+"""The servicer of `Coordinator.Session`: thin. It decodes, checks, and hands over.
+
+Each client process's stream runs two coroutines: the handler below, which
+writes the session's queued Instructions (serialized once per round by the
+pool, passed through as bytes), and a reader that takes the process's messages:
+Ready goes to the run-start barrier, an Answer (with its Chunks) is checked
+(checks.py) and offered to the open round (rounds.py). A refused answer gets a
+Rejected instruction and changes nothing. A message that breaks the protocol
+ends the stream with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from fedsaddle.common import wire
+from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.transport import checks
+from fedsaddle.server.transport.auth import Authenticator, Identity
+from fedsaddle.server.transport.refusal import Refusal, printable
+from fedsaddle.server.transport.rounds import Barriers
+from fedsaddle.server.transport.sessions import Overflow, Registry, Session
+
+log = logging.getLogger("fedsaddle.coordinator")
+
+SERVICE = "fedsaddle.v2.Coordinator"
+
+
+class Received(NamedTuple):
+    """A message as it came off the wire: parsed (None if the bytes are not a ClientMessage) and its size."""
+
+    message: pb.ClientMessage | None
+    size: int
+
+
+def parse(data: bytes) -> Received:
+    try:
+        return Received(pb.ClientMessage.FromString(data), len(data))
+    except DecodeError:
+        return Received(None, len(data))
+
+
+def serialize(message: bytes | pb.Instruction) -> bytes:
+    """Instructions are queued already serialized; pass them through."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+class SessionService:
+    """Serves every Session stream of one coordinator."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        barriers: Barriers,
+        welcome: pb.Welcome,
+        authenticator: Authenticator | None = None,
+        hello_timeout_s: float = 10.0,
+        max_queued_bytes: int = 1 << 62,
+    ) -> None:
+        self.registry = registry
+        self.barriers = barriers
+        self.welcome = pb.Instruction(welcome=welcome).SerializeToString()
+        self.chunk_bytes = welcome.chunk_bytes
+        self.authenticator = authenticator
+        self.hello_timeout_s = hello_timeout_s
+        self.max_queued_bytes = max_queued_bytes
+        self.on_join: Callable[[Session], None] | None = None  # e.g. send a rejoining session the current run
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        session = grpc.stream_stream_rpc_method_handler(
+            self.session, request_deserializer=parse, response_serializer=serialize
+        )
+        return grpc.method_handlers_generic_handler(SERVICE, {"Session": session})
+
+    # -- one stream -----------------------------------------------------------------------
+
+    async def session(
+        self, requests: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes]
+    ) -> AsyncIterator[bytes]:
+        peer = context.peer()
+        incoming = requests.__aiter__()
+        try:
+            session = await self._open(incoming, context, peer)
+        except Refusal as refusal:
+            log.warning("refused a session from %s: %s", peer, refusal.details)
+            await context.abort(refusal.code, refusal.details)
+        log.info("%s joined", session.describe())
+        reader = asyncio.create_task(self._read(session, incoming))
+        failure: Refusal | None = None
+        try:
+            yield self.welcome
+            if self.on_join is not None:
+                self.on_join(session)
+            while (item := await session.outbox.get()) is not None:
+                session.queued_bytes -= len(item)
+                yield item
+            failure = reader.result() if reader.done() else None
+        finally:
+            reader.cancel()
+            self._close(session, "ended its session" if session.closing else "disconnected")
+        if failure is not None:
+            log.warning("ended the session of %s: %s", session.describe(), failure.details)
+            await context.abort(failure.code, failure.details)
+
+    async def _open(
+        self, incoming: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes], peer: str
+    ) -> Session:
+        try:
+            first = await asyncio.wait_for(incoming.__anext__(), self.hello_timeout_s)
+        except TimeoutError:
+            raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, f"no Hello within {self.hello_timeout_s:g} s") from None
+        except StopAsyncIteration:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended before a Hello") from None
+        if first.message is None:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{first.size} bytes that are not a ClientMessage")
+        if first.message.WhichOneof("body") != "hello":
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with a Hello")
+        hello = first.message.hello
+        identity = self._authenticate(context)
+        indices = checks.hello_indices(hello, self.registry.num_clients)
+        if identity is not None:
+            Authenticator.check_indices(identity, indices)
+        session = Session(indices, peer, printable(hello.client_name, 256), identity)
+        session.max_queued_bytes = self.max_queued_bytes
+        return self.registry.open(session)
+
+    def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Identity | None:
+        if self.authenticator is None:
+            return None
+        common_names = context.auth_context().get("x509_common_name", [])
+        return self.authenticator.identify(context.invocation_metadata() or (), common_names)
+
+    def _close(self, session: Session, reason: str) -> None:
+        if session.alive:
+            self.registry.close(session, reason)
+            self.barriers.lose(session, reason)
+            log.info("%s %s", session.describe(), reason)
+
+    # -- what a client process sends --------------------------------------------------------
+
+    async def _read(self, session: Session, incoming: AsyncIterator[Received]) -> Refusal | None:
+        """Take the session's messages until its stream ends; a Refusal if it broke the protocol."""
+        pending: tuple[pb.Answer, wire.Assembler, int] | None = None  # a chunked answer being assembled
+        try:
+            async for received in incoming:
+                message = received.message
+                kind = message.WhichOneof("body") if message is not None else None
+                if message is None or kind is None or kind == "hello":
+                    what = "bytes that are not a ClientMessage" if message is None else f"an unexpected {kind}"
+                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{what} ({received.size} bytes)")
+                if kind == "ready":
+                    starting = self.barriers.starting
+                    if starting is not None:
+                        starting.accept(session, message.ready)
+                elif kind == "answer":
+                    if pending is not None:
+                        self._reject(session, pending[0].round_id, checks.INVALID, "a new Answer before the chunks")
+                    pending = self._answer(session, message.answer, received.size)
+                elif pending is None:
+                    self._reject(session, 0, checks.INVALID, "a Chunk without an Answer before it")
+                else:
+                    pending = self._chunk(session, pending, message.chunk, received.size)
+        except Refusal as refusal:
+            session.end()
+            return refusal
+        except Overflow as overflow:
+            session.end()
+            return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, str(overflow))
+        session.end()  # the process closed its side: its session is over
+        return None
+
+    def _answer(self, session: Session, header: pb.Answer, size: int) -> tuple[pb.Answer, wire.Assembler, int] | None:
+        round_ = self.barriers.round
+        expected = round_.expectation(session) if round_ is not None else None
+        try:
+            length = checks.answer_header(
+                header, session.indices, expected, round_ is not None and session.id in round_.answers
+            )
+        except Refusal as refusal:
+            self._reject(session, header.round_id, refusal.code, refusal.details)
+            return None
+        if length and not header.payload:
+            return header, wire.Assembler(length), size  # chunks follow
+        self._offer(session, header, header.payload, size)
+        return None
+
+    def _chunk(
+        self, session: Session, pending: tuple[pb.Answer, wire.Assembler, int], chunk: pb.Chunk, size: int
+    ) -> tuple[pb.Answer, wire.Assembler, int] | None:
+        header, assembler, total = pending
+        try:
+            assembler.add(chunk)
+        except wire.WireError as exc:
+            self._reject(session, header.round_id, checks.INVALID, str(exc))
+            return None
+        if not assembler.done:
+            return header, assembler, total + size
+        self._offer(session, header, assembler.payload(), total + size)
+        return None
+
+    def _offer(self, session: Session, header: pb.Answer, payload: bytes, size: int) -> None:
+        round_ = self.barriers.round
+        expected = round_.expectation(session) if round_ is not None else None
+        try:
+            # Checked again: the round may have moved on while the chunks came.
+            checks.answer_header(header, session.indices, expected, round_ is not None and session.id in round_.answers)
+            assert round_ is not None and expected is not None
+            answer = checks.answer(header, payload, expected)
+        except Refusal as refusal:
+            self._reject(session, header.round_id, refusal.code, refusal.details)
+            return
+        round_.accept(session, answer, size)
+
+    def _reject(self, session: Session, round_id: int, code: grpc.StatusCode, details: str) -> None:
+        log.warning("refused an answer from %s: %s", session.describe(), details)
+        rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
+        session.send(pb.Instruction(rejected=rejected).SerializeToString())

@@ -1,0 +1,108 @@
+"""The session registry: which client process holds which client indices, and how each left.
+
+A session is one client process's Session stream. The registry hands out indices
+(each to at most one live session), remembers how a session ended until its
+indices are taken again, and tells the pool which clients are connected. It lives
+on the server's event loop; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+import grpc
+
+from fedsaddle.common.indices import some
+from fedsaddle.server.pool import ClientLost
+from fedsaddle.server.transport.auth import Identity
+from fedsaddle.server.transport.refusal import Refusal, printable
+
+
+class Overflow(Exception):
+    """A session's undelivered messages exceeded their bound: it stopped reading its stream."""
+
+
+@dataclass(eq=False)
+class Session:
+    """One connected client process."""
+
+    indices: tuple[int, ...]
+    peer: str
+    name: str
+    identity: Identity | None = None
+    id: str = field(default_factory=lambda: secrets.token_hex(8))
+    outbox: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
+    queued_bytes: int = 0
+    max_queued_bytes: int = 1 << 62
+    alive: bool = True
+    closing: bool = False  # told goodbye: its end is expected
+
+    def describe(self) -> str:
+        who = f"client {self.indices[0]}" if len(self.indices) == 1 else f"clients {some(self.indices)}"
+        as_identity = f" as {printable(self.identity.name, 64)!r}" if self.identity else ""
+        return f"{who} ({printable(self.name, 64) or 'unnamed'} at {self.peer}{as_identity})"
+
+    def send(self, data: bytes) -> None:
+        """Queue serialized Instructions for this session's stream; Overflow past the bound."""
+        if self.queued_bytes + len(data) > self.max_queued_bytes:
+            raise Overflow(f"{self.describe()} stopped reading its stream ({self.queued_bytes} bytes undelivered)")
+        self.queued_bytes += len(data)
+        self.outbox.put_nowait(data)
+
+    def end(self) -> None:
+        """Close the stream after what is queued."""
+        self.outbox.put_nowait(None)
+
+
+class Registry:
+    """Live sessions by index, and how the clients that are gone went."""
+
+    def __init__(self, num_clients: int) -> None:
+        self.num_clients = num_clients
+        self.owner: dict[int, Session] = {}
+        self.lost: dict[int, str] = {}  # client index -> how its session ended, until it rejoins
+        self.all_joined = asyncio.Event()
+
+    def open(self, session: Session) -> Session:
+        """Give the session its indices; Refusal(ALREADY_EXISTS) if another live session holds one."""
+        taken = [i for i in session.indices if i in self.owner]
+        if taken:
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"client indices {some(taken)} are already connected")
+        for i in session.indices:
+            self.owner[i] = session
+            self.lost.pop(i, None)
+        if len(self.owner) == self.num_clients:
+            self.all_joined.set()
+        return session
+
+    def close(self, session: Session, reason: str) -> None:
+        """The session's stream ended; its indices are free again."""
+        if not session.alive:
+            return
+        session.alive = False
+        for i in session.indices:
+            if self.owner.get(i) is session:
+                del self.owner[i]
+                self.lost[i] = f"{session.describe()} {reason}"
+        self.all_joined.clear()
+
+    def live(self) -> list[Session]:
+        """The live sessions, in the order of their first client index."""
+        return sorted({id(s): s for s in self.owner.values()}.values(), key=lambda s: s.indices[0])
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.num_clients) if i not in self.owner]
+
+    def require_all(self, when: str) -> list[Session]:
+        """The live sessions; ClientLost naming how each missing client went, if any is missing."""
+        missing = self.missing()
+        if missing:
+            known = sorted({self.lost[i] for i in missing if i in self.lost})
+            unknown = [i for i in missing if i not in self.lost]
+            parts = [*known[:3], *([f"clients {some(unknown)} are not connected"] if unknown else [])]
+            if len(known) > 3:
+                parts.append(f"and {len(known) - 3} more sessions")
+            raise ClientLost(f"{'; '.join(parts)} {when}", tuple(missing))
+        return self.live()
