@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
 
 from fedsaddle.common.problems import PaperRegressionSpec
+from fedsaddle.launch import reap, start_clients
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientPool, RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
@@ -51,8 +50,7 @@ def main() -> None:
 
     n = args.clients
     pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600)
-    command = [sys.executable, "-m", "fedsaddle", "--quiet", "client", "--coordinator", pool.address, "--clients"]
-    processes = [subprocess.Popen([*command, str(i)]) for i in range(n)]
+    processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False)
     try:
         pool.wait_for_clients(120)
         print(f"{n} client processes on 127.0.0.1, {args.rounds} rounds each (median [q1, q3])")
@@ -74,11 +72,7 @@ def main() -> None:
             )
     finally:
         pool.close()
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        reap(processes)
 
 
 if __name__ == "__main__":

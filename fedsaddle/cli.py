@@ -23,6 +23,9 @@ from fedsaddle import __version__
 from fedsaddle.common.indices import parse_indices
 
 if TYPE_CHECKING:
+    import grpc
+
+    from fedsaddle.progress import Progress
     from fedsaddle.server.config import RunConfig
     from fedsaddle.server.coordinator import Outcome
     from fedsaddle.server.pool import ClientPool
@@ -66,24 +69,23 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
+def number(low: float, inclusive: bool) -> Callable[[str], float]:
+    """A finite number above `low` (or at least `low`, if `inclusive`)."""
+
+    def check(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not (value >= low if inclusive else value > low) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {text!r}")
+        return value
+
+    return check
 
 
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
+positive_float = number(0, inclusive=False)
+non_negative_float = number(0, inclusive=True)
 
 
 def address(allow_port_zero: bool) -> Callable[[str], str]:
@@ -209,7 +211,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         progress.close()
 
 
-def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progress: Any) -> int:
+def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progress: Progress) -> int:
     from fedsaddle.experiments.grid import Grid, run_grid, run_rows_on
     from fedsaddle.experiments.report import write_report
 
@@ -352,7 +354,7 @@ def _read_token(path: str | None) -> str:
     return os.environ.get("FEDSADDLE_TOKEN", "").strip()
 
 
-def _channel_credentials(args: argparse.Namespace) -> Any:
+def _channel_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
     """TLS credentials from --ca (and --cert/--key for mutual TLS), or None for plaintext."""
     import grpc
 

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
-from conftest import CLIENT_ENV, start_clients, stop_processes
+from conftest import CLIENT_ENV, start_clients
 from test_failures import Coordinator
 
 SMALL: dict[str, Any] = {
@@ -62,10 +63,7 @@ def test_coordinator_and_client_processes_reproduce_simulate_bit_for_bit(tmp_pat
     coordinator = Coordinator(path, tmp_path / "grpc")
     address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
     clients = start_clients(address, ["0-1", "2", "3"])  # one process may host several clients
-    try:
-        code, log = coordinator.finish(timeout=120)
-    finally:
-        codes = stop_processes(clients)
+    code, log, codes = coordinator.finish_with(clients, timeout=120)
     assert code == 0, log
     assert codes == [0, 0, 0]
     simulated, remote = summary_of(tmp_path / "sim"), summary_of(tmp_path / "grpc")
@@ -100,3 +98,50 @@ def test_show_config_prints_the_built_in_run() -> None:
         "scaffold_s",
         "scaffold_catalyst_s",
     ]
+
+
+def test_version_and_help_say_what_every_option_does_with_its_default() -> None:
+    version = fedsaddle("--version")
+    assert version.returncode == 0 and version.stdout.startswith("fedsaddle ")
+    top = fedsaddle("--help").stdout
+    for command in ("simulate", "coordinator", "client", "local", "experiment", "health", "new-token", "show-config"):
+        assert f"    {command}" in top
+    client = fedsaddle("client", "--help").stdout
+    assert "seconds to wait for the coordinator (default: 60.0)" in " ".join(client.split())
+    experiment = " ".join(fedsaddle("experiment", "--help").stdout.split())
+    assert "communication budget per run (default: 500)" in experiment
+
+
+def test_global_flags_work_before_and_after_the_command() -> None:
+    for args in (["--quiet", "show-config"], ["show-config", "--quiet"], ["-v", "show-config"], ["show-config", "-v"]):
+        done = fedsaddle(*args)
+        assert done.returncode == 0, (args, done.stderr)
+        assert yaml.safe_load(done.stdout)["rounds"] == 500
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["experiment", "paper", "--seeds", "0"], "argument --seeds: must be at least 1, got '0'"),
+        (["local", "--clients-per-process", "0"], "argument --clients-per-process: must be at least 1, got '0'"),
+        (["coordinator", "--config", "x.yaml", "--listen", "0.0.0.0:70000"], "port must be a number from 0 to 65535"),
+        (["client", "--coordinator", "localhost", "--clients", "0"], "must be HOST:PORT, got 'localhost'"),
+        (["client", "--coordinator", "h:1", "--clients", "2-1"], "client indices must look like"),
+        (["client", "--coordinator", "h:1", "--clients", "0", "--connect-timeout", "-1"], "must be > 0, got '-1'"),
+        (["client", "--coordinator", "h:1", "--clients", "0", "--cert", "c.pem"], "--cert and --key need --ca"),
+        (["simulate", "--config", "/nonexistent.yaml"], "cannot read config /nonexistent.yaml"),
+    ],
+)
+def test_bad_values_exit_2_naming_the_value(args: list[str], named: str) -> None:
+    done = fedsaddle(*args)
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr
+
+
+def test_progress_is_plain_lines_when_output_is_not_a_terminal(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**SMALL, "rounds": 40, "algorithms": SMALL["algorithms"][:1]}))
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "runs"))
+    lines = [line for line in done.stderr.splitlines() if line.startswith("minibatch_md")]
+    assert len(lines) == 11  # the first round, then every 10% of the budget
+    assert "round     40/40" in lines[-1] and "\r" not in done.stderr

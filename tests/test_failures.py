@@ -50,6 +50,14 @@ class Coordinator:
                 return match
         raise AssertionError(f"no line matching {pattern!r} within {timeout} s; saw:\n{''.join(self.seen)}")
 
+    def finish_with(self, clients: Sequence[subprocess.Popen[bytes]], timeout: float) -> tuple[int, str, list[int]]:
+        """Wait for the coordinator, then for its clients: (its exit code, its log, their exit codes)."""
+        try:
+            code, log = self.finish(timeout)
+        finally:
+            codes = stop_processes(clients)
+        return code, log, codes
+
     def finish(self, timeout: float) -> tuple[int, str]:
         try:
             self.process.wait(timeout=timeout)
@@ -148,11 +156,7 @@ def test_missing_clients_are_named_when_the_join_timeout_expires(tmp_path: Path)
     )
     coordinator = Coordinator(config, tmp_path / "runs")
     address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
-    clients = start_clients(address, ["0", "2"])
-    try:
-        code, log = coordinator.finish(timeout=30)
-    finally:
-        codes = stop_processes(clients)
+    code, log, codes = coordinator.finish_with(start_clients(address, ["0", "2"]), timeout=30)
     assert code == 1
     assert "clients [1, 3] did not join within 3 s" in log
     assert codes == [0, 0]

@@ -128,11 +128,7 @@ def test_clients_on_three_hosts_match_the_loopback_run(network: Network, tmp_pat
     )
     coordinator = Coordinator(path, tmp_path / "runs", f"{COORDINATOR}:{PORT}", network.run_in("coordinator"))
     coordinator.wait_for(r"listening on", 30)
-    clients = start_host_clients(network)
-    try:
-        code, log = coordinator.finish(timeout=120)
-    finally:
-        codes = stop_processes(clients)
+    code, log, codes = coordinator.finish_with(start_host_clients(network), timeout=120)
     assert code == 0, log
     assert codes == [0, 0, 0]
     for host in CLIENTS:  # each client came from its own host's address
