@@ -35,12 +35,7 @@ class ClientOptions:
 
 
 def _channel(options: ClientOptions) -> grpc.aio.Channel:
-    channel_options: list[tuple[str, int | str]] = [
-        *wire.grpc_options(MAX_CHUNK_BYTES),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
+    channel_options: list[tuple[str, int | str]] = [*wire.grpc_options(MAX_CHUNK_BYTES)]
     if options.server_name:
         channel_options.append(("grpc.ssl_target_name_override", options.server_name))
     if options.credentials is not None:

@@ -38,9 +38,27 @@ def message_limit(chunk_bytes: int) -> int:
     return chunk_bytes + MESSAGE_OVERHEAD
 
 
-def grpc_options(chunk_bytes: int) -> list[tuple[str, int]]:
+def grpc_options(chunk_bytes: int, server: bool = False) -> list[tuple[str, int]]:
+    """The channel or server options both sides use: message limits and keepalive.
+
+    Keepalive pings notice a dead peer on a quiet link within seconds (a cut
+    cable sends no reset); the server lets clients ping while idle.
+    """
     limit = message_limit(chunk_bytes)
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    options = [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    if server:
+        options += [
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            # A second coordinator on the same port must fail, not silently share it.
+            ("grpc.so_reuseport", 0),
+        ]
+    return options
 
 
 def to_bytes(vectors: Sequence[Array]) -> bytes:

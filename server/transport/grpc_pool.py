@@ -48,19 +48,6 @@ class MissingClients(PoolError):
         self.missing = tuple(missing)
 
 
-def server_options(chunk_bytes: int) -> list[tuple[str, int]]:
-    return [
-        *wire.grpc_options(chunk_bytes),
-        # Notice dead peers on quiet links, and let clients ping while idle.
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        # A second coordinator on the same port must fail, not silently share it.
-        ("grpc.so_reuseport", 0),
-    ]
-
-
 class GrpcPool(ClientPool):
     """A ClientPool whose clients are processes connected over gRPC."""
 
@@ -111,7 +98,7 @@ class GrpcPool(ClientPool):
         return registry, barriers, SessionService(registry, barriers, welcome, authenticator, hello_timeout_s)
 
     async def _start_server(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
-        server = grpc.aio.server(options=server_options(self.chunk_bytes))
+        server = grpc.aio.server(options=wire.grpc_options(self.chunk_bytes, server=True))
         server.add_generic_rpc_handlers((self.service.handler(),))
         # The standard health service (grpc.health.v1), for orchestrators and `fedsaddle health`.
         self._health = health_aio.HealthServicer()
