@@ -14,7 +14,7 @@ all: test
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,data]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -26,9 +26,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-$(TYPECHECK)/fedsaddle:
+$(TYPECHECK)/fedsaddle: $(wildcard fedsaddle/*.py)
 	mkdir -p $@
-	for f in __init__.py __main__.py cli.py launch.py progress.py py.typed; do ln -sf ../../fedsaddle/$$f $@/$$f; done
+	for f in fedsaddle/*.py fedsaddle/py.typed; do ln -sf ../../$$f $@/$$(basename $$f); done
 	for d in common client server experiments proto; do ln -sfn ../../$$d $@/$$d; done
 
 typecheck: $(STAMP) $(TYPECHECK)/fedsaddle

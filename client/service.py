@@ -7,12 +7,13 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from fedsaddle.client.session import ClientError, ClientSession
 from fedsaddle.common import wire
+from fedsaddle.common.worker import ShardCache
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
 
 log = logging.getLogger("fedsaddle.client")
@@ -32,6 +33,8 @@ class ClientOptions:
     credentials: grpc.ChannelCredentials | None = None  # TLS (and client certificate)
     metadata: tuple[tuple[str, str], ...] = ()  # e.g. the bearer token
     server_name: str | None = None  # expected name in the coordinator's certificate
+    data: dict[int, str] = field(default_factory=dict)  # each hosted client's own data file
+    trusted: tuple[str, ...] = ()  # plugin problems ('module:Class') this process agrees to load
 
 
 def _channel(options: ClientOptions) -> grpc.aio.Channel:
@@ -53,7 +56,7 @@ async def run_client(options: ClientOptions) -> None:
                 f"cannot reach the coordinator at {options.coordinator} within {options.connect_timeout_s:g} s"
             ) from None
         stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-        session = ClientSession(options.indices)
+        session = ClientSession(options.indices, ShardCache(size=2, data=options.data, trusted=options.trusted))
         call = stub.Session(metadata=options.metadata or None)
         try:
             await call.write(session.hello(options.name or f"{socket.gethostname()}:{os.getpid()}"))

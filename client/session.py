@@ -8,10 +8,13 @@ and the tests drive it the same way.
 
 from __future__ import annotations
 
+import json
 import logging
 
+from pydantic import ValidationError
+
 from fedsaddle.common import wire
-from fedsaddle.common.problems import PaperRegressionSpec, QuadraticGameSpec
+from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -26,27 +29,15 @@ class RunFailed(ClientError):
     """The coordinator ended the run as failed (its Goodbye says why)."""
 
 
-def parse_problem(text: str) -> PaperRegressionSpec | QuadraticGameSpec:
-    from pydantic import TypeAdapter, ValidationError
-
-    from fedsaddle.common.problems import ProblemSpec
-
-    adapter: TypeAdapter[PaperRegressionSpec | QuadraticGameSpec] = TypeAdapter(ProblemSpec)
-    try:
-        return adapter.validate_json(text)
-    except ValidationError as exc:
-        raise ClientError(f"the coordinator's problem is not one this client knows: {exc}") from None
-
-
 class ClientSession:
     """The state of one session: the welcome, the current run and its worker, a task being assembled."""
 
-    def __init__(self, indices: tuple[int, ...]) -> None:
+    def __init__(self, indices: tuple[int, ...], shards: ShardCache | None = None) -> None:
         self.indices = indices
         self.chunk_bytes = 0
         self.run: pb.RunSpec | None = None
         self.worker: Worker | None = None
-        self.shards = ShardCache(size=2)
+        self.shards = shards or ShardCache(size=2)  # holds the clients' data files and the trusted plugins
         self.goodbye: pb.Goodbye | None = None
         self._task: pb.Task | None = None
         self._assembler: wire.Assembler | None = None
@@ -98,18 +89,29 @@ class ClientSession:
         raise ClientError(f"unknown instruction {kind!r}")
 
     def _start_run(self, run: pb.RunSpec) -> pb.Ready:
+        """Load this process's clients' data for the run; Ready says what it gives, or why it cannot."""
         self.run, self.worker = run, None
         try:
-            spec = parse_problem(run.problem_json)
-            if not run.HasField("synthetic_seed"):
-                raise ClientError(f"problem {spec.name} needs data files, and this process was given none")
-            shards = self.shards.get(spec, run.synthetic_seed, self.indices)
-        except (ClientError, ValueError) as exc:
-            log.error("run %s: %s", run.run_id, exc)
-            return pb.Ready(run_id=run.run_id, error=str(exc))
+            spec = parse_spec(json.loads(run.problem_json), self.shards.trusted)
+            seed = run.synthetic_seed if run.HasField("synthetic_seed") else None
+            shards = self.shards.get(spec, seed, self.indices)
+            counts: list[int] = []
+            if run.want_sample_counts:
+                sample_counts = getattr(shards, "sample_counts", None)
+                if sample_counts is None:
+                    raise ValueError(f"problem {spec.name} has no per-client sample counts to weight by")
+                counts = sample_counts()
+        except ValidationError as exc:
+            return self._cannot(run, f"the coordinator's problem does not validate here: {exc.errors()[0]['msg']}")
+        except (ProblemNotFound, DataError, ValueError) as exc:
+            return self._cannot(run, str(exc))
         self.worker = Worker(shards, run.noise_seed, run.gradient_noise)
-        log.info("run %s: shards %s ready (dimension %d)", run.run_id, list(self.indices), shards.dimension)
-        return pb.Ready(run_id=run.run_id, dimension=shards.dimension)
+        log.info("run %s: clients %s ready (dimension %d)", run.run_id, list(self.indices), shards.dimension)
+        return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts)
+
+    def _cannot(self, run: pb.RunSpec, reason: str) -> pb.Ready:
+        log.error("cannot serve run %s: %s", run.run_id, reason)
+        return pb.Ready(run_id=run.run_id, error=reason)
 
     def _execute(self, message: pb.Task, payload: bytes) -> list[pb.ClientMessage]:
         if self.run is None or message.run_id != self.run.run_id:

@@ -50,7 +50,17 @@ class LocalStepsTask(NamedTuple):
         return [self.z_start] if self.control is None else [self.z_start, self.control]
 
 
-Task = GradientTask | LocalStepsTask
+class EvaluateTask(NamedTuple):
+    """Compute the problem's evaluation metrics at z on each client's held-out rows."""
+
+    z: Array
+    metric_names: tuple[str, ...]
+
+    def payload(self) -> list[Array]:
+        return [self.z]
+
+
+Task = GradientTask | LocalStepsTask | EvaluateTask
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,10 @@ class Answer:
     """One process's answer: a vector per hosted client, in the order of its indices."""
 
     indices: tuple[int, ...]
-    vectors: Array  # shape (len(indices), dimension)
+    vectors: Array  # shape (len(indices), dimension); for evaluation (len(indices), metrics)
     objective: Array | None = None  # shape (len(indices),), when asked for
     diverged: bool = False
+    counts: Array | None = None  # evaluation: held-out rows per client (the weights of its metrics)
 
 
 def step_weight(decay: Decay, k: int) -> float:

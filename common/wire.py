@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.tasks import Answer, Decay, GradientTask, LocalStepsTask, Task
+from fedsaddle.common.tasks import Answer, Decay, EvaluateTask, GradientTask, LocalStepsTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 FLOAT64 = np.dtype("<f8")
@@ -120,6 +120,10 @@ class Assembler:
 def task_message(run_id: str, round_id: int, task: Task, payload_length: int) -> pb.Task:
     """The Task header (without its payload)."""
     message = pb.Task(run_id=run_id, round_id=round_id, payload_length=payload_length)
+    if isinstance(task, EvaluateTask):
+        message.kind = pb.EVALUATE
+        message.metric_names.extend(task.metric_names)
+        return message
     if isinstance(task, GradientTask):
         message.kind = pb.GRADIENT
         message.gradient.CopyFrom(
@@ -159,6 +163,8 @@ def encode_task(
 
 def decode_task(message: pb.Task, payload: bytes | bytearray, dimension: int) -> Task:
     """The task a Task message (with its assembled payload) describes."""
+    if message.kind == pb.EVALUATE:
+        return EvaluateTask(from_bytes(payload, dimension), tuple(message.metric_names))
     if message.kind == pb.GRADIENT:
         values = from_bytes(payload, dimension)
         params = message.gradient
@@ -197,14 +203,22 @@ def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) 
     header.payload_length = len(payload) // 8
     if answer.objective is not None:
         header.objective = to_bytes([answer.objective])
+    if answer.counts is not None:
+        header.sample_counts.extend(int(c) for c in answer.counts)
     if len(payload) <= chunk_bytes:
         header.payload = payload
         return [pb.ClientMessage(answer=header)]
     return [pb.ClientMessage(answer=header), *(pb.ClientMessage(chunk=c) for c in chunks(payload, chunk_bytes))]
 
 
-def decode_answer(header: pb.Answer, payload: bytes | bytearray, dimension: int, want_objective: bool) -> Answer:
-    """Check an answer's vectors (length, finiteness) and return them; WireError if bad."""
+def decode_answer(
+    header: pb.Answer, payload: bytes | bytearray, dimension: int, want_objective: bool, want_counts: bool = False
+) -> Answer:
+    """Check an answer's vectors (length, finiteness) and return them; WireError if bad.
+
+    `dimension` is the entries per client (the metrics' count for an evaluation answer,
+    which must also carry one held-out row count per client: `want_counts`).
+    """
     indices = tuple(int(i) for i in header.client_indices)
     if header.diverged:
         return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
@@ -222,4 +236,11 @@ def decode_answer(header: pb.Answer, payload: bytes | bytearray, dimension: int,
             raise WireError("objective values must be finite")
     elif header.objective:
         raise WireError("objective values sent but not asked for")
-    return Answer(indices, values, objective)
+    counts = None
+    if want_counts:
+        if len(header.sample_counts) != len(indices):
+            raise WireError(f"{len(header.sample_counts)} held-out row counts for {len(indices)} clients")
+        counts = np.array(header.sample_counts, dtype=np.float64)
+    elif header.sample_counts:
+        raise WireError("row counts sent but not asked for")
+    return Answer(indices, values, objective, counts=counts)

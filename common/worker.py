@@ -8,14 +8,24 @@ same arithmetic on the same data.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from fedsaddle.common import seeding
+from fedsaddle.common.indices import some
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.problems import PaperRegressionSpec, QuadraticGameSpec, Shards, make_shards
-from fedsaddle.common.tasks import Answer, GradientTask, LocalStepsTask, Task, step_weight
+from fedsaddle.common.problems import (
+    DataError,
+    DataProblem,
+    ProblemShards,
+    ProblemSpec,
+    Shards,
+    SyntheticProblem,
+    make_problem,
+)
+from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, LocalStepsTask, Task, step_weight
 
 
 class Worker:
@@ -57,6 +67,8 @@ class Worker:
         return selected
 
     def execute(self, task: Task, round_id: int) -> Answer:
+        if isinstance(task, EvaluateTask):
+            return self._evaluate(task)
         with np.errstate(over="ignore", invalid="ignore"):
             if isinstance(task, GradientTask):
                 vectors, objective = self._gradient(task, round_id)
@@ -71,6 +83,16 @@ class Worker:
         if not finite:
             return Answer(self.indices, np.empty((len(self.indices), 0)), None, diverged=True)
         return Answer(self.indices, vectors, objective)
+
+    def _evaluate(self, task: EvaluateTask) -> Answer:
+        evaluate = getattr(self.shards, "evaluate", None)
+        if evaluate is None or self.batched:
+            raise ValueError("this problem has no evaluation metrics (no held-out data)")
+        with np.errstate(all="ignore"):
+            values, counts = evaluate(task.z)
+        # A client whose metrics are not defined (e.g. one class only in its held-out rows) takes no part.
+        defined = np.isfinite(values).all(axis=1)
+        return Answer(self.indices, np.where(defined[:, None], values, 0.0), counts=np.where(defined, counts, 0.0))
 
     # -- oracles ---------------------------------------------------------------------
 
@@ -141,23 +163,50 @@ class Worker:
 
 
 class ShardCache:
-    """The clients' shards by (problem, seed, indices): building them is a run's costly start.
+    """The shards of a process's clients for a run, generated or loaded, and kept for the next run.
 
-    Keeps the `size` most recently used entries.
+    A synthetic problem's shards are generated from (spec, seed); a data
+    problem's are read from the clients' own files (`data`, one path per client
+    index), checked by the problem. Keeps the `size` most recently used entries:
+    generating or loading is a run's costly start.
     """
 
-    def __init__(self, size: int = 8) -> None:
+    def __init__(
+        self, size: int = 8, data: Mapping[int, str | Path] | None = None, trusted: Collection[str] | None = None
+    ) -> None:
         self.size = size
+        self.data = {int(i): str(p) for i, p in (data or {}).items()}
+        self.trusted = trusted
         self._entries: OrderedDict[tuple[str, int, tuple[int, ...]], Shards] = OrderedDict()
 
-    def get(self, problem: PaperRegressionSpec | QuadraticGameSpec, seed: int, indices: Sequence[int]) -> Shards:
-        key = (problem.model_dump_json(), seed, tuple(indices))
+    def get(self, spec: ProblemSpec, seed: int | None, indices: Sequence[int]) -> Shards:
+        """The shards of clients `indices`; DataError naming a file and its fault, ValueError otherwise."""
+        problem = make_problem(spec, self.trusted)
+        synthetic = isinstance(problem, SyntheticProblem)
+        key = (spec.model_dump_json(), seed if synthetic and seed is not None else -1, tuple(indices))
         shards = self._entries.get(key)
-        if shards is None:
-            shards = make_shards(problem, seed, indices)
-            self._entries[key] = shards
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-        else:
+        if shards is not None:
             self._entries.move_to_end(key)
+            return shards
+        if isinstance(problem, SyntheticProblem):
+            if seed is None:
+                raise ValueError(f"problem {spec.name} is synthetic: its data needs the run's seed")
+            shards = problem.shards(seed, indices)
+        else:
+            assert isinstance(problem, DataProblem)
+            missing = [i for i in indices if i not in self.data]
+            if missing:
+                raise DataError(
+                    f"problem {spec.name} needs each client's own data file; none was given for clients {some(missing)}"
+                )
+            datas = []
+            for i in indices:
+                try:
+                    datas.append(problem.load(self.data[i]))
+                except DataError as exc:
+                    raise DataError(f"client {i}: {exc}") from None
+            shards = ProblemShards(problem, datas, indices)
+        self._entries[key] = shards
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
         return shards

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.problems import solution, stack_shards
+from fedsaddle.common.problems import make_problem, solution, stack_shards
 from fedsaddle.common.tasks import GradientTask, LocalStepsTask, Task
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.server.algorithms.base import Answers, aggregate
@@ -70,7 +70,9 @@ def _signature(task: Task, round_id: int) -> tuple[object, ...]:
     """Tasks with equal signatures can run as one batched worker call."""
     if isinstance(task, GradientTask):
         return ("gradient", round_id, task.batch, task.exact, task.want_objective)
-    return ("local", round_id, task.steps, task.step_offset, task.decay, task.control is None)
+    if isinstance(task, LocalStepsTask):
+        return ("local", round_id, task.steps, task.step_offset, task.decay, task.control is None)
+    raise ValueError("batches of runs do not evaluate on held-out data; run them one at a time")
 
 
 def _per_run(values: list[float]) -> float | Array:
@@ -86,14 +88,15 @@ def _stacked_task(tasks: list[Task]) -> Task:
     if isinstance(first, GradientTask):
         z = np.stack([t.z for t in tasks])  # type: ignore[union-attr]
         return GradientTask(z, batch=first.batch, exact=first.exact, want_objective=first.want_objective)
-    local: list[LocalStepsTask] = tasks  # type: ignore[assignment]
+    local = [t for t in tasks if isinstance(t, LocalStepsTask)]
+    first = local[0]
     return LocalStepsTask(
         z_start=np.stack([t.z_start for t in local]),
         steps=first.steps,
         gamma_local=_per_run([float(t.gamma_local) for t in local]),
         step_offset=first.step_offset,
         decay=first.decay,
-        control=None if first.control is None else np.stack([t.control for t in local]),  # type: ignore[misc]
+        control=None if first.control is None else np.stack([t.control for t in local if t.control is not None]),
         theta=_per_run([float(t.theta) for t in local]),
     )
 
@@ -130,7 +133,7 @@ def run_batch(
     """Run every member; each result is what `run_algorithm` gives the same run alone."""
     runs = [_Member(m) for m in members]
     workers = _Workers(runs, cache or ShardCache(size=len(members)))
-    dim_x = members[0].config.problem.dim
+    dim_x, _ = make_problem(members[0].config.problem).dims()
     started = time.perf_counter()
     for member in runs:
         member.event = member.run.advance(None)

@@ -127,9 +127,17 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from fedsaddle.api import reference_solution
+    from fedsaddle.common.problems import DataError
     from fedsaddle.server.local_pool import LocalPool
 
-    return _run(_config(args), LocalPool(), {"kind": "in-process"})
+    config = _config(args)
+    pool = LocalPool(data=_data_paths(args.data, range(config.problem.num_clients)))
+    try:
+        reference = reference_solution(config, pool.cache)
+    except DataError as exc:
+        raise UsageError(str(exc)) from None
+    return _run(config, pool, {"kind": "in-process"}, reference)
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -154,14 +162,17 @@ def cmd_client(args: argparse.Namespace) -> int:
     from fedsaddle.client.service import ClientError, ClientOptions, serve
 
     token = _read_token(args.token_file)
+    hosted = parse_indices(args.clients)
     options = ClientOptions(
         args.coordinator,
-        parse_indices(args.clients),
+        hosted,
         name=args.name or "",
         connect_timeout_s=args.connect_timeout,
         credentials=_channel_credentials(args),
         metadata=(("authorization", f"Bearer {token}"),) if token else (),
         server_name=args.server_name,
+        data=_data_paths(args.data, hosted),
+        trusted=tuple(args.problem or ()),
     )
     try:
         serve(options)
@@ -179,7 +190,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     if config.transport.tls or config.transport.credentials:
         raise UsageError("`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens")
     _stop_on_sigterm()
-    with loopback_federation(config, args.clients_per_process, args.quiet_clients) as (pool, processes):
+    data = _data_paths(args.data, range(config.problem.num_clients))
+    with loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data) as (pool, processes):
         transport = {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
         return _run(config, pool, transport)
 
@@ -293,6 +305,21 @@ def cmd_new_token(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_data_split(args: argparse.Namespace) -> int:
+    """Split a bundled dataset into one data file per client, and summarize each client's share."""
+    from fedsaddle.experiments.datasets import describe, split
+
+    try:
+        summary = split(
+            args.dataset, args.clients, args.partition, args.seed, Path(args.out), args.test_fraction, args.alpha
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(describe(summary))
+    print(f"wrote {args.out}/client-000.npz ... client-{args.clients - 1:03d}.npz, test.npz, summary.json")
+    return EXIT_OK
+
+
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
@@ -303,14 +330,14 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 # -- running a config and what its ending means ---------------------------------------------
 
 
-def _run(config: RunConfig, pool: ClientPool, transport: dict[str, Any]) -> int:
+def _run(config: RunConfig, pool: ClientPool, transport: dict[str, Any], reference: Any = None) -> int:
     from fedsaddle.progress import Progress
     from fedsaddle.server.coordinator import run_config
     from fedsaddle.server.report import table
 
     progress = Progress()
     try:
-        outcome = run_config(config, pool, transport, progress.rounds)
+        outcome = run_config(config, pool, transport, progress.rounds, reference)
     finally:
         progress.close()
     if outcome.results:
@@ -343,6 +370,15 @@ def _stop_on_sigterm() -> None:
         raise Stopped
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def _data_paths(given: list[str] | None, hosted: Sequence[int]) -> dict[int, str]:
+    from fedsaddle.common.problems.data import data_paths
+
+    try:
+        return data_paths(given, hosted)
+    except ValueError as exc:
+        raise UsageError(f"--data: {exc}") from None
 
 
 def _read_token(path: str | None) -> str:
@@ -427,8 +463,18 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--out", help="folder for run directories (overrides output.dir)")
 
+    def with_data(p: argparse.ArgumentParser, whose: str) -> None:
+        p.add_argument(
+            "--data",
+            action="append",
+            metavar="PATH",
+            help=f"{whose} own data file (.npz or .csv): once per client in index order, or one pattern "
+            "with {i}, e.g. data/client-{i:03d}.npz (problems on real data; synthetic ones need none)",
+        )
+
     p = command("simulate", "run a config in one process (the in-process transport)", cmd_simulate)
     with_config(p, required=True)
+    with_data(p, "each client's")
 
     p = command("coordinator", "serve a config to client processes over gRPC", cmd_coordinator)
     with_config(p, required=True)
@@ -440,12 +486,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="name shown in the coordinator's logs (default: host:pid)")
     p.add_argument("--connect-timeout", type=positive_float, default=60.0, help="seconds to wait for the coordinator")
     p.add_argument("--token-file", help="file holding this client's token (default: $FEDSADDLE_TOKEN, if set)")
+    with_data(p, "each hosted client's")
+    p.add_argument(
+        "--problem",
+        action="append",
+        metavar="MODULE:CLASS",
+        help="a plugin problem this process agrees to load (built-in and entry-point problems always load)",
+    )
     _tls_options(p)
 
     p = command("local", "a coordinator and client processes on 127.0.0.1 (default: the built-in config)", cmd_local)
     with_config(p, required=False)
     p.add_argument("--clients-per-process", type=positive_int, default=1, help="clients hosted by each process")
     p.add_argument("--quiet-clients", action="store_true", help="clients log warnings and errors only")
+    with_data(p, "each client's")
 
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
@@ -478,6 +532,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("new-token", "make a token for a client identity", cmd_new_token)
     p.add_argument("--name", required=True, help="the identity's name (e.g. site-a)")
     p.add_argument("--clients", required=True, type=indices, help="indices it may speak for: 3, 0,2,5 or 0-4")
+
+    data = commands.add_parser(
+        "data",
+        help="prepare client data files",
+        description="prepare client data files",
+        formatter_class=_HelpFormatter,
+    )
+    _global_flags(data, top=False)
+    data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION", title="actions")
+    p = data_commands.add_parser(
+        "split",
+        help="split a bundled dataset into one file per client",
+        description="Split a dataset bundled with scikit-learn into one .npz file per client (plus held-out "
+        "rows), and print each client's share.",
+        formatter_class=_HelpFormatter,
+    )
+    _global_flags(p, top=False)
+    p.set_defaults(func=cmd_data_split)
+    p.add_argument("--dataset", required=True, choices=["diabetes", "diabetes_fair", "breast_cancer"], help="which")
+    p.add_argument("--clients", type=positive_int, required=True, help="number of clients (files)")
+    p.add_argument("--partition", choices=["iid", "label-skew"], default="iid", help="how rows are dealt")
+    p.add_argument("--alpha", type=positive_float, default=0.5, help="Dirichlet concentration of label-skew")
+    p.add_argument("--test-fraction", type=positive_float, default=0.2, help="share of rows held out for evaluation")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split")
+    p.add_argument("--out", required=True, help="folder for the client files")
 
     p = command("show-config", "print a config with every default filled in", cmd_show_config)
     p.add_argument("--config", help="config file (default: the built-in one)")

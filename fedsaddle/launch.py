@@ -13,14 +13,20 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
+from fedsaddle.common.indices import parse_indices
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.pool import PoolError
 from fedsaddle.server.transport.grpc_pool import GrpcPool, MissingClients
 
-CLIENT_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+CLIENT_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # for tests that start processes themselves
+
+
+def client_env() -> dict[str, str]:
+    """The environment client processes start with: this one's (as it is now), unbuffered."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def client_command(address: str, indices: str, *extra: str, quiet: bool = True) -> list[str]:
@@ -47,15 +53,22 @@ def start_clients(
     quiet: bool = True,
     capture: bool = True,
     extra: Sequence[str] = (),
+    data: Mapping[int, str] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
-    """One client process per group of indices, dialing the coordinator at `address`."""
+    """One client process per group of indices, dialing the coordinator at `address`.
+
+    `data`: each client's own data file; a process is given only its own clients' files.
+    """
     output: int | IO[bytes] | None = subprocess.PIPE if capture else None
-    return [
-        subprocess.Popen(
-            client_command(address, spec, *extra, quiet=quiet), env=CLIENT_ENV, stdout=output, stderr=output
-        )
-        for spec in groups
-    ]
+    processes = []
+    for spec in groups:
+        files: list[str] = []
+        if data:
+            for index in parse_indices(spec):
+                files += ["--data", data[index]]
+        command = client_command(address, spec, *extra, *files, quiet=quiet)
+        processes.append(subprocess.Popen(command, env=client_env(), stdout=output, stderr=output))
+    return processes
 
 
 def reap(processes: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> list[int]:
@@ -125,14 +138,20 @@ def wait_for_children(
 
 @contextlib.contextmanager
 def loopback_federation(
-    config: RunConfig, per_process: int = 1, quiet_clients: bool = True, capture: bool = False
+    config: RunConfig,
+    per_process: int = 1,
+    quiet_clients: bool = True,
+    capture: bool = False,
+    data: Mapping[int, str] | None = None,
 ) -> Iterator[tuple[GrpcPool, list[subprocess.Popen[bytes]]]]:
     """A coordinator pool on 127.0.0.1 and client processes for every index; all stopped afterwards."""
     pool = coordinator_pool(config, "127.0.0.1:0")
     groups = index_groups(config.problem.num_clients, per_process)
+    # The operator runs both sides here, so the clients trust the config's plugin problem.
+    trust = ["--problem", config.problem.plugin] if config.problem.plugin else []
     children: list[subprocess.Popen[bytes]] = []
     try:
-        children = start_clients(pool.address, groups, quiet=quiet_clients, capture=capture)
+        children = start_clients(pool.address, groups, quiet=quiet_clients, capture=capture, data=data, extra=trust)
         print(
             f"coordinator on {pool.address}; started {len(children)} client processes "
             f"for {config.problem.num_clients} clients",

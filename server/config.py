@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from fedsaddle.common.problems import PaperRegressionSpec, ProblemSpec
+from fedsaddle.common.problems import PaperRegressionSpec, ProblemNotFound, ProblemSpec, make_problem, parse_spec
 
 
 class ConfigError(ValueError):
@@ -170,7 +170,10 @@ class OutputSpec(_Model):
 class RunConfig(_Model):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     seed: int = Field(0, ge=0, lt=2**63)
-    problem: ProblemSpec = Field(default_factory=PaperRegressionSpec)
+    problem: SerializeAsAny[ProblemSpec] = Field(
+        default_factory=PaperRegressionSpec,
+        description="the problem's name and public hyper-parameters (never data); see common/problems",
+    )
     algorithms: list[AlgorithmSpec] = Field(min_length=1)
     sync: SyncSpec = Field(default_factory=FixedSync)
     rounds: int = Field(500, ge=1, description="communication budget, counted as `round_convention` says")
@@ -181,8 +184,35 @@ class RunConfig(_Model):
     )
     gradient_noise: float = Field(0.0, ge=0, description="sigma: E||G^_i - G_i||^2 = sigma^2")
     init: Literal["ones", "zeros", "random"] = Field("ones", description="starting point z0")
+    weighting: Literal["uniform", "samples"] = Field(
+        "uniform",
+        description="aggregation weights: uniform (the paper's 1/n) or by the clients' sample counts "
+        "(what FedAvg users expect; clients then tell the coordinator their sample counts)",
+    )
+    evaluate_every: int = Field(
+        0, ge=0, description="every this many steps, clients evaluate the iterate on their held-out data (0: never)"
+    )
     transport: TransportSpec = Field(default_factory=TransportSpec)
     output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @field_validator("problem", mode="before")
+    @classmethod
+    def _problem(cls, value: Any) -> Any:
+        if isinstance(value, dict):  # a plain mapping, e.g. RunConfig(problem={...}) in Python
+            try:
+                return parse_spec(value)
+            except ProblemNotFound as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _what_the_problem_offers(self) -> RunConfig:
+        problem = make_problem(self.problem)
+        if self.evaluate_every and not problem.metric_names:
+            raise ValueError(f"evaluate_every: problem {self.problem.name} has no evaluation metrics")
+        if self.weighting == "samples" and problem.synthetic:
+            raise ValueError(f"weighting: samples needs clients with data files; {self.problem.name} is synthetic")
+        return self
 
     @model_validator(mode="after")
     def _labels_unique(self) -> RunConfig:
@@ -231,11 +261,29 @@ def describe_errors(exc: ValidationError) -> str:
 
 
 def parse_config(data: Any, source: str = "config") -> RunConfig:
-    """Validate a config mapping; raise ConfigError naming each bad field."""
+    """Validate a config mapping; raise ConfigError naming each bad field.
+
+    The problem entry is validated by its own problem's Spec first, so that its
+    errors read `problem.features: ...` like every other field's.
+    """
+    errors: list[str] = []
+    if isinstance(data, dict) and isinstance(data.get("problem"), dict):
+        data = dict(data)
+        try:
+            data["problem"] = parse_spec(data["problem"])
+        except ProblemNotFound as exc:
+            errors.append(f"  problem.name: {exc}")
+            del data["problem"]
+        except ValidationError as exc:
+            errors += [f"  problem.{_describe(e)}" for e in exc.errors()]
+            del data["problem"]
     try:
-        return RunConfig.model_validate(data)
+        config = RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"invalid {source}:\n{describe_errors(exc)}") from None
+        errors.append(describe_errors(exc))
+    if errors:
+        raise ConfigError(f"invalid {source}:\n" + "\n".join(errors))
+    return config
 
 
 def load_config(path: str | Path) -> RunConfig:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedsaddle.common.numeric import Array
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.driver import AlgorithmResult, ProgressHook, RunStopped, run_algorithm
 from fedsaddle.server.pool import ClientPool, PoolError
@@ -36,13 +37,19 @@ class Outcome:
 
 
 def run_config(
-    config: RunConfig, pool: ClientPool, transport: dict[str, Any], progress: ProgressHook | None = None
+    config: RunConfig,
+    pool: ClientPool,
+    transport: dict[str, Any],
+    progress: ProgressHook | None = None,
+    reference: Array | None = None,
 ) -> Outcome:
-    """Run the config's algorithms one after another; outputs are written however the run ends."""
+    """Run the config's algorithms one after another; outputs are written however the run ends.
+
+    `reference`: a known z* to measure against (see run_algorithm)."""
     outcome = Outcome([], make_run_dir(config))
     try:
         for spec in config.algorithms:
-            outcome.results.append(run_algorithm(spec, config, pool, progress=progress))
+            outcome.results.append(run_algorithm(spec, config, pool, progress=progress, reference=reference))
     except RunStopped as stop:
         outcome.results.append(stop.result)
         outcome.cause = stop.cause

@@ -22,11 +22,11 @@ import numpy as np
 
 from fedsaddle.common import seeding
 from fedsaddle.common.numeric import Array, row_norms, sha256
-from fedsaddle.common.problems import solution
-from fedsaddle.common.tasks import Task
+from fedsaddle.common.problems import make_problem, solution
+from fedsaddle.common.tasks import EvaluateTask, Task
 from fedsaddle.server.algorithms import Algorithm, Answers, StepCost, build
 from fedsaddle.server.config import AlgorithmSpec, RunConfig
-from fedsaddle.server.pool import ClientPool, Diverged, RunInfo
+from fedsaddle.server.pool import ClientPool, Diverged, RunInfo, fresh_traffic
 
 # -- the run loop ---------------------------------------------------------------------------
 
@@ -215,7 +215,7 @@ class RunStopped(Exception):
 
 
 def initial_point(config: RunConfig) -> Array:
-    dim = 2 * config.problem.dim
+    dim = make_problem(config.problem).dimension
     if config.init == "ones":
         return np.ones(dim)
     if config.init == "zeros":
@@ -224,8 +224,13 @@ def initial_point(config: RunConfig) -> Array:
 
 
 def make_run(spec: AlgorithmSpec, config: RunConfig) -> Run:
-    algorithm = build(spec, config.sync, dim_x=config.problem.dim)
+    dim_x, _ = make_problem(config.problem).dims()
+    algorithm = build(spec, config.sync, dim_x=dim_x)
     return Run(spec.display_name, spec.model_dump(mode="json"), algorithm, initial_point(config), config)
+
+
+def run_info(config: RunConfig, run_id: str) -> RunInfo:
+    return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting)
 
 
 def run_algorithm(
@@ -234,27 +239,37 @@ def run_algorithm(
     pool: ClientPool,
     run_id: str | None = None,
     progress: ProgressHook | None = None,
+    reference: Array | None = None,
 ) -> AlgorithmResult:
-    """Run one algorithm on a pool until its next step would exceed the round budget."""
+    """Run one algorithm on a pool until its next step would exceed the round budget.
+
+    Records carry ||x - x*|| and ||z - z*|| when z* is known: a synthetic
+    problem's, or `reference` (e.g. a centralized solution computed from all the
+    data, where that is allowed). With `config.evaluate_every`, they also carry
+    the problem's metrics on the clients' held-out data (evaluation traffic).
+    """
     run = make_run(spec, config)
-    pool.start_run(
-        RunInfo(run_id or f"{run.name}-{uuid.uuid4().hex[:8]}", config.problem, config.seed, config.gradient_noise)
-    )
-    z_star = solution(config.problem, config.seed)
-    dim_x = config.problem.dim
+    problem = make_problem(config.problem)
+    z_star = reference if reference is not None else solution(config.problem, config.seed)
+    dim_x, _ = problem.dims()
     paper = config.round_convention == "paper"
     stopped_by: BaseException | None = None
     try:
+        pool.start_run(run_info(config, run_id or f"{run.name}-{uuid.uuid4().hex[:8]}"))
         event = run.advance(None)
         while event is not None:
             if isinstance(event, StepDone):
                 rounds = pool.traffic["algorithm"].rounds
                 dist_x = dist_z = None
+                iterate = run.algorithm.iterate(event.state)
                 if z_star is not None:
-                    xs, zs = distances(run.algorithm.iterate(event.state)[None], z_star[None], dim_x)
+                    xs, zs = distances(iterate[None], z_star[None], dim_x)
                     dist_x, dist_z = float(xs[0]), float(zs[0])
                 if not run.record(event, rounds, dist_x, dist_z):
                     break
+                if config.evaluate_every and event.steps % config.evaluate_every == 0:
+                    evaluated = pool.exchange(EvaluateTask(iterate, problem.metric_names), "evaluation")
+                    run.records[-1].update(zip(problem.metric_names, evaluated.mean().tolist(), strict=True))
                 if progress is not None and event.steps > 0:
                     spent = event.spent.paper if paper else rounds
                     progress(run.name, spent, config.rounds, float("nan") if dist_z is None else dist_z)
@@ -268,7 +283,8 @@ def run_algorithm(
     except (Exception, KeyboardInterrupt) as exc:  # re-raised below, with the partial result
         run.stop("stopped", str(exc) or type(exc).__name__)
         stopped_by = exc
-    result = run.result({category: counts.as_dict() for category, counts in pool.traffic.items()})
+    traffic = pool.traffic or fresh_traffic(config.problem.num_clients)  # empty if the run never started
+    result = run.result({category: counts.as_dict() for category, counts in traffic.items()})
     if stopped_by is not None:
         raise RunStopped(result, stopped_by) from stopped_by
     return result

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.server.pool import Category, ClientPool, RunInfo
 
 
 class LocalPool(ClientPool):
-    """Runs all clients in one vectorized worker. Same answers as GrpcPool, bit for bit."""
+    """Runs all clients in one vectorized worker. Same answers as GrpcPool, bit for bit.
 
-    def __init__(self, cache: ShardCache | None = None) -> None:
+    `data` gives each client's own data file (client index -> path) for problems
+    on real data; synthetic problems need none.
+    """
+
+    def __init__(self, data: Mapping[int, str | Path] | None = None, cache: ShardCache | None = None) -> None:
         super().__init__()
-        self._cache = cache or ShardCache(size=1)
+        self.cache = cache or ShardCache(size=1, data=data)
         self._worker: Worker | None = None
 
-    def _announce(self, run: RunInfo) -> None:
-        shards = self._cache.get(run.problem, run.seed, range(run.num_clients))
+    def _announce(self, run: RunInfo) -> Sequence[int] | None:
+        shards = self.cache.get(run.problem, run.seed, range(run.num_clients))
         self._worker = Worker(shards, run.seed, run.gradient_noise)
+        counts = getattr(shards, "sample_counts", None)
+        return counts() if counts is not None else None
 
     def _exchange(self, task: Task, round_id: int, category: Category) -> list[Answer]:
         assert self._worker is not None

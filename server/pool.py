@@ -19,14 +19,16 @@ gRPC traffic, in bytes, is counted apart).
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, NamedTuple
 
 import numpy as np
 
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.problems import PaperRegressionSpec, QuadraticGameSpec
-from fedsaddle.common.tasks import Answer, GradientTask, Task
+from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
+from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.server.algorithms.base import Answers
 
 Category = Literal["algorithm", "evaluation"]
@@ -56,16 +58,22 @@ class Diverged(RuntimeError):
 
 @dataclass(frozen=True)
 class RunInfo:
-    """What clients need to know about a run: they build their shards from it."""
+    """What clients need to know about a run. Never data: each client loads its own
+    (only a synthetic problem's clients generate theirs, from `seed`)."""
 
     run_id: str
-    problem: PaperRegressionSpec | QuadraticGameSpec
-    seed: int
-    gradient_noise: float
+    problem: ProblemSpec
+    seed: int  # seeds the gradient noise, and a synthetic problem's data
+    gradient_noise: float = 0.0
+    weighting: Literal["uniform", "samples"] = "uniform"
+
+    @cached_property
+    def kind(self) -> Problem:
+        return make_problem(self.problem)
 
     @property
     def dimension(self) -> int:
-        return 2 * self.problem.dim
+        return self.kind.dimension
 
     @property
     def num_clients(self) -> int:
@@ -83,6 +91,8 @@ class RoundTraffic(NamedTuple):
 def round_traffic(task: Task, num_clients: int, dimension: int) -> RoundTraffic:
     """The traffic of one round of `task`: the single definition of what a round costs."""
     down = sum(v.shape[-1] for v in task.payload())
+    if isinstance(task, EvaluateTask):
+        return RoundTraffic(num_clients, down, len(task.metric_names) + 1)  # metrics, and the held-out rows
     up = dimension + (1 if isinstance(task, GradientTask) and task.want_objective else 0)
     return RoundTraffic(num_clients, down, up)
 
@@ -143,14 +153,22 @@ class ClientPool(abc.ABC):
         self.run: RunInfo | None = None
         self.round_id = 0
         self.traffic: dict[Category, TrafficCounts] = {}
+        self.weights: Array | None = None  # the clients' sample counts, when the run weights by samples
         self.failure: str | None = None  # why the runs on this pool failed, if they did (told to clients at close)
 
     def start_run(self, run: RunInfo) -> None:
-        """Announce a run; counters and round ids start afresh."""
+        """Announce a run (clients load their data for it); counters and round ids start afresh."""
         self.run = run
         self.round_id = 0
         self.traffic = fresh_traffic(run.num_clients)
-        self._announce(run)
+        self.weights = None
+        counts = self._announce(run)
+        if run.weighting == "samples":
+            if counts is None or len(counts) != run.num_clients:
+                raise PoolError("the run weights clients by samples, but their sample counts are not known")
+            if min(counts) <= 0:
+                raise PoolError(f"client {int(np.argmin(counts))} reports no samples")
+            self.weights = np.asarray(counts, dtype=np.float64)
 
     def exchange(self, task: Task, category: Category = "algorithm") -> Answers:
         """One round: send the task to every client and return their answers in client-index order.
@@ -162,21 +180,27 @@ class ClientPool(abc.ABC):
         self.round_id += 1
         answers = self._exchange(task, self.round_id, category)
         n, dim = run.num_clients, run.dimension
+        evaluation = isinstance(task, EvaluateTask)
         want_objective = isinstance(task, GradientTask) and task.want_objective
-        vectors = np.empty((n, dim))
+        vectors = np.empty((n, len(task.metric_names) if isinstance(task, EvaluateTask) else dim))
         objective = np.empty(n) if want_objective else None
+        counts = np.zeros(n) if evaluation else None
         diverged: list[int] = []
         for answer in answers:
             if answer.diverged:
                 diverged.extend(answer.indices)
                 continue
-            vectors[list(answer.indices)] = answer.vectors
+            rows = list(answer.indices)
+            vectors[rows] = answer.vectors
             if objective is not None and answer.objective is not None:
-                objective[list(answer.indices)] = answer.objective
+                objective[rows] = answer.objective
+            if counts is not None and answer.counts is not None:
+                counts[rows] = answer.counts
         self.traffic[category].add(round_traffic(task, n, dim))
         if diverged:
             raise Diverged(self.round_id, tuple(sorted(diverged)))
-        return Answers(vectors, objective)
+        # Metrics are weighted by the clients' held-out rows; everything else by the run's rule.
+        return Answers(vectors, objective, counts if evaluation else self.weights)
 
     def gradients(self, z: Array, *, exact: bool = False, category: Category = "algorithm") -> Answers:
         """One round of G_i(z) from every client (a convenience over `exchange`)."""
@@ -197,8 +221,8 @@ class ClientPool(abc.ABC):
     # -- what a transport provides -------------------------------------------------------
 
     @abc.abstractmethod
-    def _announce(self, run: RunInfo) -> None:
-        """Tell every client about the run (they build their shards)."""
+    def _announce(self, run: RunInfo) -> Sequence[int] | None:
+        """Tell every client about the run (they load their data); their sample counts, when asked."""
 
     @abc.abstractmethod
     def _exchange(self, task: Task, round_id: int, category: Category) -> list[Answer]:

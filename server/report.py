@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedsaddle.common.problems import make_problem
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.driver import AlgorithmResult
 
@@ -68,7 +69,8 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
     )
     ax.set_xlabel(axis)
     ax.set_ylabel("||x - x*||")
-    ax.set_title(f"{config.name}: {config.problem.name}, n={config.problem.num_clients}, d={config.problem.dim}")
+    dim_x, dim_y = make_problem(config.problem).dims()
+    ax.set_title(f"{config.name}: {config.problem.name}, n={config.problem.num_clients}, dim x={dim_x}, y={dim_y}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -46,7 +46,8 @@ def test_unknown_algorithm_lists_the_known_ones() -> None:
 
 
 def test_unknown_problem_and_unknown_field() -> None:
-    assert "problem: unknown name 'mnist'" in error_of({**VALID, "problem": {"name": "mnist"}})
+    message = error_of({**VALID, "problem": {"name": "mnist"}})
+    assert "problem.name: unknown problem 'mnist'" in message and "'linear_regression'" in message
     assert "problem.heterogenity: Extra inputs are not permitted" in error_of(
         {**VALID, "problem": {"name": "quadratic_game", "heterogenity": 1}}
     )

@@ -22,11 +22,18 @@ from conftest import CLIENT_ENV, start_clients, stop_processes
 class Coordinator:
     """`fedsaddle coordinator` as a subprocess, its stderr read line by line."""
 
-    def __init__(self, config_path: Path, out: Path, listen: str = "127.0.0.1:0", prefix: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        config_path: Path,
+        out: Path,
+        listen: str = "127.0.0.1:0",
+        prefix: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         command = [*prefix, sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(config_path)]
         command += ["--listen", listen, "--out", str(out)]
         self.process = subprocess.Popen(
-            command, env=CLIENT_ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            command, env=env or CLIENT_ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []

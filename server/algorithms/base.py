@@ -86,6 +86,8 @@ def aggregate(rows: Array, weights: Array | None = None) -> Array:
         return result
     column = weights[None, :, None]
     total = float(ordered_sum(weights[:, None])[0])
+    if total == 0:  # nobody had anything to weigh in (e.g. no client has held-out rows)
+        return np.full((rows.shape[0], rows.shape[2]), np.nan)
     weighted: Array = ordered_sum((column * rows).swapaxes(0, 1)) / total
     return weighted
 

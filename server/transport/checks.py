@@ -45,6 +45,7 @@ class Expectation(NamedTuple):
     indices: tuple[int, ...]  # the session's clients taking part, in index order
     entries: int  # float64 entries per client in the payload
     want_objective: bool
+    want_counts: bool = False  # an evaluation answer: held-out row counts per client
 
 
 def answer_header(
@@ -88,6 +89,6 @@ def answer_header(
 def answer(header: pb.Answer, payload: bytes, expected: Expectation) -> Answer:
     """The answer's vectors, checked (length, finiteness, objective); Refusal(INVALID_ARGUMENT) if bad."""
     try:
-        return wire.decode_answer(header, payload, expected.entries, expected.want_objective)
+        return wire.decode_answer(header, payload, expected.entries, expected.want_objective, expected.want_counts)
     except wire.WireError as exc:
         raise Refusal(INVALID, str(exc)) from None

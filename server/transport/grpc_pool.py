@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
-from fedsaddle.common.tasks import Answer, GradientTask, Task
+from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import Category, ClientPool, PoolError, RunInfo
 from fedsaddle.server.transport.auth import Authenticator
@@ -133,22 +133,26 @@ class GrpcPool(ClientPool):
 
         return self._call(missing())
 
-    def _announce(self, run: RunInfo) -> None:
+    def _announce(self, run: RunInfo) -> list[int] | None:
         if run.num_clients != self.federation_size:
             raise PoolError(f"the run has {run.num_clients} clients but the federation has {self.federation_size}")
         spec = pb.RunSpec(
             run_id=run.run_id,
             problem_name=run.problem.name,
             problem_json=run.problem.model_dump_json(),
-            synthetic_seed=run.seed,
             noise_seed=run.seed,
             gradient_noise=run.gradient_noise,
             dimension=run.dimension,
+            want_sample_counts=run.weighting == "samples",
         )
-        self._call(self._start_run(run, pb.Instruction(run=spec).SerializeToString()))
+        if run.kind.synthetic:
+            spec.synthetic_seed = run.seed  # a benchmark source: clients generate their data from it
+        return self._call(self._start_run(run, pb.Instruction(run=spec).SerializeToString()))
 
-    async def _start_run(self, run: RunInfo, spec: bytes) -> None:
-        """Send the RunSpec to every session and wait until all are Ready; PoolError naming any that is not."""
+    async def _start_run(self, run: RunInfo, spec: bytes) -> list[int] | None:
+        """Send the RunSpec to every session and wait until all are Ready; PoolError naming any that is not.
+
+        Returns the clients' sample counts by index, when the run asked for them."""
         sessions = self.registry.require_all(f"before run {run.run_id}")
         barrier = RunStart(tuple(sessions), f"the start of run {run.run_id}", run_id=run.run_id)
         self.barriers.starting = barrier
@@ -167,26 +171,44 @@ class GrpcPool(ClientPool):
                     f"{session.describe()} has data of dimension {ready.dimension}, "
                     f"but run {run.run_id} expects {run.dimension}"
                 )
+        if run.weighting != "samples":
+            return None
+        counts = [0] * run.num_clients
+        for session in sessions:
+            reported = list(barrier.ready[session.id].sample_counts)
+            if len(reported) != len(session.indices):
+                raise PoolError(
+                    f"{session.describe()} reported {len(reported)} sample counts for {len(session.indices)} clients"
+                )
+            for index, count in zip(session.indices, reported, strict=True):
+                counts[index] = count
+        return counts
 
     def _exchange(self, task: Task, round_id: int, category: Category) -> list[Answer]:
         assert self.run is not None
         pieces = wire.encode_task(self.run.run_id, round_id, task, self.chunk_bytes)
         want_objective = isinstance(task, GradientTask) and task.want_objective
-        answers, bytes_down, bytes_up = self._call(self._round(pieces, round_id, want_objective))
+        evaluation = isinstance(task, EvaluateTask)
+        entries = len(task.metric_names) if isinstance(task, EvaluateTask) else self.run.dimension
+        answers, bytes_down, bytes_up = self._call(self._round(pieces, round_id, entries, want_objective, evaluation))
         counts = self.traffic[category]
         counts.bytes_down += bytes_down
         counts.bytes_up += bytes_up
         return answers
 
-    async def _round(self, pieces: list[bytes], round_id: int, want_objective: bool) -> tuple[list[Answer], int, int]:
+    async def _round(
+        self, pieces: list[bytes], round_id: int, entries: int, want_objective: bool, evaluation: bool
+    ) -> tuple[list[Answer], int, int]:
         """Send one round's task to every session and wait for all answers."""
         assert self.run is not None
         sessions = self.registry.require_all(f"before round {round_id}")
-        run_id, dimension = self.run.run_id, self.run.dimension
+        run_id = self.run.run_id
         barrier = OpenRound(
             tuple(sessions),
             f"round {round_id}",
-            expected={s.id: Expectation(run_id, round_id, s.indices, dimension, want_objective) for s in sessions},
+            expected={
+                s.id: Expectation(run_id, round_id, s.indices, entries, want_objective, evaluation) for s in sessions
+            },
         )
         self.barriers.round = barrier
         size = sum(len(p) for p in pieces)

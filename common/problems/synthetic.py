@@ -1,64 +1,36 @@
-"""Problems: local gradient mappings G_i(z) = (grad_x f_i, -grad_y f_i) and their data.
+"""Synthetic problems: a benchmark data source, not private data.
 
-A problem is a plug-in of three parts, none of which knows about transports:
-  * a pydantic spec (public: it travels to clients as JSON),
-  * `make_shards(spec, seed, indices)`, which builds the private data of the
-    given clients (each client process calls it for its own indices only),
-  * `solution(spec, seed)`, the saddle point z* when the spec determines it
-    without the data (used by the coordinator for its metrics), else None.
+Every client generates its own shard from the public spec and a seed the
+coordinator sends (RunSpec.synthetic_seed), so the coordinator could rebuild any
+client's data: these problems exist for the paper's experiments, benchmarks and
+tests. Real federations use a DataProblem, whose data each client loads from
+its own file.
 
-Shards are vectorized over the clients a process hosts. Vectors are columns:
-z has shape (dimension, k) for k hosted clients, or (dimension, k, B) for a batch
-of B runs, so that x = z[:dim] and y = z[dim:] are contiguous blocks, a per-run
-number (B,) broadcasts along the innermost axis, and every operation runs over
-long, contiguous rows. All arithmetic is elementwise or per
-shard, so a client's result does not depend on which other shards (or runs) share
-its arrays; that is what makes every transport agree bit for bit.
+  paper_regression  the paper's federated regression saddle (section Experiments)
+  quadratic_game    a dense quadratic game with a planted saddle point z*
 
-Iterates are z = (x, y) with x, y in R^dim, so vectors have 2 * dim entries.
+Their shards are vectorized over the clients a process hosts (see shards.py) and
+over a batch of runs, which is what makes the paper's sweep fast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal, Protocol
+from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from fedsaddle.common import seeding
 from fedsaddle.common.numeric import Array
-
-
-class Shards(Protocol):
-    """The private data of some clients, with their local oracles.
-
-    z has shape (dimension, k), one column per hosted client; stacked shards (a
-    batch of B runs, see `stack_shards`) take (dimension, k, B).
-    """
-
-    indices: tuple[int, ...]
-    dimension: int  # length of z = (x, y)
-
-    def gradient(self, z: Array, out: Array | None = None) -> Array:
-        """G_i(z_i) for each hosted client i, the shape of z (written into `out` if given)."""
-        ...
-
-    def objective(self, z: Array) -> Array:
-        """f_i(z_i) for each hosted client i: z's shape without its first axis."""
-        ...
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+from fedsaddle.common.problems.base import ProblemSpec, SyntheticProblem
 
 # --------------------------------------------------------------------------------------
 # The paper's federated regression saddle (section Experiments)
 # --------------------------------------------------------------------------------------
 
 
-class PaperRegressionSpec(_Spec):
+class PaperRegressionSpec(ProblemSpec):
     """f_i(x, y) = -1/2 [ ||y||^2 - b_i^T y + y^T A_i x ] + lam/2 ||x||^2.
 
     A_i = diag(a_i), a_i = max(N(1, s^2 I), 1) entrywise; b_i = b'_i - mean_j b'_j with
@@ -67,7 +39,6 @@ class PaperRegressionSpec(_Spec):
     """
 
     name: Literal["paper_regression"] = "paper_regression"
-    num_clients: int = Field(10, ge=1, description="n, the number of clients")
     dim: int = Field(10, ge=1, description="d: x and y each live in R^d")
     lam: float = Field(1e-5, gt=0, description="lambda, the L2 weight on x")
     s: float = Field(10.0, ge=0, description="heterogeneity / ill-conditioning")
@@ -160,7 +131,7 @@ def _paper_solution(spec: PaperRegressionSpec, seed: int) -> Array:
 # --------------------------------------------------------------------------------------
 
 
-class QuadraticGameSpec(_Spec):
+class QuadraticGameSpec(ProblemSpec):
     """G_i(z) = M_i (z - z*) + r_i, with M_i = [[P_i, B_i], [-B_i^T, Q_i]].
 
     P_i, Q_i are symmetric with eigenvalues >= mu and B_i is dense, so each f_i is
@@ -170,7 +141,6 @@ class QuadraticGameSpec(_Spec):
     """
 
     name: Literal["quadratic_game"] = "quadratic_game"
-    num_clients: int = Field(10, ge=1)
     dim: int = Field(5, ge=1, description="x and y each live in R^dim")
     mu: float = Field(1.0, gt=0, description="strong convexity-concavity of each f_i")
     coupling: float = Field(1.0, ge=0, description="scale of the bilinear term B")
@@ -227,56 +197,41 @@ def _game_solution(spec: QuadraticGameSpec, seed: int) -> Array:
 
 
 # --------------------------------------------------------------------------------------
-# Registry
+# The problems
 # --------------------------------------------------------------------------------------
 
-ProblemSpec = Annotated[PaperRegressionSpec | QuadraticGameSpec, Field(discriminator="name")]
+
+class PaperRegression(SyntheticProblem):
+    Spec = PaperRegressionSpec
+    spec: PaperRegressionSpec
+
+    def dims(self) -> tuple[int, int]:
+        return self.spec.dim, self.spec.dim
+
+    def shards(self, seed: int, indices: Sequence[int]) -> PaperRegressionShards:
+        _check_indices(self.spec.num_clients, indices)
+        return PaperRegressionShards(self.spec, seed, indices)
+
+    def solution(self, seed: int) -> Array:
+        return _paper_solution(self.spec, seed)
 
 
-def make_shards(spec: PaperRegressionSpec | QuadraticGameSpec, seed: int, indices: Sequence[int]) -> Shards:
-    """Build the private shards of the given clients (call only where the data may live)."""
-    bad = [i for i in indices if not 0 <= i < spec.num_clients]
+class QuadraticGame(SyntheticProblem):
+    Spec = QuadraticGameSpec
+    spec: QuadraticGameSpec
+
+    def dims(self) -> tuple[int, int]:
+        return self.spec.dim, self.spec.dim
+
+    def shards(self, seed: int, indices: Sequence[int]) -> QuadraticGameShards:
+        _check_indices(self.spec.num_clients, indices)
+        return QuadraticGameShards(self.spec, seed, indices)
+
+    def solution(self, seed: int) -> Array:
+        return _game_solution(self.spec, seed)
+
+
+def _check_indices(num_clients: int, indices: Sequence[int]) -> None:
+    bad = [i for i in indices if not 0 <= i < num_clients]
     if bad:
-        raise ValueError(f"client indices {bad} are outside [0, {spec.num_clients})")
-    if isinstance(spec, PaperRegressionSpec):
-        return PaperRegressionShards(spec, seed, indices)
-    return QuadraticGameShards(spec, seed, indices)
-
-
-class StackedShards:
-    """A batch of runs' shards for any problem: each run computes with its own object."""
-
-    def __init__(self, runs: Sequence[Shards]) -> None:
-        self.runs = list(runs)
-        self.indices = runs[0].indices
-        self.dimension = runs[0].dimension
-
-    def gradient(self, z: Array, out: Array | None = None) -> Array:
-        return np.stack([run.gradient(z[..., b]) for b, run in enumerate(self.runs)], axis=-1, out=out)
-
-    def objective(self, z: Array) -> Array:
-        return np.stack([run.objective(z[..., b]) for b, run in enumerate(self.runs)], axis=-1)
-
-    def select_runs(self, runs: Sequence[int]) -> StackedShards:
-        return StackedShards([self.runs[r] for r in runs])
-
-
-def stack_shards(runs: Sequence[Shards]) -> Shards:
-    """Shards for a batch of runs (same problem kind, clients and dimension)."""
-    if len({(r.indices, r.dimension, type(r)) for r in runs}) != 1:
-        raise ValueError("a batch needs runs of one problem kind with the same clients and dimension")
-    if all(isinstance(r, PaperRegressionShards) for r in runs):
-        return PaperRegressionShards.stack(runs)  # type: ignore[arg-type]
-    return StackedShards(runs)
-
-
-def solution(spec: PaperRegressionSpec | QuadraticGameSpec, seed: int) -> Array | None:
-    """z*, when the spec and seed determine it without the clients' data."""
-    if isinstance(spec, PaperRegressionSpec):
-        return _paper_solution(spec, seed)
-    return _game_solution(spec, seed)
-
-
-def dimension(spec: PaperRegressionSpec | QuadraticGameSpec) -> int:
-    """Length of z = (x, y)."""
-    return 2 * spec.dim
+        raise ValueError(f"client indices {bad} are outside [0, {num_clients})")

@@ -1,0 +1,145 @@
+"""What a problem is: the plug-in interface for your own federated minimax objectives.
+
+A problem is min_x max_y f(x, y) with f the mean of the clients' f_i (uniform,
+as in the paper, or weighted by the clients' sample counts). fedsaddle needs of
+it, on the clients' side, the gradient mapping
+
+    G_i(z) = (grad_x f_i(x, y), -grad_y f_i(x, y)),   z = (x, y),
+
+and f_i itself, computed on client i's own data. To plug in your own:
+
+    class MySpec(ProblemSpec):                 # public hyper-parameters only
+        name: Literal["my_problem"] = "my_problem"
+        features: int
+        lam: float = 1e-2
+
+    class MyProblem(DataProblem):
+        Spec = MySpec
+        def dims(self): return self.spec.features, 1          # (len(x), len(y))
+        def check(self, data): ...                              # raise DataError if unusable
+        def gradient(self, data, z): ...                        # -> G_i(z), shape (dim_x + dim_y,)
+        def objective(self, data, z): ...                       # -> f_i(z), a float
+
+and name it in the config, `problem: {name: my_problem, plugin: "mypkg.module:MyProblem", ...}`,
+or register it as a package entry point in the group `fedsaddle.problems`. Client
+processes load only the problems they trust (see registry.py).
+
+The spec is public: it travels to every client as JSON and lands in the run
+directory. It must never hold data, nor anything data can be rebuilt from.
+Each client loads its own data file (`load`), which never leaves its process.
+
+Synthetic problems (the paper's generated regression, the planted quadratic
+game) are a different, labelled source: every client generates its shard from
+the spec and a seed the coordinator sends. They are for benchmarks and tests;
+their data is by construction not private.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems.data import ClientData, DataError, read_client_data
+
+if TYPE_CHECKING:
+    from fedsaddle.common.problems.shards import Shards
+
+__all__ = ["ClientData", "DataError", "DataProblem", "Problem", "ProblemSpec", "SyntheticProblem"]
+
+
+class ProblemSpec(BaseModel):
+    """The public part of a problem: its name and hyper-parameters, as the config gives them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="the problem's registered name")
+    num_clients: int = Field(10, ge=1, description="n, the number of clients")
+    plugin: str | None = Field(
+        None, description="module:Class of a problem that is neither built in nor registered as an entry point"
+    )
+
+
+class Problem(abc.ABC):
+    """A federated minimax problem, as the coordinator and the clients see it."""
+
+    Spec: ClassVar[type[ProblemSpec]]
+    synthetic: ClassVar[bool] = False  # True: data generated from (spec, seed), not private
+    metric_names: ClassVar[tuple[str, ...]] = ()  # evaluation metrics on held-out data, if any
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+    @abc.abstractmethod
+    def dims(self) -> tuple[int, int]:
+        """(len(x), len(y)), from the public spec alone."""
+
+    @property
+    def dimension(self) -> int:
+        """Length of z = (x, y)."""
+        dim_x, dim_y = self.dims()
+        return dim_x + dim_y
+
+
+class DataProblem(Problem):
+    """A problem on real data: each client computes on the file it owns. Subclass this for your own."""
+
+    def load(self, path: str | Path) -> ClientData:
+        """Read and check one client's data file; DataError naming the file and the fault."""
+        return self.check(read_client_data(path))
+
+    def check(self, data: ClientData) -> ClientData:
+        """Refuse data this problem cannot use (raise DataError naming data.path and the fault)."""
+        return data
+
+    @abc.abstractmethod
+    def gradient(self, data: ClientData, z: Array) -> Array:
+        """G_i(z) = (grad_x f_i, -grad_y f_i) on this client's training rows, shape (dimension,)."""
+
+    @abc.abstractmethod
+    def objective(self, data: ClientData, z: Array) -> float:
+        """f_i(z) on this client's training rows."""
+
+    def metrics(self, data: ClientData, z: Array) -> Sequence[float]:
+        """The values of `metric_names` at z on this client's held-out rows (when it has some)."""
+        return ()
+
+    def reference_solution(self, datas: Sequence[ClientData], weights: Array | None) -> Array | None:
+        """z* of the federation's f, from all clients' data (for tests and reports), if known."""
+        return None
+
+    def expect_features(self, data: ClientData, features: int) -> None:
+        """A helper for `check`: the file must have `features` columns."""
+        if data.X.shape[1] != features:
+            raise DataError(f"{data.path}: {data.X.shape[1]} features, but the problem expects {features}")
+
+    def expect_labels(self, data: ClientData, allowed: Sequence[float]) -> None:
+        """A helper for `check`: every label (training and held-out) must be one of `allowed`."""
+        for name, labels in (("y", data.y), ("y_test", data.y_test)):
+            if labels is None:
+                continue
+            bad = ~np.isin(labels, allowed)
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise DataError(
+                    f"{data.path}: {name}[{row}] is {labels[row]:g}; this problem accepts labels {list(allowed)}"
+                )
+
+
+class SyntheticProblem(Problem):
+    """A benchmark data source: each client generates its shard from the spec and a seed."""
+
+    synthetic = True
+
+    @abc.abstractmethod
+    def shards(self, seed: int, indices: Sequence[int]) -> Shards:
+        """The generated shards of the given clients (each process builds only its own)."""
+
+    def solution(self, seed: int) -> Array | None:
+        """z*, when the spec and seed determine it."""
+        return None

@@ -1,0 +1,114 @@
+"""Where problems come from, and which ones a process is willing to load.
+
+A problem is found by its name among the built-in ones, then among the installed
+packages' entry points in the group `fedsaddle.problems`, or by the config's
+`plugin: "module:Class"`.
+
+Trust: the coordinator's operator writes the config, so the coordinator imports
+what it names. A client process never imports a module just because a
+coordinator asked: it loads built-in problems, registered entry points, and the
+`module:Class` paths its own operator allowed (`fedsaddle client --problem ...`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Collection, Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems.base import DataProblem, Problem, ProblemSpec, SyntheticProblem
+
+ENTRY_POINT_GROUP = "fedsaddle.problems"
+
+BUILT_IN = {
+    "paper_regression": "fedsaddle.common.problems.synthetic:PaperRegression",
+    "quadratic_game": "fedsaddle.common.problems.synthetic:QuadraticGame",
+    "linear_regression": "fedsaddle.common.problems.regression:LinearRegression",
+    "auc": "fedsaddle.common.problems.auc:AucMaximization",
+    "fair_logistic": "fedsaddle.common.problems.fairness:FairLogistic",
+}
+
+
+class ProblemNotFound(ValueError):
+    """No problem of that name (or plugin path) can be loaded here; the message says why."""
+
+
+def load_path(path: str) -> type[Problem]:
+    """The Problem class at 'module:Class'."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ProblemNotFound(f"plugin {path!r} must look like 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ProblemNotFound(f"plugin {path!r}: cannot import {module_name!r}: {exc}") from None
+    found = getattr(module, attribute, None)
+    if not (isinstance(found, type) and issubclass(found, Problem)):
+        raise ProblemNotFound(f"plugin {path!r}: {attribute!r} is not a fedsaddle Problem class")
+    if not issubclass(found, DataProblem | SyntheticProblem):
+        raise ProblemNotFound(f"plugin {path!r}: subclass DataProblem (or SyntheticProblem)")
+    return found
+
+
+def registered() -> dict[str, str]:
+    """name -> 'module:Class' of every problem this process can find without a plugin path."""
+    found = dict(BUILT_IN)
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(entry.name, entry.value)
+    return found
+
+
+def problem_class(name: str, plugin: str | None = None, trusted: Collection[str] | None = None) -> type[Problem]:
+    """The class of problem `name`. `trusted`: the plugin paths this process may import (None: any)."""
+    known = registered()
+    if name in known and plugin in (None, known[name]):
+        return load_path(known[name])
+    if plugin is None:
+        raise ProblemNotFound(
+            f"unknown problem {name[:64]!r}: built in or registered are {sorted(known)}; "
+            "name your own with `plugin: module:Class`"
+        )
+    if trusted is not None and plugin not in trusted:
+        raise ProblemNotFound(
+            f"problem {name[:64]!r} comes from plugin {plugin[:128]!r}, which this process does not trust "
+            f"(start it with --problem {plugin[:128]})"
+        )
+    cls = load_path(plugin)
+    spec_name = cls.Spec.model_fields["name"].default
+    if spec_name not in (None, name):
+        raise ProblemNotFound(f"plugin {plugin!r} defines problem {spec_name!r}, not {name!r}")
+    return cls
+
+
+def parse_spec(data: Mapping[str, Any], trusted: Collection[str] | None = None) -> ProblemSpec:
+    """Validate a problem entry (config or RunSpec) with its problem's own Spec; ValidationError if bad."""
+    name = data.get("name")
+    if not isinstance(name, str):
+        raise ProblemNotFound("the problem needs a `name`")
+    plugin = data.get("plugin")
+    cls = problem_class(name, plugin if isinstance(plugin, str) else None, trusted)
+    return cls.Spec.model_validate(dict(data))
+
+
+def make_problem(spec: ProblemSpec, trusted: Collection[str] | None = None) -> Problem:
+    """The problem a validated spec describes."""
+    return problem_class(spec.name, spec.plugin, trusted)(spec)
+
+
+# -- synthetic sources (tests and experiments) --------------------------------------------
+
+
+def make_shards(spec: ProblemSpec, seed: int, indices: Sequence[int]) -> Any:
+    """The generated shards of some clients of a synthetic problem."""
+    problem = make_problem(spec)
+    if not isinstance(problem, SyntheticProblem):
+        raise ValueError(f"problem {spec.name} has no synthetic data: its clients load their own files")
+    return problem.shards(seed, indices)
+
+
+def solution(spec: ProblemSpec, seed: int) -> Array | None:
+    """z*, when the spec and seed determine it without the clients' data (synthetic problems)."""
+    problem = make_problem(spec)
+    return problem.solution(seed) if isinstance(problem, SyntheticProblem) else None

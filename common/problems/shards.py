@@ -1,0 +1,116 @@
+"""Shards: the clients a process hosts, with their local oracles, vectorized over those clients.
+
+The worker (common/worker.py) computes on shards. Vectors are columns: z has
+shape (dimension, k) for k hosted clients, or (dimension, k, B) for a batch of B
+runs, so that x = z[:dim_x] and y = z[dim_x:] are contiguous blocks and a per-run
+number (B,) broadcasts along the innermost axis. Every client's result depends
+only on its own column and its own data, never on which other clients or runs
+share the arrays: that is what makes every transport agree bit for bit.
+
+Synthetic problems build their shards directly (fast, for sweeps); a
+DataProblem's clients are wrapped by ProblemShards, which hands each client's
+column, made contiguous, to the problem's own per-client methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems.base import DataProblem
+from fedsaddle.common.problems.data import ClientData
+
+
+class Shards(Protocol):
+    """The private data of some clients, with their local oracles."""
+
+    indices: tuple[int, ...]
+    dimension: int  # length of z = (x, y)
+
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
+        """G_i(z_i) for each hosted client i, the shape of z (written into `out` if given)."""
+        ...
+
+    def objective(self, z: Array) -> Array:
+        """f_i(z_i) for each hosted client i: z's shape without its first axis."""
+        ...
+
+
+class ProblemShards:
+    """A DataProblem's clients in one process: each computes on its own file's data."""
+
+    def __init__(self, problem: DataProblem, datas: Sequence[ClientData], indices: Sequence[int]) -> None:
+        if len(datas) != len(indices):
+            raise ValueError(f"{len(indices)} clients need {len(indices)} data files, got {len(datas)}")
+        self.problem = problem
+        self.datas = list(datas)
+        self.indices = tuple(indices)
+        self.dimension = problem.dimension
+
+    def _columns(self, z: Array) -> list[tuple[int, tuple[int, ...], Array]]:
+        """(client position, index of its column in z[0], its z as a contiguous vector) for every column."""
+        columns = []
+        for j in range(len(self.datas)):
+            for rest in np.ndindex(*z.shape[2:]):
+                where = (j, *rest)
+                columns.append((j, where, np.ascontiguousarray(z[(slice(None), *where)])))
+        return columns
+
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
+        out = np.empty_like(z) if out is None else out
+        for j, where, column in self._columns(z):
+            target: tuple[slice | int, ...] = (slice(None), *where)
+            out[target] = self.problem.gradient(self.datas[j], column)
+        return out
+
+    def objective(self, z: Array) -> Array:
+        values = np.empty(z.shape[1:])
+        for j, where, column in self._columns(z):
+            values[where] = self.problem.objective(self.datas[j], column)
+        return values
+
+    def evaluate(self, z: Array) -> tuple[Array, Array]:
+        """The problem's metrics at z on each client's held-out rows, (k, metrics), and their row counts (k,)."""
+        names = self.problem.metric_names
+        values = np.zeros((len(self.datas), len(names)))
+        counts = np.zeros(len(self.datas))
+        for j, data in enumerate(self.datas):
+            if data.heldout:
+                values[j] = self.problem.metrics(data, np.ascontiguousarray(z))
+                counts[j] = data.heldout
+        return values, counts
+
+    def sample_counts(self) -> list[int]:
+        return [data.samples for data in self.datas]
+
+
+class StackedShards:
+    """A batch of runs' shards for any problem: each run computes with its own object."""
+
+    def __init__(self, runs: Sequence[Shards]) -> None:
+        self.runs = list(runs)
+        self.indices = runs[0].indices
+        self.dimension = runs[0].dimension
+
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
+        return np.stack([run.gradient(z[..., b]) for b, run in enumerate(self.runs)], axis=-1, out=out)
+
+    def objective(self, z: Array) -> Array:
+        return np.stack([run.objective(z[..., b]) for b, run in enumerate(self.runs)], axis=-1)
+
+    def select_runs(self, runs: Sequence[int]) -> StackedShards:
+        return StackedShards([self.runs[r] for r in runs])
+
+
+def stack_shards(runs: Sequence[Shards]) -> Shards:
+    """Shards for a batch of runs (same problem kind, clients and dimension)."""
+    from fedsaddle.common.problems.synthetic import PaperRegressionShards
+
+    if len({(r.indices, r.dimension, type(r)) for r in runs}) != 1:
+        raise ValueError("a batch needs runs of one problem kind with the same clients and dimension")
+    if all(isinstance(r, PaperRegressionShards) for r in runs):
+        return PaperRegressionShards.stack(runs)  # type: ignore[arg-type]
+    return StackedShards(runs)

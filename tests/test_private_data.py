@@ -1,0 +1,225 @@
+"""Private data over real processes: each client loads its own file; the coordinator never sees data.
+
+Client processes get only their own files (`--data`); the coordinator's config
+names the problem and public hyper-parameters. The federation equals the
+in-process run bit for bit; bad data stops the run before round 1 naming the
+client, its file and the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+from conftest import stop_processes
+from test_bad_answers import HandClient
+from test_failures import Coordinator, read_stderr, write_config
+
+from fedsaddle import api
+from fedsaddle.experiments.datasets import split
+from fedsaddle.launch import client_command, client_env
+from fedsaddle.server.driver import RunInfo
+from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+CLIENTS = 10
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plugin" / "src"
+
+
+@pytest.fixture(scope="module")
+def cancer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("breast_cancer")
+    return folder, split("breast_cancer", CLIENTS, "label-skew", seed=5, out=folder)
+
+
+def auc_config(summary: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {
+        "name": "auc",
+        "problem": {"name": "auc", "num_clients": CLIENTS, "features": 30, "positive_rate": summary["positive_rate"]},
+        "weighting": "samples",
+        "evaluate_every": 10,
+        "rounds": 41,
+        "sync": {"kind": "fixed", "tau": 5},
+        "algorithms": [
+            {"name": "fedavg_s", "gamma_local": 0.01, "decay": "constant"},
+            {"name": "scaffold_catalyst_s", "gamma_local": 0.01},
+        ],
+        "output": {"plot": False},
+        **fields,
+    }
+
+
+def test_clients_on_their_own_files_match_the_in_process_run_bit_for_bit(
+    tmp_path: Path, cancer: tuple[Path, dict[str, Any]]
+) -> None:
+    folder, summary = cancer
+    config = auc_config(summary)
+    pattern = str(folder / "client-{i:03d}.npz")
+    local = api.run(config, data=pattern, out=tmp_path / "local")
+    remote = api.run(config, data=pattern, transport="grpc", clients_per_process=3, out=tmp_path / "grpc")
+    for a, b in zip(local.results, remote.results, strict=True):
+        assert a.status == b.status == "ok"
+        assert a.z_sha256 == b.z_sha256
+        assert [r.get("test_auc") for r in a.records] == [r.get("test_auc") for r in b.records]
+        assert a.traffic["evaluation"]["rounds"] == b.traffic["evaluation"]["rounds"] >= 3  # steps 0, 10, 20, ...
+        assert a.traffic["algorithm"]["floats_up"] == b.traffic["algorithm"]["floats_up"]
+    assert 0.5 < remote.results[1].records[-1]["test_auc"] <= 1.0
+    # The run directory holds results, never data: no data file path, no row of any client.
+    written = "".join(p.read_text() for p in remote.run_dir.iterdir() if p.suffix in (".json", ".jsonl"))
+    assert str(folder) not in written and "client-000" not in written
+    first_row = np.load(folder / "client-000.npz")["X"][0]
+    assert f"{first_row[0]:.6f}" not in written
+
+
+def test_the_run_spec_of_a_real_problem_carries_no_data_and_no_seed(cancer: tuple[Path, dict[str, Any]]) -> None:
+    _, summary = cancer
+    config = api.load(auc_config(summary))
+    with GrpcPool(CLIENTS, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
+        hands = [HandClient(channel, [i], auto_ready=False) for i in range(CLIENTS)]
+        for hand in hands:
+            hand.welcome()
+        pool.wait_for_clients(10)
+        info = RunInfo("r", config.problem, config.seed, 0.0, "samples")
+        failed: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                pool.start_run(info)
+            except Exception as exc:  # the hand clients leave without saying Ready
+                failed.append(exc)
+
+        starter = threading.Thread(target=start, daemon=True)
+        starter.start()
+        specs = [hand.next().run for hand in hands]
+        for spec in specs:
+            assert not spec.HasField("synthetic_seed")
+            assert json.loads(spec.problem_json) == config.problem.model_dump(mode="json")
+            assert spec.want_sample_counts
+        for hand in hands:
+            hand.close()
+        starter.join(timeout=10)
+    assert len(failed) == 1 and "disconnected during the start of run r" in str(failed[0])
+
+
+def start_coordinator(tmp_path: Path, config: dict[str, Any]) -> tuple[Coordinator, str]:
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **config), tmp_path / "runs")
+    return coordinator, coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+
+
+def client(address: str, index: int, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    command = client_command(address, str(index), *args, quiet=False)
+    return subprocess.Popen(command, env=env or client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_bad_data_stops_the_run_before_round_one_naming_the_client_the_file_and_the_fault(
+    tmp_path: Path, cancer: tuple[Path, dict[str, Any]]
+) -> None:
+    folder, summary = cancer
+    broken = tmp_path / "client-007.npz"
+    arrays = dict(np.load(folder / "client-007.npz"))
+    arrays["X"][3, 4] = np.nan
+    np.savez(broken, **arrays)
+    coordinator, address = start_coordinator(tmp_path, auc_config(summary))
+    files = [str(broken) if i == 7 else str(folder / f"client-{i:03d}.npz") for i in range(CLIENTS)]
+    clients = [client(address, i, "--data", files[i]) for i in range(CLIENTS)]
+    code, log, codes = coordinator.finish_with(clients, timeout=60)
+    assert code == 1
+    fault = rf"client 7: {broken}: X\[3, 4\] is nan"
+    assert re.search(rf"run failed: client 7 \(.*\) cannot serve run .*: {fault}", log), log
+    assert codes[7] == 1 and all(c == 1 for c in codes)  # every client learns that the run failed
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (run_dir / "metrics.jsonl").read_text() == ""  # no round ran
+    assert json.loads((run_dir / "summary.json").read_text())["algorithms"][0]["rounds"] == 0
+
+
+def test_a_file_with_other_features_is_refused_before_round_one(
+    tmp_path: Path, cancer: tuple[Path, dict[str, Any]]
+) -> None:
+    folder, summary = cancer
+    narrow = tmp_path / "narrow.npz"
+    arrays = dict(np.load(folder / "client-002.npz"))
+    arrays["X"], arrays["X_test"] = arrays["X"][:, :28], arrays["X_test"][:, :28]
+    np.savez(narrow, **arrays)
+    coordinator, address = start_coordinator(tmp_path, auc_config(summary))
+    files = [str(narrow) if i == 2 else str(folder / f"client-{i:03d}.npz") for i in range(CLIENTS)]
+    code, log, _ = coordinator.finish_with([client(address, i, "--data", files[i]) for i in range(CLIENTS)], 60)
+    assert code == 1
+    assert f"client 2: {narrow}: 28 features, but the problem expects 30" in log, log
+
+
+def test_a_client_without_its_file_or_trust_in_the_plugin_says_so(tmp_path: Path) -> None:
+    split("diabetes", 2, "iid", seed=0, out=tmp_path / "data")
+    plugin = "fedsaddle_target_shift:TargetShift"
+    config = {
+        "problem": {"name": "target_shift", "plugin": plugin, "num_clients": 2, "features": 10},
+        "rounds": 5,
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.1}],
+        "output": {"plot": False},
+    }
+    env = {**client_env(), "PYTHONPATH": os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")])}
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **config), tmp_path / "runs", env=env)
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    untrusting = client(address, 0, "--data", str(tmp_path / "data" / "client-000.npz"), env=env)
+    no_file = client(address, 1, "--problem", plugin, env=env)
+    code, log, _ = coordinator.finish_with([untrusting, no_file], 60)
+    assert code == 1
+    assert "comes from plugin 'fedsaddle_target_shift:TargetShift', which this process does not trust" in log
+    assert "start it with --problem fedsaddle_target_shift:TargetShift" in log
+
+
+def test_a_plugin_problem_runs_in_simulate_and_over_local_processes(tmp_path: Path) -> None:
+    split("diabetes", 4, "label-skew", seed=0, out=tmp_path / "data")
+    config = {
+        "name": "shift",
+        "problem": {
+            "name": "target_shift",
+            "plugin": "fedsaddle_target_shift:TargetShift",
+            "num_clients": 4,
+            "features": 10,
+        },
+        "rounds": 21,
+        "algorithms": [{"name": "scaffold_s", "gamma_local": 0.1}],
+        "output": {"plot": False},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**client_env(), "PYTHONPATH": os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")])}
+    data = str(tmp_path / "data" / "client-{i:03d}.npz")
+    hashes = []
+    for command in ("simulate", "local"):
+        out = tmp_path / command
+        done = subprocess.run(
+            [sys.executable, "-m", "fedsaddle", command, "--config", str(path), "--data", data, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr
+        (run_dir,) = out.iterdir()
+        hashes.append(json.loads((run_dir / "summary.json").read_text())["algorithms"][0]["z_sha256"])
+    assert hashes[0] == hashes[1]
+
+
+def test_stopped_clients_print_the_reason(tmp_path: Path, cancer: tuple[Path, dict[str, Any]]) -> None:
+    folder, summary = cancer
+    coordinator, address = start_coordinator(tmp_path, auc_config(summary))
+    clients = [client(address, i, "--data", str(folder / f"client-{i:03d}.npz")) for i in range(CLIENTS - 1)]
+    clients.append(client(address, CLIENTS - 1, "--data", str(tmp_path / "missing.npz")))
+    try:
+        code, log = coordinator.finish(60)
+        messages = read_stderr(clients[-1])
+    finally:
+        stop_processes(clients)
+    assert code == 1
+    assert f"client {CLIENTS - 1}: {tmp_path / 'missing.npz'}: no such file" in log
+    assert "no such file" in messages and "the coordinator ended the run as failed" in messages
