@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -43,27 +43,32 @@ from fedsaddle.server.pool import RoundTraffic, fresh_traffic, round_traffic
 
 @dataclass(frozen=True)
 class BatchRun:
-    """One member of a batch: its config and the algorithm entry to run."""
+    """One member of a batch: its config, the algorithm entry to run, and z* to measure against
+    (a synthetic problem's own when not given)."""
 
     config: RunConfig
     spec: AlgorithmSpec
+    reference: Array | None = None
 
 
 class _Member:
     """A run of the batch and its own counts."""
 
-    __slots__ = ("config", "event", "rounds", "run", "traffic", "z_star")
+    __slots__ = ("config", "event", "rounds", "run", "traffic", "weights", "z_star")
 
     def __init__(self, member: BatchRun) -> None:
         self.config = member.config
         self.run: Run = make_run(member.spec, member.config)
-        z_star = solution(member.config.problem, member.config.seed)
+        z_star = (
+            member.reference if member.reference is not None else solution(member.config.problem, member.config.seed)
+        )
         if z_star is None:
             raise ValueError(f"problem {member.config.problem.name} has no known solution to measure against")
         self.z_star: Array = z_star
         self.rounds = 0
         self.traffic: Counter[RoundTraffic] = Counter()
         self.event: Task | StepDone | None = None
+        self.weights: Array | None = None  # the clients' sample counts, when the run weights by samples
 
 
 def _signature(task: Task, round_id: int) -> tuple[object, ...]:
@@ -110,6 +115,10 @@ class _Workers:
         if len(noise) != 1:
             raise ValueError("a batch needs one gradient_noise for all runs")
         shards = [cache.get(c.problem, c.seed, range(c.problem.num_clients)) for c in configs]
+        for member, shard in zip(members, shards, strict=True):
+            if member.config.weighting == "samples":
+                # The same rule as ClientPool.start_run: aggregation weighted by the clients' sample counts.
+                member.weights = np.asarray(shard.sample_counts(), dtype=np.float64)  # type: ignore[attr-defined]
         self.all = Worker(stack_shards(shards), [c.seed for c in configs], noise.pop())
         self._some: dict[tuple[int, ...], Worker] = {}
 
@@ -151,7 +160,9 @@ def run_batch(
         for b in waiting:
             task = runs[b].event
             assert isinstance(task, GradientTask | LocalStepsTask)
-            groups.setdefault(_signature(task, runs[b].rounds + 1), []).append(b)
+            weights = runs[b].weights
+            key = (*_signature(task, runs[b].rounds + 1), None if weights is None else weights.tobytes())
+            groups.setdefault(key, []).append(b)
         for rows in groups.values():
             _exchange(runs, tuple(rows), workers)
     wall = time.perf_counter() - started
@@ -191,8 +202,9 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
     traffic = round_traffic(tasks[0], n, dimension)
     with np.errstate(over="ignore", invalid="ignore"):
         # Every run's aggregate at once: the same rule, per run, as Answers.mean() alone.
-        means = aggregate(vectors)
-        objective_means = None if objective is None else aggregate(objective[:, :, None])[:, 0].tolist()
+        weights = first.weights  # one for the whole group (the groups are made so)
+        means = aggregate(vectors, weights)
+        objective_means = None if objective is None else aggregate(objective[:, :, None], weights)[:, 0].tolist()
         for i, b in enumerate(rows):
             member = runs[b]
             member.rounds += 1
@@ -205,6 +217,7 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
             answers = Answers(
                 vectors[i],
                 None if objective is None else objective[i],
+                weights,
                 aggregated=(means[i], None if objective_means is None else objective_means[i]),
             )
             member.event = member.run.advance(answers)
@@ -217,28 +230,31 @@ def _traffic_dict(member: _Member) -> dict[str, dict[str, object]]:
     return {category: c.as_dict() for category, c in counts.items()}
 
 
-def _run_chunk(members: Sequence[BatchRun]) -> list[AlgorithmResult]:
-    return run_batch(members)
+def _run_chunk(members: Sequence[BatchRun], data: Mapping[int, str] | None) -> list[AlgorithmResult]:
+    return run_batch(members, ShardCache(size=len(members), data=data))
 
 
 def run_batches(
     batches: Sequence[Sequence[BatchRun]],
     workers: int | None = None,
     progress: ProgressHook | None = None,
+    data: Sequence[Mapping[int, str] | None] | None = None,
 ) -> list[list[AlgorithmResult]]:
     """Run several batches, each split over `workers` processes (default: one per core).
 
     Results come back in the order of `batches` and of their members.
     `progress(runs finished, runs in all)` is called as pieces complete.
+    `data`: for each batch of a problem on real data, the clients' data files.
     """
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
     total = sum(len(b) for b in batches)
+    files = list(data) if data is not None else [None] * len(batches)
     if workers == 1:
         results, done = [], 0
-        for batch in batches:
+        for batch, paths in zip(batches, files, strict=True):
             offset = done
             hook = None if progress is None else (lambda d, _t, offset=offset: progress(offset + d, total))
-            results.append(run_batch(batch, progress=hook))
+            results.append(run_batch(batch, ShardCache(size=len(batch), data=paths), progress=hook))
             done += len(batch)
         return results
     # Interleaved pieces balance the work: runs of neighbouring s or steps diverge alike.
@@ -249,7 +265,8 @@ def run_batches(
     done = 0
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
         futures = {
-            pool.submit(_run_chunk, list(batches[b][k :: min(workers, len(batches[b]))])): (b, k) for b, k in pieces
+            pool.submit(_run_chunk, list(batches[b][k :: min(workers, len(batches[b]))]), files[b]): (b, k)
+            for b, k in pieces
         }
         for future in as_completed(futures):
             b, k = futures[future]

@@ -211,6 +211,14 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             run_noise(out, command)
             print(f"report: {out} (noise.md, figure_noise.png; {time.perf_counter() - started:.1f} s)")
             return EXIT_OK
+        if args.which == "problems":
+            from fedsaddle.experiments.problems import ALGORITHMS, CASES, STEP_FACTORS, run_problems
+
+            total = len(CASES) * len(ALGORITHMS) * len(STEP_FACTORS)
+            rounds = args.rounds or 1000
+            run_problems(out, command, rounds, lambda done: progress.update("runs", done, total))
+            print(f"report: {out / 'problems.md'} (figure_problems.png; {time.perf_counter() - started:.1f} s)")
+            return EXIT_OK
         if args.which == "ablations":
             from fedsaddle.experiments.ablations import run_ablations, variant_count
 
@@ -232,7 +240,7 @@ def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progres
     grid = Grid(
         s_values=tuple(args.s) if args.s else default_s,
         seeds=tuple(range(args.seeds if args.seeds else (1 if grpc else 5))),
-        rounds=args.rounds,
+        rounds=args.rounds or 500,
         convention=args.convention,
         tau=args.tau,
         overrides={"init": args.init},
@@ -504,14 +512,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
         "which",
-        choices=["paper", "ablations", "noise"],
-        help="the paper's sweep, ablations of its open choices, or stochastic gradients",
+        choices=["paper", "ablations", "noise", "problems"],
+        help="the paper's sweep, ablations of its open choices, stochastic gradients, or the real problems",
     )
     p.add_argument("--seeds", type=positive_int, help="seeds per setting (default 5; 1 with --transport grpc)")
     p.add_argument(
         "--s", type=non_negative_float, nargs="+", help="values of s (default 0..15; 0 5 10 with --transport grpc)"
     )
-    p.add_argument("--rounds", type=positive_int, default=500, help="communication budget per run")
+    p.add_argument("--rounds", type=positive_int, help="communication budget per run (default 500; 1000 for problems)")
     p.add_argument("--convention", choices=["exchanges", "paper"], default="exchanges", help="what a round is")
     p.add_argument("--tau", type=positive_int, default=20, help="local steps per sync")
     p.add_argument("--init", choices=["ones", "zeros", "random"], default="ones", help="starting point z0")

@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from fedsaddle.common.problems import PaperRegressionSpec, ProblemNotFound, ProblemSpec, make_problem, parse_spec
 
@@ -206,7 +215,9 @@ class RunConfig(_Model):
         return value
 
     @model_validator(mode="after")
-    def _what_the_problem_offers(self) -> RunConfig:
+    def _what_the_problem_offers(self, info: ValidationInfo) -> RunConfig:
+        if info.context and info.context.get("problem_invalid"):
+            return self  # the problem's own errors are reported; nothing to check it against
         problem = make_problem(self.problem)
         if self.evaluate_every and not problem.metric_names:
             raise ValueError(f"evaluate_every: problem {self.problem.name} has no evaluation metrics")
@@ -278,7 +289,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
             errors += [f"  problem.{_describe(e)}" for e in exc.errors()]
             del data["problem"]
     try:
-        config = RunConfig.model_validate(data)
+        config = RunConfig.model_validate(data, context={"problem_invalid": bool(errors)})
     except ValidationError as exc:
         errors.append(describe_errors(exc))
     if errors:

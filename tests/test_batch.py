@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import CLIENT_ENV, config
 
+from fedsaddle.common.worker import ShardCache
 from fedsaddle.experiments.batch import BatchRun, run_batch, run_batches
+from fedsaddle.experiments.datasets import split
 from fedsaddle.experiments.grid import Grid, best_steps, run_grid
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
@@ -152,3 +155,23 @@ def test_paper_experiment_over_grpc_matches_the_in_process_batch(tmp_path: Path)
     for name in ("figure1_curves.png", "figure2_final_vs_s.png", "table.md"):
         assert (out / name).stat().st_size > 0
     assert "every exchange counted" in (out / "table.md").read_text()
+
+
+def test_a_batch_on_real_data_weighted_by_samples_equals_the_runs_alone(tmp_path: Path) -> None:
+    split("diabetes", 5, "label-skew", seed=1, out=tmp_path)
+    data = {i: str(tmp_path / f"client-{i:03d}.npz") for i in range(5)}
+    members = []
+    for weighting in ("samples", "uniform"):
+        for algorithm in ALGORITHMS[2:5]:
+            run = config(
+                problem={"name": "linear_regression", "num_clients": 5, "features": 10},
+                weighting=weighting,
+                rounds=31,
+                algorithms=[algorithm],
+            )
+            members.append(BatchRun(run, run.algorithms[0], reference=np.zeros(20)))
+    batched = run_batch(members, ShardCache(size=2, data=data))
+    for member, result in zip(members, batched, strict=True):
+        alone = run_algorithm(member.spec, member.config, LocalPool(data=data), reference=np.zeros(20))
+        assert same(result, alone), (member.config.weighting, member.spec.name)
+    assert batched[0].z_sha256 != batched[3].z_sha256  # the weighting matters

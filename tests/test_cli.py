@@ -109,7 +109,9 @@ def test_version_and_help_say_what_every_option_does_with_its_default() -> None:
     client = fedsaddle("client", "--help").stdout
     assert "seconds to wait for the coordinator (default: 60.0)" in " ".join(client.split())
     experiment = " ".join(fedsaddle("experiment", "--help").stdout.split())
-    assert "communication budget per run (default: 500)" in experiment
+    assert "communication budget per run (default 500; 1000 for problems)" in experiment
+    split = " ".join(fedsaddle("data", "split", "--help").stdout.split())
+    assert "Dirichlet concentration of label-skew (default: 0.5)" in split
 
 
 def test_global_flags_work_before_and_after_the_command() -> None:

@@ -15,12 +15,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from conftest import CLIENT_ENV, config, stop_processes
 from test_failures import Coordinator, write_config
 
+from fedsaddle.common.indices import parse_indices
+from fedsaddle.experiments.datasets import split
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 
@@ -105,11 +108,14 @@ def network() -> Iterator[Network]:
     assert net.tag not in leftovers
 
 
-def start_host_clients(net: Network) -> list[subprocess.Popen[bytes]]:
+def start_host_clients(net: Network, data: dict[int, str] | None = None) -> list[subprocess.Popen[bytes]]:
+    """A client process on each host; with `data`, each is given its own clients' files only."""
     processes = []
     for host, indices in CLIENTS.items():
         command = [*net.run_in(host), sys.executable, "-m", "fedsaddle", "--quiet", "client"]
         command += ["--coordinator", f"{COORDINATOR}:{PORT}", "--clients", indices, "--name", host]
+        for index in parse_indices(indices) if data else ():
+            command += ["--data", data[index]]
         processes.append(subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return processes
 
@@ -117,27 +123,34 @@ def start_host_clients(net: Network) -> list[subprocess.Popen[bytes]]:
 PROBLEM = {"name": "paper_regression", "num_clients": 4, "dim": 10, "s": 5.0}
 
 
-def test_clients_on_three_hosts_match_the_loopback_run(network: Network, tmp_path: Path) -> None:
+def test_clients_on_three_hosts_with_their_own_data_match_the_in_process_run(network: Network, tmp_path: Path) -> None:
+    # Each host holds only its own clients' files (a copy in its own folder): real, private data.
+    split("diabetes", 4, "label-skew", seed=0, out=tmp_path / "dataset")
+    data: dict[int, str] = {}
+    for host, indices in CLIENTS.items():
+        (tmp_path / host).mkdir()
+        for index in parse_indices(indices):
+            data[index] = str(shutil.copy(tmp_path / "dataset" / f"client-{index:03d}.npz", tmp_path / host))
+    problem = {"name": "linear_regression", "num_clients": 4, "features": 10, "lam": 0.1}
     algorithms = [
-        {"name": "fedavg_s", "gamma_local": 0.02},
-        {"name": "scaffold_s", "gamma_local": 0.02},
-        {"name": "scaffold_catalyst_s", "gamma_local": 0.02},
+        {"name": "fedavg_s", "gamma_local": 0.05},
+        {"name": "scaffold_s", "gamma_local": 0.05},
+        {"name": "scaffold_catalyst_s", "gamma_local": 0.05},
     ]
-    path = write_config(
-        tmp_path / "run.yaml", problem=PROBLEM, algorithms=algorithms, rounds=41, output={"plot": False}
-    )
+    fields: dict[str, Any] = dict(problem=problem, algorithms=algorithms, rounds=41, weighting="samples")
+    path = write_config(tmp_path / "run.yaml", output={"plot": False}, **fields)
     coordinator = Coordinator(path, tmp_path / "runs", f"{COORDINATOR}:{PORT}", network.run_in("coordinator"))
     coordinator.wait_for(r"listening on", 30)
-    code, log, codes = coordinator.finish_with(start_host_clients(network), timeout=120)
+    code, log, codes = coordinator.finish_with(start_host_clients(network, data), timeout=120)
     assert code == 0, log
     assert codes == [0, 0, 0]
     for host in CLIENTS:  # each client came from its own host's address
         assert re.search(rf"\({host} at ipv4:{SUBNET}\.\d+:\d+\) joined", log), log
     (run_dir,) = list((tmp_path / "runs").iterdir())
     summary = yaml.safe_load((run_dir / "summary.json").read_text())
-    run = config(problem=PROBLEM, algorithms=algorithms, rounds=41)
+    run = config(**fields)
     for spec, remote in zip(run.algorithms, summary["algorithms"], strict=True):
-        local = run_algorithm(spec, run, LocalPool())
+        local = run_algorithm(spec, run, LocalPool(data=data))
         assert remote["z_sha256"] == local.z_sha256
         for key in ("rounds", "messages_down", "messages_up", "floats_down", "floats_up"):
             assert remote["traffic"]["algorithm"][key] == local.traffic["algorithm"][key]

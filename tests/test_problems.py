@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from fedsaddle.common.problems import (
     PaperRegressionSpec,
+    ProblemNotFound,
     QuadraticGameSpec,
+    make_problem,
     make_shards,
+    parse_spec,
     solution,
 )
+from fedsaddle.common.problems.registry import registered
 
 SPECS = [
     PaperRegressionSpec(num_clients=4, dim=3, lam=0.1, s=2.0),
@@ -68,3 +74,61 @@ def test_a_clients_shard_does_not_depend_on_its_process_mates(spec: PaperRegress
 def test_out_of_range_client_index_is_refused() -> None:
     with pytest.raises(ValueError, match=r"client indices \[4\] are outside \[0, 4\)"):
         make_shards(SPECS[0], seed=0, indices=[4])
+
+
+def test_an_installed_plugin_is_found_by_its_entry_point_and_trusted_by_clients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What `pip install` of a plug-in package leaves behind: a distribution with an entry point.
+    dist = tmp_path / "fedsaddle_fake-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fedsaddle-fake\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[fedsaddle.problems]\ntarget_shift = fedsaddle_target_shift:TargetShift\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert registered()["target_shift"] == "fedsaddle_target_shift:TargetShift"
+    spec = parse_spec({"name": "target_shift", "features": 3}, trusted=())  # no plugin path, nothing trusted
+    assert make_problem(spec, trusted=()).dims() == (3, 1)
+
+
+def test_a_plugin_path_loads_only_where_it_is_trusted() -> None:
+    entry = {"name": "target_shift", "plugin": "fedsaddle_target_shift:TargetShift", "features": 3}
+    assert parse_spec(entry).name == "target_shift"  # the coordinator's operator wrote the config
+    with pytest.raises(ProblemNotFound, match="which this process does not trust"):
+        parse_spec(entry, trusted=())
+    assert parse_spec(entry, trusted=["fedsaddle_target_shift:TargetShift"]).name == "target_shift"
+    with pytest.raises(ProblemNotFound, match="'os' is not a fedsaddle Problem class"):
+        parse_spec({"name": "x", "plugin": "json:os"})
+    with pytest.raises(ProblemNotFound, match="cannot import 'no_such_module'"):
+        parse_spec({"name": "x", "plugin": "no_such_module:Problem"})
+    with pytest.raises(ProblemNotFound, match="defines problem 'target_shift', not 'other'"):
+        parse_spec({**entry, "name": "other"})
+
+
+DATA_PROBLEMS = [
+    {"name": "linear_regression", "features": 4, "lam": 0.3},
+    {"name": "auc", "features": 4, "positive_rate": 0.4, "lam": 0.1},
+    {"name": "fair_logistic", "features": 4, "group_rate": 0.3, "lam": 0.1, "rho": 0.5},
+]
+
+
+@pytest.mark.parametrize("entry", DATA_PROBLEMS, ids=lambda e: e["name"])
+def test_real_problems_gradient_mappings_match_finite_differences(entry: dict[str, object], tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    rows = 30
+    np.savez(
+        tmp_path / "c.npz",
+        X=rng.standard_normal((rows, 4)),
+        y=(rng.random(rows) < 0.5).astype(float),
+        group=(rng.random(rows) < 0.3).astype(float),
+    )
+    problem = make_problem(parse_spec(entry))
+    data = problem.load(tmp_path / "c.npz")  # type: ignore[attr-defined]
+    dim_x, _ = problem.dims()
+    z = rng.standard_normal(problem.dimension)
+    numeric = np.empty_like(z)
+    for j in range(len(z)):
+        step = np.zeros_like(z)
+        step[j] = 1e-6
+        derivative = (problem.objective(data, z + step) - problem.objective(data, z - step)) / 2e-6  # type: ignore[attr-defined]
+        numeric[j] = derivative if j < dim_x else -derivative  # G = (grad_x f, -grad_y f)
+    np.testing.assert_allclose(problem.gradient(data, z), numeric, rtol=1e-6, atol=1e-7)  # type: ignore[attr-defined]

@@ -98,9 +98,12 @@ class AucMaximization(DataProblem):
         w = np.ones(len(datas)) if weights is None else np.asarray(weights, dtype=float)
 
         def mean_gradient(z: Array) -> Array:
-            return sum(wi * self.gradient(d, z) for wi, d in zip(w, datas, strict=True)) / w.sum()
+            total: Array = np.zeros(self.dimension)
+            for wi, data in zip(w, datas, strict=True):
+                total += wi * self.gradient(data, z)
+            return total / float(w.sum())
 
         n = self.dimension
         at_zero = mean_gradient(np.zeros(n))
         matrix = np.column_stack([mean_gradient(np.eye(n)[j]) - at_zero for j in range(n)])
-        return np.linalg.solve(matrix, -at_zero)
+        return np.asarray(np.linalg.solve(matrix, -at_zero), dtype=np.float64)

@@ -104,6 +104,6 @@ class FairLogistic(DataProblem):
             jacobian[d, d] += self.spec.rho
             step = np.linalg.solve(jacobian, gradient)
             z = z - step
-            if np.linalg.norm(step) <= 1e-15 * max(1.0, np.linalg.norm(z)):
+            if float(np.linalg.norm(step)) <= 1e-15 * max(1.0, float(np.linalg.norm(z))):
                 break
         return z
