@@ -1,17 +1,28 @@
-"""The client runtime: dial the coordinator, open a Session stream, answer its tasks until goodbye."""
+"""The client runtime: dial the coordinator, open a Session stream, answer its tasks until goodbye.
+
+A coordinator that is not up yet, restarts, or loses the link is waited for: the
+client reconnects with exponential backoff and jitter, for up to
+`connect_timeout_s` after it last had a session. Faults that retrying cannot fix
+end the client within seconds, with the cause in its own words: an unknown host,
+a TLS handshake that fails (a TLS client on a plaintext port, an untrusted
+certificate, a wrong server name), a plaintext client on a TLS port, and refused
+credentials or indices.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import random
 import signal
 import socket
+import time
 from dataclasses import dataclass, field
 
 import grpc
 
-from fedsaddle.client.session import ClientError, ClientSession
+from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import wire
 from fedsaddle.common.worker import ShardCache
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
@@ -35,6 +46,52 @@ class ClientOptions:
     server_name: str | None = None  # expected name in the coordinator's certificate
     data: dict[int, str] = field(default_factory=dict)  # each hosted client's own data file
     trusted: tuple[str, ...] = ()  # plugin problems ('module:Class') this process agrees to load
+    client_certificate: bool = False  # credentials include a client certificate (mutual TLS)
+
+
+def _hung_up(options: ClientOptions) -> str:
+    """Why a coordinator would close every connection of this client at once."""
+    where = options.coordinator
+    if options.credentials is None:
+        return f"the coordinator at {where} closes every plaintext connection at once: it serves TLS (give --ca)"
+    if not options.client_certificate:
+        return (
+            f"the coordinator at {where} closes every connection at once: it requires a client certificate "
+            "(mutual TLS: give --cert and --key)"
+        )
+    return (
+        f"the coordinator at {where} closes every connection at once: it does not accept this client's "
+        "certificate (is it signed by the coordinator's client CA?)"
+    )
+
+
+class Fatal(ClientError):
+    """A fault that retrying cannot fix."""
+
+
+def diagnose(error: grpc.aio.AioRpcError, options: ClientOptions) -> tuple[bool, str]:
+    """(fatal, the cause in words a person can act on) for a failed session attempt."""
+    code, details = error.code(), error.details() or ""
+    where = options.coordinator
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return True, f"the coordinator at {where} refused this client's credentials: {code.name}: {details}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return True, f"the coordinator at {where} refused this client: {details}"
+    if code == grpc.StatusCode.ALREADY_EXISTS:  # the old session may not be gone yet after a restart
+        return False, f"the coordinator at {where} still holds these indices: {details}"
+    text = details.lower()
+    if "resolv" in text or "domain name not found" in text or "dns" in text:
+        return True, f"cannot find the host of {where}: {details}"
+    if "hostname verification" in text or "peer name" in text or "no match found for server name" in text:
+        return True, (
+            f"the certificate of the coordinator at {where} is not for this name (give --server-name "
+            f"with a name in its certificate): {details}"
+        )
+    if "handshake failed" in text or "certificate_verify_failed" in text or "ssl_error" in text:
+        plain = "wrong_version_number" in text
+        hint = "the coordinator does not serve TLS (drop --ca)" if plain else "is --ca the CA that signed it?"
+        return True, f"TLS handshake with the coordinator at {where} failed: {hint}: {details}"
+    return False, f"{code.name}: {details}"
 
 
 def _channel(options: ClientOptions) -> grpc.aio.Channel:
@@ -46,37 +103,76 @@ def _channel(options: ClientOptions) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(options.coordinator, options=channel_options)
 
 
+class _Lost(Exception):
+    """The session ended without a goodbye (the coordinator went away); `joined` if it had started."""
+
+    def __init__(self, cause: str, joined: bool) -> None:
+        super().__init__(cause)
+        self.joined = joined
+
+
+async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: ShardCache) -> None:
+    """One session, until a DONE goodbye (return), a FAILED one (RunFailed) or a lost stream (_Lost)."""
+    stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+    session = ClientSession(options.indices, shards)
+    call = stub.Session(metadata=options.metadata or None)
+    joined = False
+    try:
+        await call.write(session.hello(options.name or f"{socket.gethostname()}:{os.getpid()}"))
+        async for instruction in call:
+            joined = True
+            for message in session.handle(instruction):
+                await call.write(message)
+            if session.over:
+                await call.done_writing()
+                return
+    except grpc.aio.AioRpcError as exc:
+        fatal, cause = diagnose(exc, options)
+        if fatal:
+            raise Fatal(cause) from None
+        raise _Lost(cause, joined) from None
+    except wire.WireError as exc:
+        raise Fatal(f"malformed instruction from the coordinator: {exc}") from None
+    finally:
+        call.cancel()
+    raise _Lost(f"the coordinator at {options.coordinator} closed the session without a goodbye", joined)
+
+
 async def run_client(options: ClientOptions) -> None:
-    """Serve one session; returns after a DONE goodbye, raises ClientError otherwise."""
+    """Serve sessions until the run is over: returns after a DONE goodbye, raises ClientError otherwise."""
+    shards = ShardCache(size=2, data=options.data, trusted=options.trusted)
+    delay, closed_at_once = 0.1, 0
+    deadline = time.monotonic() + options.connect_timeout_s
     async with _channel(options) as channel:
-        try:
-            await asyncio.wait_for(channel.channel_ready(), options.connect_timeout_s)
-        except TimeoutError:
-            raise ClientError(
-                f"cannot reach the coordinator at {options.coordinator} within {options.connect_timeout_s:g} s"
-            ) from None
-        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-        session = ClientSession(options.indices, ShardCache(size=2, data=options.data, trusted=options.trusted))
-        call = stub.Session(metadata=options.metadata or None)
-        try:
-            await call.write(session.hello(options.name or f"{socket.gethostname()}:{os.getpid()}"))
-            async for instruction in call:
-                for message in session.handle(instruction):
-                    await call.write(message)
-                if session.over:
-                    await call.done_writing()
-                    return
-        except grpc.aio.AioRpcError as exc:
-            raise ClientError(f"session with {options.coordinator} ended: {exc.code().name}: {exc.details()}") from None
-        except wire.WireError as exc:
-            raise ClientError(f"malformed instruction from the coordinator: {exc}") from None
-        finally:
-            call.cancel()
-        raise ClientError(f"the coordinator at {options.coordinator} closed the session without a goodbye")
+        while True:
+            try:
+                await _session(channel, options, shards)
+                return
+            except RunFailed:
+                raise
+            except _Lost as lost:
+                if lost.joined:  # a session was up: the link dropped or the coordinator went away
+                    delay, closed_at_once = 0.1, 0
+                    deadline = time.monotonic() + options.connect_timeout_s
+                    log.warning(
+                        "lost the coordinator (%s); reconnecting for up to %g s", lost, options.connect_timeout_s
+                    )
+                elif "socket closed" in str(lost).lower():
+                    closed_at_once += 1
+                    if closed_at_once >= 3:  # it hangs up on every handshake: a TLS mismatch
+                        raise Fatal(_hung_up(options)) from None
+                if time.monotonic() >= deadline:
+                    raise ClientError(
+                        f"cannot reach the coordinator at {options.coordinator} within "
+                        f"{options.connect_timeout_s:g} s: {lost}"
+                    ) from None
+                log.debug("coordinator not reachable (%s); retrying in %.2f s", lost, delay)
+                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(5.0, delay * 2) * random.uniform(0.8, 1.2)  # exponential backoff with jitter
 
 
 def serve(options: ClientOptions) -> None:
-    """Run the session; SIGTERM ends it cleanly (the stream closes, the coordinator is told)."""
+    """Run the client; SIGTERM ends it cleanly (the stream closes, the coordinator is told)."""
 
     async def session() -> None:
         task = asyncio.current_task()

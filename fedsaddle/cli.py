@@ -173,6 +173,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         server_name=args.server_name,
         data=_data_paths(args.data, hosted),
         trusted=tuple(args.problem or ()),
+        client_certificate=bool(args.cert),
     )
     try:
         serve(options)

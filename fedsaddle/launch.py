@@ -113,6 +113,7 @@ def coordinator_pool(config: RunConfig, listen: str | None = None) -> GrpcPool:
         listen or transport.listen,
         chunk_bytes=transport.chunk_bytes,
         round_timeout_s=transport.round_timeout_s,
+        rejoin_timeout_s=transport.rejoin_timeout_s,
         server_credentials=server_credentials(transport.tls) if transport.tls else None,
         authenticator=Authenticator.from_file(transport.credentials) if transport.credentials else None,
     )

@@ -164,6 +164,12 @@ class TransportSpec(_Model):
     listen: str = Field("127.0.0.1:50051", description="HOST:PORT the coordinator listens on")
     join_timeout_s: float = Field(120.0, gt=0, description="wait this long for all clients to join")
     round_timeout_s: float = Field(60.0, gt=0, description="fail a round whose answers take longer")
+    rejoin_timeout_s: float = Field(
+        0.0,
+        ge=0,
+        description="wait this long for a lost client to come back (same indices and credentials) before "
+        "failing the run; 0 fails at once",
+    )
     chunk_bytes: int = Field(4 << 20, ge=1 << 10, le=64 << 20, description="largest payload piece per message")
     tls: TlsSpec | None = Field(None, description="serve TLS (and mutual TLS) instead of plaintext")
     credentials: str | None = Field(

@@ -31,8 +31,10 @@ from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.server.algorithms.base import Answers
 
-Category = Literal["algorithm", "evaluation"]
-CATEGORIES: tuple[Category, ...] = ("algorithm", "evaluation")
+# algorithm: the algorithm's own exchanges (the documented formulas); evaluation: held-out metrics;
+# retransmission: what was sent again to clients that rejoined (never in the formulas).
+Category = Literal["algorithm", "evaluation", "retransmission"]
+CATEGORIES: tuple[Category, ...] = ("algorithm", "evaluation", "retransmission")
 
 
 class PoolError(RuntimeError):

@@ -110,7 +110,7 @@ def test_tokens_let_each_identity_speak_only_for_its_clients(
 def test_tls_serves_clients_that_trust_the_ca_and_refuses_plaintext(certs: Path, pools: list[GrpcPool]) -> None:
     tls = TlsSpec(cert=str(certs / "coordinator.pem"), key=str(certs / "coordinator.key"))
     pool = make_pool(pools, server_credentials=server_credentials(tls))
-    assert "cannot reach the coordinator" in refused(client(pool.address, "0"))  # plaintext to a TLS port
+    assert "it serves TLS (give --ca)" in refused(client(pool.address, "0"))  # plaintext to a TLS port
     good = [client(pool.address, str(i), "--ca", str(certs / "ca.pem")) for i in range(3)]
     run_and_compare(pool, good)
 
@@ -129,7 +129,9 @@ def test_mutual_tls_binds_client_certificates_to_indices(tmp_path: Path, certs: 
     def cert(name: str) -> list[str]:
         return [*ca, "--cert", str(certs / f"{name}.pem"), "--key", str(certs / f"{name}.key")]
 
-    assert "cannot reach the coordinator" in refused(client(pool.address, "0", *ca))  # no client certificate
+    assert "it requires a client certificate (mutual TLS: give --cert and --key)" in refused(
+        client(pool.address, "0", *ca)
+    )
     assert "PERMISSION_DENIED: identity 'site-b' may not speak for clients [0]" in refused(
         client(pool.address, "0", *cert("site-b"))
     )

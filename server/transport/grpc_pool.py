@@ -28,13 +28,13 @@ from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
-from fedsaddle.server.pool import Category, ClientPool, PoolError, RunInfo
+from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo, round_traffic
 from fedsaddle.server.transport.auth import Authenticator
 from fedsaddle.server.transport.checks import Expectation
 from fedsaddle.server.transport.refusal import printable
 from fedsaddle.server.transport.rounds import Barriers, OpenRound, RunStart
 from fedsaddle.server.transport.servicer import SERVICE, SessionService
-from fedsaddle.server.transport.sessions import Registry
+from fedsaddle.server.transport.sessions import Registry, Session
 
 log = logging.getLogger("fedsaddle.coordinator")
 T = TypeVar("T")
@@ -61,11 +61,16 @@ class GrpcPool(ClientPool):
         server_credentials: grpc.ServerCredentials | None = None,
         authenticator: Authenticator | None = None,
         hello_timeout_s: float = 10.0,
+        rejoin_timeout_s: float = 0.0,
     ) -> None:
         super().__init__()
         self.federation_size = num_clients
         self.chunk_bytes = chunk_bytes
         self.round_timeout_s = round_timeout_s
+        self.rejoin_timeout_s = rejoin_timeout_s
+        self._spec: bytes | None = None  # the current run's RunSpec, for sessions that rejoin
+        self._counts: list[int] | None = None  # the clients' sample counts in this run (weighting: samples)
+        self._resent = [0, 0, 0]  # messages, float64 entries and bytes sent again to rejoining sessions
         self.federation_id = secrets.token_hex(8)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fedsaddle-grpc", daemon=True)
@@ -95,7 +100,9 @@ class GrpcPool(ClientPool):
         welcome = pb.Welcome(
             federation_id=self.federation_id, num_clients=self.federation_size, chunk_bytes=self.chunk_bytes
         )
-        return registry, barriers, SessionService(registry, barriers, welcome, authenticator, hello_timeout_s)
+        service = SessionService(registry, barriers, welcome, authenticator, hello_timeout_s)
+        service.on_join, service.on_ready = self._on_join, self._on_ready
+        return registry, barriers, service
 
     async def _start_server(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
         server = grpc.aio.server(options=wire.grpc_options(self.chunk_bytes, server=True))
@@ -153,8 +160,9 @@ class GrpcPool(ClientPool):
         """Send the RunSpec to every session and wait until all are Ready; PoolError naming any that is not.
 
         Returns the clients' sample counts by index, when the run asked for them."""
-        sessions = self.registry.require_all(f"before run {run.run_id}")
-        barrier = RunStart(tuple(sessions), f"the start of run {run.run_id}", run_id=run.run_id)
+        self._spec, self._counts = spec, None
+        sessions = await self._present(f"before run {run.run_id}", None)
+        barrier = RunStart(list(sessions), f"the start of run {run.run_id}", self.rejoin_timeout_s, run_id=run.run_id)
         self.barriers.starting = barrier
         try:
             for session in sessions:
@@ -162,27 +170,87 @@ class GrpcPool(ClientPool):
             await barrier.wait(self.round_timeout_s)
         finally:
             self.barriers.starting = None
-        for session in sessions:
-            ready = barrier.ready[session.id]
-            if ready.error:
-                raise PoolError(f"{session.describe()} cannot serve run {run.run_id}: {printable(ready.error, 512)}")
-            if ready.dimension != run.dimension:
-                raise PoolError(
-                    f"{session.describe()} has data of dimension {ready.dimension}, "
-                    f"but run {run.run_id} expects {run.dimension}"
-                )
-        if run.weighting != "samples":
-            return None
         counts = [0] * run.num_clients
-        for session in sessions:
-            reported = list(barrier.ready[session.id].sample_counts)
-            if len(reported) != len(session.indices):
-                raise PoolError(
-                    f"{session.describe()} reported {len(reported)} sample counts for {len(session.indices)} clients"
-                )
-            for index, count in zip(session.indices, reported, strict=True):
+        for session in barrier.sessions:
+            problem = self._problem_with(session, barrier.ready[session.id], run)
+            if problem is not None:
+                raise PoolError(problem)
+            session.ready_run = run.run_id
+            for index, count in zip(session.indices, barrier.ready[session.id].sample_counts, strict=False):
                 counts[index] = count
-        return counts
+        self._counts = counts if run.weighting == "samples" else None
+        return self._counts
+
+    def _problem_with(self, session: Session, ready: pb.Ready, run: RunInfo) -> str | None:
+        """Why a session's Ready does not let the run go on, or None."""
+        if ready.error:
+            return f"{session.describe()} cannot serve run {run.run_id}: {printable(ready.error, 512)}"
+        if ready.dimension != run.dimension:
+            return (
+                f"{session.describe()} has data of dimension {ready.dimension}, "
+                f"but run {run.run_id} expects {run.dimension}"
+            )
+        reported = list(ready.sample_counts)
+        if run.weighting == "samples" and len(reported) != len(session.indices):
+            return f"{session.describe()} reported {len(reported)} sample counts for {len(session.indices)} clients"
+        if self._counts is not None:  # a rejoining session must bring the same data
+            before = [self._counts[i] for i in session.indices]
+            if reported != before:
+                return f"{session.describe()} rejoined with sample counts {reported[:8]}, had {before[:8]}"
+        return None
+
+    async def _present(self, when: str, run_id: str | None) -> list[Session]:
+        """The live sessions, all loaded for run `run_id` (if given). With rejoins allowed, first waits
+        up to the rejoin timeout for missing clients to come back; ClientLost naming them if they do not."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.rejoin_timeout_s
+        while self.rejoin_timeout_s > 0 and loop.time() < deadline:
+            loading = run_id is not None and any(s.ready_run != run_id for s in self.registry.live())
+            if not self.registry.missing() and not loading:
+                break
+            await asyncio.sleep(0.05)
+        sessions = self.registry.require_all(when)
+        unready = [s for s in sessions if run_id is not None and s.ready_run != run_id]
+        if unready:
+            raise ClientLost(f"{unready[0].describe()} rejoined {when} but did not say Ready", unready[0].indices)
+        return sessions
+
+    # -- rejoining sessions (on the loop) ----------------------------------------------------
+
+    def _resend(self, session: Session, pieces: list[bytes], clients: int = 0, floats: int = 0) -> None:
+        for piece in pieces:
+            session.send(piece)
+        self._resent[0] += clients
+        self._resent[1] += floats
+        self._resent[2] += sum(len(p) for p in pieces)
+
+    def _on_join(self, session: Session) -> None:
+        """A session joined while a run is under way: it can only be a client coming back."""
+        if self._spec is None:
+            return
+        starting = self.barriers.starting
+        if starting is not None and starting.replace(session) is not None:
+            self._resend(session, [self._spec])  # now the run's start waits on it
+        elif self.rejoin_timeout_s > 0:
+            self._resend(session, [self._spec])  # its Ready comes to _on_ready
+        log.info("%s rejoined; sent it run %s", session.describe(), self.run.run_id if self.run else "?")
+
+    def _on_ready(self, session: Session, ready: pb.Ready) -> None:
+        """A rejoining session is loaded: let it take its place in the open round, and resend the task."""
+        run = self.run
+        if run is None or ready.run_id != run.run_id:
+            return
+        problem = self._problem_with(session, ready, run)
+        round_ = self.barriers.round
+        if problem is not None:
+            if round_ is not None:
+                round_.fail(PoolError(problem))
+            log.error("%s", problem)
+            return
+        session.ready_run = run.run_id
+        if round_ is not None and round_.replace(session) is not None:
+            clients = len(round_.expected[session.id].indices)
+            self._resend(session, round_.pieces, clients, round_.floats_per_client * clients)
 
     def _exchange(self, task: Task, round_id: int, category: Category) -> list[Answer]:
         assert self.run is not None
@@ -190,25 +258,44 @@ class GrpcPool(ClientPool):
         want_objective = isinstance(task, GradientTask) and task.want_objective
         evaluation = isinstance(task, EvaluateTask)
         entries = len(task.metric_names) if isinstance(task, EvaluateTask) else self.run.dimension
-        answers, bytes_down, bytes_up = self._call(self._round(pieces, round_id, entries, want_objective, evaluation))
+        traffic = round_traffic(task, self.run.num_clients, self.run.dimension)
+        try:
+            answers, bytes_down, bytes_up = self._call(
+                self._round(pieces, round_id, entries, want_objective, evaluation, traffic.floats_down)
+            )
+        finally:
+            self._count_resent()
         counts = self.traffic[category]
         counts.bytes_down += bytes_down
         counts.bytes_up += bytes_up
         return answers
 
+    def _count_resent(self) -> None:
+        """Fold what was sent again to rejoining sessions into the retransmission counts."""
+        messages, floats, size = self._resent
+        self._resent[:] = [0, 0, 0]
+        counts = self.traffic.get("retransmission")
+        if counts is not None:
+            counts.messages_down += messages
+            counts.floats_down += floats
+            counts.bytes_down += size
+
     async def _round(
-        self, pieces: list[bytes], round_id: int, entries: int, want_objective: bool, evaluation: bool
+        self, pieces: list[bytes], round_id: int, entries: int, want_objective: bool, evaluation: bool, floats: int
     ) -> tuple[list[Answer], int, int]:
         """Send one round's task to every session and wait for all answers."""
         assert self.run is not None
-        sessions = self.registry.require_all(f"before round {round_id}")
         run_id = self.run.run_id
+        sessions = await self._present(f"before round {round_id}", run_id)
         barrier = OpenRound(
-            tuple(sessions),
+            list(sessions),
             f"round {round_id}",
+            self.rejoin_timeout_s,
             expected={
                 s.id: Expectation(run_id, round_id, s.indices, entries, want_objective, evaluation) for s in sessions
             },
+            pieces=pieces,
+            floats_per_client=floats,
         )
         self.barriers.round = barrier
         size = sum(len(p) for p in pieces)

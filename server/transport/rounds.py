@@ -2,8 +2,9 @@
 
 A round completes when every participating session has answered; answers are
 kept per session and handed back in client-index order, whatever order they
-arrived in. A session lost while a barrier waits on it fails the barrier with
-an error naming it.
+arrived in. A session lost while a barrier waits on it fails the barrier with an
+error naming it, unless rejoins are allowed: then the barrier waits up to the
+rejoin timeout for a new session with the same indices to take its place.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from fedsaddle.server.transport.sessions import Session
 class Barrier:
     """Waits for one message from each of some sessions."""
 
-    sessions: tuple[Session, ...]
+    sessions: list[Session]
     what: str  # for errors: "round 7", "the start of run r"
+    rejoin_timeout_s: float = 0.0
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    lost: dict[tuple[int, ...], tuple[float, str]] = field(default_factory=dict)  # indices -> (deadline, how)
+    renewed: float = 0.0  # when a session last rejoined: it gets a full timeout from then
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # a session was lost or replaced
 
     def waiting_on(self) -> list[Session]:
         return [s for s in self.sessions if not self._has(s)]
@@ -36,23 +41,68 @@ class Barrier:
         if not self.future.done() and not self.waiting_on():
             self.future.set_result(None)
 
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
     def lose(self, session: Session, reason: str) -> None:
-        """A session's stream ended; fail the barrier if it was still waited on."""
-        if session in self.sessions and not self._has(session) and not self.future.done():
-            self.future.set_exception(ClientLost(f"{session.describe()} {reason} during {self.what}", session.indices))
+        """A session's stream ended: fail the barrier if it was still waited on, or wait for a rejoin."""
+        if session not in self.sessions or self._has(session) or self.future.done():
+            return
+        how = f"{session.describe()} {reason} during {self.what}"
+        if self.rejoin_timeout_s > 0:
+            self.lost[session.indices] = (asyncio.get_running_loop().time() + self.rejoin_timeout_s, how)
+            self.changed.set()
+        else:
+            self.fail(ClientLost(how, session.indices))
+
+    def replace(self, new: Session) -> Session | None:
+        """A rejoining session takes the place of the lost one with its indices; the old one, if it did."""
+        if new.indices not in self.lost:
+            return None
+        old = next(s for s in self.sessions if s.indices == new.indices)
+        self.sessions[self.sessions.index(old)] = new
+        del self.lost[new.indices]
+        self.renewed = asyncio.get_running_loop().time()
+        self.changed.set()
+        return old
 
     async def wait(self, timeout: float) -> None:
-        """Until complete; ClientLost naming the silent sessions after `timeout` seconds."""
-        try:
-            await asyncio.wait_for(asyncio.shield(self.future), timeout)
-        except TimeoutError:
-            silent = self.waiting_on()
-            names = "; ".join(s.describe() for s in silent[:5])
-            more = f" and {len(silent) - 5} more sessions" if len(silent) > 5 else ""
-            raise ClientLost(
-                f"{self.what}: no answer within {timeout:g} s from {names}{more}",
-                tuple(i for s in silent for i in s.indices),
-            ) from None
+        """Until complete; ClientLost naming the silent sessions after `timeout` seconds, or naming a
+        lost client that did not rejoin in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            rejoins = [d for d, _ in self.lost.values()]
+            # A rejoin in progress may outlast the round's timeout; a rejoined session gets a full one.
+            until = max([deadline, self.renewed + timeout if self.renewed else 0.0, *rejoins])
+            nearest = min([until, *rejoins])
+            self.changed.clear()
+            changed = asyncio.ensure_future(self.changed.wait())
+            try:
+                await asyncio.wait(
+                    (self.future, changed), timeout=max(0.0, nearest - loop.time()), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                changed.cancel()
+            if self.future.done():
+                self.future.result()  # raises what failed the barrier
+                return
+            if self.changed.is_set():
+                continue  # deadlines moved: look again
+            now = loop.time()
+            gone = [(indices, how) for indices, (d, how) in self.lost.items() if d <= now]
+            if gone:
+                indices, how = gone[0]
+                raise ClientLost(f"{how}, and did not rejoin within {self.rejoin_timeout_s:g} s", indices)
+            if now >= until:
+                silent = [s for s in self.waiting_on() if s.indices not in self.lost]
+                names = "; ".join(s.describe() for s in silent[:5])
+                more = f" and {len(silent) - 5} more sessions" if len(silent) > 5 else ""
+                raise ClientLost(
+                    f"{self.what}: no answer within {timeout:g} s from {names}{more}",
+                    tuple(i for s in silent for i in s.indices),
+                )
 
 
 @dataclass(eq=False)
@@ -65,10 +115,13 @@ class RunStart(Barrier):
     def _has(self, session: Session) -> bool:
         return session.id in self.ready
 
-    def accept(self, session: Session, ready: pb.Ready) -> None:
+    def accept(self, session: Session, ready: pb.Ready) -> bool:
+        """Take a session's Ready; False if this barrier does not wait on it."""
         if session in self.sessions and ready.run_id == self.run_id and session.id not in self.ready:
             self.ready[session.id] = ready
             self._check_done()
+            return True
+        return False
 
 
 @dataclass(eq=False)
@@ -78,12 +131,20 @@ class OpenRound(Barrier):
     expected: dict[str, Expectation] = field(default_factory=dict)  # by session id
     answers: dict[str, Answer] = field(default_factory=dict)
     bytes_up: int = 0
+    pieces: list[bytes] = field(default_factory=list)  # the serialized task, to send a rejoining session
+    floats_per_client: int = 0  # float64 entries the task carries (for counting what is sent again)
 
     def _has(self, session: Session) -> bool:
         return session.id in self.answers
 
     def expectation(self, session: Session) -> Expectation | None:
         return self.expected.get(session.id)
+
+    def replace(self, new: Session) -> Session | None:
+        old = super().replace(new)
+        if old is not None:
+            self.expected[new.id] = self.expected.pop(old.id)
+        return old
 
     def accept(self, session: Session, answer: Answer, size: int) -> None:
         self.answers[session.id] = answer

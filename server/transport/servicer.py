@@ -71,6 +71,7 @@ class SessionService:
         self.hello_timeout_s = hello_timeout_s
         self.max_queued_bytes = max_queued_bytes
         self.on_join: Callable[[Session], None] | None = None  # e.g. send a rejoining session the current run
+        self.on_ready: Callable[[Session, pb.Ready], None] | None = None  # a Ready outside a run's start
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         session = grpc.stream_stream_rpc_method_handler(
@@ -156,8 +157,8 @@ class SessionService:
                     raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{what} ({received.size} bytes)")
                 if kind == "ready":
                     starting = self.barriers.starting
-                    if starting is not None:
-                        starting.accept(session, message.ready)
+                    if (starting is None or not starting.accept(session, message.ready)) and self.on_ready:
+                        self.on_ready(session, message.ready)
                 elif kind == "answer":
                     if pending is not None:
                         self._reject(session, pending[0].round_id, checks.INVALID, "a new Answer before the chunks")

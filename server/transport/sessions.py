@@ -38,6 +38,7 @@ class Session:
     max_queued_bytes: int = 1 << 62
     alive: bool = True
     closing: bool = False  # told goodbye: its end is expected
+    ready_run: str | None = None  # the run this session's clients are loaded for (it said Ready)
 
     def describe(self) -> str:
         who = f"client {self.indices[0]}" if len(self.indices) == 1 else f"clients {some(self.indices)}"

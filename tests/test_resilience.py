@@ -1,0 +1,215 @@
+"""What real federations do, with real processes and signals: clients crash and rejoin, coordinators
+start late, and faults that retrying cannot fix end a client at once, saying why."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import CLIENT_ENV, config, stop_processes
+from formulas import expected_traffic
+from test_failures import Coordinator, write_config
+
+from fedsaddle.launch import client_command
+from fedsaddle.server.driver import run_algorithm
+from fedsaddle.server.local_pool import LocalPool
+
+PROBLEM = {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 2.0}
+
+
+def client(address: str, index: int, *extra: str, timeout: float = 30) -> subprocess.Popen[str]:
+    command = client_command(address, str(index), "--connect-timeout", str(timeout), *extra, quiet=False)
+    return subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def summary_of(out: Path) -> dict[str, Any]:
+    (run_dir,) = out.iterdir()
+    return json.loads((run_dir / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_a_killed_client_that_restarts_rejoins_and_the_run_ends_bit_identical(tmp_path: Path) -> None:
+    algorithm = {"name": "scaffold_catalyst_s", "gamma_local": 0.02}
+    fields: dict[str, Any] = dict(problem=PROBLEM, algorithms=[algorithm], rounds=3001, gradient_noise=0.1)
+    path = write_config(tmp_path / "run.yaml", transport={"rejoin_timeout_s": 30}, output={"plot": False}, **fields)
+    coordinator = Coordinator(path, tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = [client(address, i) for i in range(3)]
+    try:
+        coordinator.wait_for(r"round\s+\d+/3001", 60)
+        clients[1].send_signal(signal.SIGKILL)
+        clients[1].wait()
+        coordinator.wait_for(r"client 1 \(.*\) disconnected", 30)
+        clients.append(client(address, 1))  # the same indices, restarted
+        coordinator.wait_for(r"client 1 \(.*\) rejoined", 30)
+        code, log = coordinator.finish(timeout=120)
+    finally:
+        codes = stop_processes(clients)  # type: ignore[arg-type]
+    assert code == 0, log
+    assert codes[0] == codes[2] == codes[3] == 0 and codes[1] == -signal.SIGKILL
+    (remote,) = summary_of(tmp_path / "runs")["algorithms"]
+    run = config(**fields)
+    local = run_algorithm(run.algorithms[0], run, LocalPool())
+    assert remote["z_sha256"] == local.z_sha256  # as if nothing had happened
+    counts = remote["traffic"]["algorithm"]
+    expected = expected_traffic(run, "scaffold_catalyst_s")
+    assert {k: counts[k] for k in expected} == expected  # the documented formula still holds exactly
+    resent = remote["traffic"]["retransmission"]
+    assert resent["bytes_down"] > 0  # the RunSpec, and the open round's task if one was open
+    assert resent["messages_down"] in (0, 1)
+
+
+def test_a_client_that_does_not_come_back_fails_the_run_after_the_rejoin_timeout(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path / "run.yaml",
+        problem=PROBLEM,
+        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
+        rounds=1_000_000,
+        transport={"rejoin_timeout_s": 2},
+        output={"plot": False},
+    )
+    coordinator = Coordinator(path, tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = [client(address, i) for i in range(3)]
+    try:
+        coordinator.wait_for(r"round\s+\d+/1000000", 60)
+        killed_at = time.monotonic()
+        clients[2].send_signal(signal.SIGKILL)
+        code, log = coordinator.finish(timeout=60)
+        waited = time.monotonic() - killed_at
+    finally:
+        codes = stop_processes(clients)  # type: ignore[arg-type]
+    assert code == 1
+    assert re.search(r"client 2 \(.*\) disconnected (during|before) round \d+.* did not rejoin within 2 s", log), log
+    assert 2 <= waited < 20
+    assert codes[0] == codes[1] == 1  # told that the run failed
+
+
+def test_clients_started_before_the_coordinator_wait_for_it(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a free port, for a coordinator that starts a moment later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    clients = [client(address, i) for i in range(3)]
+    time.sleep(1.5)  # the clients are retrying
+    path = write_config(
+        tmp_path / "run.yaml", problem=PROBLEM, algorithms=[{"name": "fedavg_s", "gamma_local": 0.02}], rounds=20
+    )
+    coordinator = Coordinator(path, tmp_path / "runs", listen=address)
+    code, log, codes = coordinator.finish_with(clients, timeout=60)  # type: ignore[arg-type]
+    assert code == 0, log
+    assert codes == [0, 0, 0]
+
+
+def fails_fast(args: list[str], cause: str, limit: float = 10) -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "client", "--clients", "0", "--connect-timeout", "60", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=CLIENT_ENV,
+    )
+    assert done.returncode == 1, done.stderr
+    assert cause in done.stderr, done.stderr
+    assert time.monotonic() - started < limit  # not the 60 s connect timeout
+
+
+@pytest.fixture(scope="module")
+def tls_coordinator(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    certs = tmp_path_factory.mktemp("certs")
+    subprocess.run(["bash", "scripts/dev-certs.sh", str(certs), "site-a"], check=True, capture_output=True)
+    folder = tmp_path_factory.mktemp("tls")
+    path = write_config(
+        folder / "run.yaml",
+        problem=PROBLEM,
+        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
+        rounds=5,
+        transport={
+            "tls": {"cert": str(certs / "coordinator.pem"), "key": str(certs / "coordinator.key")},
+            "join_timeout_s": 60,
+        },
+    )
+    coordinator = Coordinator(path, folder / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    yield address, certs
+    coordinator.process.send_signal(signal.SIGTERM)
+    coordinator.finish(timeout=30)
+
+
+def test_faults_that_retrying_cannot_fix_end_the_client_at_once_saying_why(tls_coordinator: Any) -> None:
+    address, certs = tls_coordinator
+    port = address.rsplit(":", 1)[1]
+    ca = ["--ca", str(certs / "ca.pem")]
+    fails_fast(["--coordinator", f"no-such-host.invalid:{port}"], "cannot find the host of no-such-host.invalid")
+    fails_fast(["--coordinator", address], "closes every plaintext connection at once: it serves TLS (give --ca)")
+    fails_fast(
+        ["--coordinator", address, *ca, "--server-name", "other.example.org"],
+        "is not for this name (give --server-name",
+    )
+    plain = Coordinator(
+        write_config(
+            Path(certs) / "plain.yaml",
+            problem=PROBLEM,
+            algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
+            rounds=5,
+            transport={"join_timeout_s": 60},
+        ),
+        Path(certs) / "runs",
+    )
+    plain_address = plain.wait_for(r"listening on (\S+);", 30).group(1)
+    try:
+        fails_fast(["--coordinator", plain_address, *ca], "the coordinator does not serve TLS (drop --ca)")
+        fails_fast(["--coordinator", plain_address, "--clients", "7"], "client indices [7] are outside [0, 3)")
+    finally:
+        plain.process.send_signal(signal.SIGTERM)
+        plain.finish(timeout=30)
+
+
+def test_a_session_lost_mid_round_is_replaced_and_sent_the_task_again() -> None:
+    import threading
+
+    import grpc
+    import numpy as np
+    from test_bad_answers import HandClient
+
+    from fedsaddle.proto import fedsaddle_pb2 as pb
+    from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+    run = config(problem={**PROBLEM, "num_clients": 2}, algorithms=[{"name": "minibatch_md", "gamma": 0.1}])
+    with GrpcPool(2, "127.0.0.1:0", rejoin_timeout_s=10) as pool, grpc.insecure_channel(pool.address) as channel:
+        steady, leaving = HandClient(channel, [0]), HandClient(channel, [1])
+        steady.welcome(), leaving.welcome()
+        pool.wait_for_clients(10)
+        outcome: dict[str, Any] = {}
+        runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
+        runner.start()
+        task = steady.next_task()
+        assert leaving.next_task().round_id == task.round_id == 1
+        steady.send(pb.ClientMessage(answer=steady.good(task)))
+        leaving.close()  # gone without answering round 1
+        with grpc.insecure_channel(pool.address) as second:
+            back = HandClient(second, [1])  # the same index, a new session
+            back.welcome()
+            again = back.next_task()  # after its Ready, the open round's task, again
+            assert again.round_id == 1 and again.payload == task.payload
+            back.send(pb.ClientMessage(answer=back.good(again)))
+            for _ in range(run.rounds - 1):  # the rest of the run, answered by both
+                for hand in (steady, back):
+                    hand.send(pb.ClientMessage(answer=hand.good(hand.next_task())))
+            runner.join(timeout=30)
+            back.close()
+        steady.close()
+    local = run_algorithm(run.algorithms[0], run, LocalPool())
+    assert outcome["r"].z_sha256 == local.z_sha256
+    resent = outcome["r"].traffic["retransmission"]
+    assert resent["messages_down"] == 1 and resent["floats_down"] == np.size(local.final_z)
+    assert outcome["r"].traffic["algorithm"]["messages_down"] == 2 * run.rounds
