@@ -140,22 +140,63 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return _run(config, pool, {"kind": "in-process"}, reference)
 
 
-def cmd_coordinator(args: argparse.Namespace) -> int:
+def _serving(config: RunConfig, listen: str | None) -> Any:
+    """The coordinator's pool, once every client has joined."""
     from fedsaddle.launch import coordinator_pool
 
-    config = _config(args)
-    pool = coordinator_pool(config)
+    pool = coordinator_pool(config, listen)
     try:
-        _stop_on_sigterm()
         print(
             f"coordinator listening on {pool.address}; waiting for {config.problem.num_clients} clients",
             file=sys.stderr,
             flush=True,
         )
         pool.wait_for_clients(config.transport.join_timeout_s)
+    except BaseException:
+        pool.close()
+        raise
+    return pool
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    _stop_on_sigterm()
+    if args.resume:
+        return _resume(args)
+    if not args.config:
+        raise UsageError("coordinator needs --config (or --resume RUN_DIR)")
+    config = _config(args)
+    pool = _serving(config, None)
+    try:
         return _run(config, pool, {"kind": "grpc", "address": pool.address})
     finally:
         pool.close()
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from fedsaddle.progress import Progress
+    from fedsaddle.server.checkpoint import CheckpointError
+    from fedsaddle.server.coordinator import resume_run
+    from fedsaddle.server.report import table
+
+    if args.config:
+        raise UsageError("--resume takes the config from the run directory; leave out --config")
+    progress = Progress()
+    addresses: list[str] = []
+
+    def pool_for(config: RunConfig) -> Any:
+        pool = _serving(config, args.listen)
+        addresses.append(pool.address)
+        return pool
+
+    try:
+        outcome = resume_run(Path(args.resume), pool_for, {"kind": "grpc", "resumed": True}, progress.rounds)
+    except CheckpointError as exc:
+        raise UsageError(f"cannot resume: {exc}") from None
+    finally:
+        progress.close()
+    print(table(outcome.results))
+    print(f"run directory: {outcome.run_dir} (resumed)")
+    return _exit_code(outcome)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -486,8 +527,13 @@ def build_parser() -> argparse.ArgumentParser:
     with_data(p, "each client's")
 
     p = command("coordinator", "serve a config to client processes over gRPC", cmd_coordinator)
-    with_config(p, required=True)
+    with_config(p, required=False)
     p.add_argument("--listen", type=address(True), help="HOST:PORT to listen on (overrides transport.listen)")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="go on with a run that was stopped, from its last checkpoint (the config is the run directory's)",
+    )
 
     p = command("client", "host clients' data and run their local steps", cmd_client)
     p.add_argument("--coordinator", required=True, type=address(False), help="HOST:PORT of the coordinator")

@@ -180,6 +180,9 @@ class TransportSpec(_Model):
 class OutputSpec(_Model):
     dir: str = Field("runs", description="run directories are created below this folder")
     plot: bool = True
+    checkpoint_every: int = Field(
+        0, ge=0, description="write checkpoint.npz every this many rounds, to resume a killed coordinator (0: never)"
+    )
 
 
 class RunConfig(_Model):

@@ -1,20 +1,31 @@
-"""The coordinator's job: run every algorithm of a config on a pool, write the outputs, say how it ended.
+"""The coordinator's job: run every algorithm of a config on a pool, keep its outputs, say how it ended.
 
-The command line decides what an ending means for the exit code (fedsaddle/cli.py);
-nothing here exits or prints.
+The run directory is written as the run goes: config.json first, a line of
+metrics.jsonl per step (flushed), checkpoint.npz every `output.checkpoint_every`
+rounds, and summary.json with distance.png at the end, however the run ends. A
+run directory with a checkpoint can be resumed (`resume_run`). The command line
+decides what an ending means for the exit code (fedsaddle/cli.py); nothing here
+exits or prints.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fedsaddle.common.numeric import Array
-from fedsaddle.server.config import RunConfig
-from fedsaddle.server.driver import AlgorithmResult, ProgressHook, RunStopped, run_algorithm
+from fedsaddle.server import checkpoint
+from fedsaddle.server.algorithms import build
+from fedsaddle.server.config import RunConfig, load_config
+from fedsaddle.server.driver import AlgorithmResult, ProgressHook, Resume, Run, RunStopped, StepDone, run_algorithm
 from fedsaddle.server.pool import ClientPool, PoolError
-from fedsaddle.server.report import make_run_dir, write_outputs
+from fedsaddle.server.report import make_run_dir, write_summary
+
+log = logging.getLogger("fedsaddle.coordinator")
 
 
 class Stopped(Exception):
@@ -36,6 +47,37 @@ class Outcome:
         return self.cause is not None and not isinstance(self.cause, PoolError | Stopped | KeyboardInterrupt)
 
 
+class _Recorder:
+    """Streams metrics.jsonl and writes checkpoints, step by step."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, metrics: IO[str], lines: int) -> None:
+        self.config, self.run_dir, self.metrics, self.lines = config, run_dir, metrics, lines
+        self.digest = checkpoint.config_digest(config)
+        self.finished: list[AlgorithmResult] = []
+        self.index = 0
+        self.last_checkpoint = -1
+
+    def on_step(self, run: Run, step: StepDone, pool: ClientPool) -> None:
+        self.metrics.write(json.dumps({"algorithm": run.name, **run.records[-1]}) + "\n")
+        self.metrics.flush()
+        self.lines += 1
+        every = self.config.output.checkpoint_every
+        rounds = pool.traffic["algorithm"].rounds
+        if every and run.status == "ok" and (self.last_checkpoint < 0 or rounds - self.last_checkpoint >= every):
+            self.last_checkpoint = rounds
+            resume = Resume(
+                run_id=pool.run.run_id if pool.run else "",
+                at=step,
+                round_id=pool.round_id,
+                traffic={category: counts.as_dict() for category, counts in pool.traffic.items()},
+                records=[],
+                elapsed_s=time.perf_counter() - run.started,
+            )
+            checkpoint.write(
+                self.run_dir, checkpoint.Checkpoint(self.digest, self.index, resume, self.lines, list(self.finished))
+            )
+
+
 def run_config(
     config: RunConfig,
     pool: ClientPool,
@@ -43,22 +85,94 @@ def run_config(
     progress: ProgressHook | None = None,
     reference: Array | None = None,
 ) -> Outcome:
-    """Run the config's algorithms one after another; outputs are written however the run ends.
+    """Run the config's algorithms one after another; outputs are kept however the run ends.
 
     `reference`: a known z* to measure against (see run_algorithm)."""
-    outcome = Outcome([], make_run_dir(config))
+    run_dir = make_run_dir(config)
+    (run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
+    return _run(config, pool, transport, run_dir, 0, [], None, progress, reference)
+
+
+def resume_run(
+    run_dir: Path, pool_for: Any, transport: dict[str, Any], progress: ProgressHook | None = None
+) -> Outcome:
+    """Go on with a checkpointed run in `run_dir` on the pool `pool_for(config)` makes.
+
+    CheckpointError if it cannot be resumed; then nothing in run_dir has changed.
+    """
+    config = load_config(run_dir / "config.json")
+    if (run_dir / "summary.json").exists():
+        raise checkpoint.CheckpointError(f"{run_dir} holds a finished run (summary.json is written)")
+    state_types = [build(spec, config.sync).state_type for spec in config.algorithms]
+    saved = checkpoint.read(run_dir, config, state_types)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    if len(lines) < saved.metrics_lines:
+        raise checkpoint.CheckpointError(
+            f"{run_dir / 'metrics.jsonl'} has {len(lines)} lines, "
+            f"fewer than the {saved.metrics_lines} its checkpoint covers"
+        )
+    kept = lines[: saved.metrics_lines]
+    records: dict[str, list[dict[str, Any]]] = {}
+    for line in kept:
+        entry = json.loads(line)
+        records.setdefault(entry.pop("algorithm"), []).append(entry)
+    for result in saved.finished:
+        result.records = records.get(result.name, [])
+    current = config.algorithms[saved.algorithm_index].display_name
+    resume = saved.resume
+    resume = Resume(
+        resume.run_id, resume.at, resume.round_id, resume.traffic, records.get(current, []), resume.elapsed_s
+    )
+    (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))  # the steps after it run again
+    log.info(
+        "resuming %s from its checkpoint: %s at step %d, round %d",
+        run_dir,
+        current,
+        resume.at.steps,
+        resume.round_id,
+    )
+    pool = pool_for(config)
     try:
-        for spec in config.algorithms:
-            outcome.results.append(run_algorithm(spec, config, pool, progress=progress, reference=reference))
-    except RunStopped as stop:
-        outcome.results.append(stop.result)
-        outcome.cause = stop.cause
-        if isinstance(stop.cause, Stopped):
-            outcome.failure = "stopped by SIGTERM"
-        elif isinstance(stop.cause, KeyboardInterrupt):
-            outcome.failure = "interrupted"
-        else:
-            outcome.failure = str(stop.cause)
-            pool.failure = outcome.failure
-    write_outputs(outcome.run_dir, config, outcome.results, {**transport, "failure": outcome.failure})
+        return _run(config, pool, transport, run_dir, saved.algorithm_index, saved.finished, resume, progress, None)
+    finally:
+        pool.close()
+
+
+def _run(
+    config: RunConfig,
+    pool: ClientPool,
+    transport: dict[str, Any],
+    run_dir: Path,
+    first: int,
+    finished: list[AlgorithmResult],
+    resume: Resume | None,
+    progress: ProgressHook | None,
+    reference: Array | None,
+) -> Outcome:
+    outcome = Outcome(list(finished), run_dir)
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        recorder = _Recorder(config, run_dir, metrics, sum(len(r.records) for r in finished))
+        recorder.lines += len(resume.records) if resume else 0
+        recorder.finished = list(finished)
+        try:
+            for index in range(first, len(config.algorithms)):
+                recorder.index = index
+                spec = config.algorithms[index]
+                start = resume if index == first else None
+                result = run_algorithm(
+                    spec, config, pool, progress=progress, reference=reference, resume=start, on_step=recorder.on_step
+                )
+                outcome.results.append(result)
+                recorder.finished.append(result)
+        except RunStopped as stop:
+            outcome.results.append(stop.result)
+            outcome.cause = stop.cause
+            if isinstance(stop.cause, Stopped):
+                outcome.failure = "stopped by SIGTERM"
+            elif isinstance(stop.cause, KeyboardInterrupt):
+                outcome.failure = "interrupted"
+            else:
+                outcome.failure = str(stop.cause)
+                pool.failure = outcome.failure
+    write_summary(run_dir, config, outcome.results, {**transport, "failure": outcome.failure})
     return outcome

@@ -43,16 +43,22 @@ Event = Task | StepDone
 
 
 def run_loop(
-    algorithm: Algorithm[Any], z0: Array, seed: int, budget: int, convention: str
+    algorithm: Algorithm[Any], z0: Array, seed: int, budget: int, convention: str, start: StepDone | None = None
 ) -> Generator[Event, Any, None]:
-    """Init, then one step at a time while the next step fits the budget (counted by `convention`)."""
+    """Init, then one step at a time while the next step fits the budget (counted by `convention`).
+
+    `start`: go on from a step boundary reached before (a resumed run), instead of init.
+    """
     paper = convention == "paper"
-    exchanges, paper_rounds = algorithm.init_cost()
-    if (paper_rounds if paper else exchanges) > budget:
-        return
-    state = yield from algorithm.init(z0, seed)
-    yield StepDone(0, state, StepCost(exchanges, paper_rounds))
-    steps = 0
+    if start is None:
+        exchanges, paper_rounds = algorithm.init_cost()
+        if (paper_rounds if paper else exchanges) > budget:
+            return
+        state = yield from algorithm.init(z0, seed)
+        yield StepDone(0, state, StepCost(exchanges, paper_rounds))
+        steps = 0
+    else:
+        steps, state, (exchanges, paper_rounds) = start
     while True:
         cost = algorithm.step_cost(state)
         if (paper_rounds + cost.paper if paper else exchanges + cost.exchanges) > budget:
@@ -116,6 +122,18 @@ def distances(z: Array, z_star: Array, dim_x: int) -> tuple[Array, Array]:
         return row_norms(z[:, :dim_x] - z_star[:, :dim_x]), row_norms(z - z_star)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a checkpointed run left off: enough to go on with the same bits."""
+
+    run_id: str
+    at: StepDone  # the step boundary of the checkpoint (state, steps, spent)
+    round_id: int  # the pool's round counter (noise streams are named by it)
+    traffic: dict[str, dict[str, Any]]  # the pool's counters
+    records: list[dict[str, float | int]]  # this run's records up to the checkpoint
+    elapsed_s: float
+
+
 class Run:
     """One run of one algorithm: its loop, and what it records and reports.
 
@@ -124,14 +142,21 @@ class Run:
     """
 
     def __init__(
-        self, name: str, spec: dict[str, Any], algorithm: Algorithm[Any], z0: Array, config: RunConfig
+        self,
+        name: str,
+        spec: dict[str, Any],
+        algorithm: Algorithm[Any],
+        z0: Array,
+        config: RunConfig,
+        resume: Resume | None = None,
     ) -> None:
         self.name, self.spec, self.algorithm = name, spec, algorithm
-        self.loop = run_loop(algorithm, z0, config.seed, config.rounds, config.round_convention)
-        self.started = time.perf_counter()
-        self.records: list[dict[str, float | int]] = []
-        self.state: Any = None
-        self.final_z = z0
+        start = None if resume is None else resume.at
+        self.loop = run_loop(algorithm, z0, config.seed, config.rounds, config.round_convention, start)
+        self.started = time.perf_counter() - (resume.elapsed_s if resume else 0.0)
+        self.records: list[dict[str, float | int]] = list(resume.records) if resume else []
+        self.state: Any = None if resume is None else resume.at.state
+        self.final_z = z0 if resume is None else algorithm.iterate(resume.at.state)
         self.status, self.detail = "ok", ""
         self.finished = False
 
@@ -200,6 +225,7 @@ class Run:
 # -- driving one run over a pool ------------------------------------------------------------
 
 ProgressHook = Callable[[str, int, int, float], None]
+StepHook = Callable[["Run", StepDone, ClientPool], None]
 
 
 class RunStopped(Exception):
@@ -223,10 +249,10 @@ def initial_point(config: RunConfig) -> Array:
     return seeding.rng(config.seed, seeding.INIT).standard_normal(dim)
 
 
-def make_run(spec: AlgorithmSpec, config: RunConfig) -> Run:
+def make_run(spec: AlgorithmSpec, config: RunConfig, resume: Resume | None = None) -> Run:
     dim_x, _ = make_problem(config.problem).dims()
     algorithm = build(spec, config.sync, dim_x=dim_x)
-    return Run(spec.display_name, spec.model_dump(mode="json"), algorithm, initial_point(config), config)
+    return Run(spec.display_name, spec.model_dump(mode="json"), algorithm, initial_point(config), config, resume)
 
 
 def run_info(config: RunConfig, run_id: str) -> RunInfo:
@@ -240,6 +266,8 @@ def run_algorithm(
     run_id: str | None = None,
     progress: ProgressHook | None = None,
     reference: Array | None = None,
+    resume: Resume | None = None,
+    on_step: StepHook | None = None,
 ) -> AlgorithmResult:
     """Run one algorithm on a pool until its next step would exceed the round budget.
 
@@ -247,15 +275,21 @@ def run_algorithm(
     problem's, or `reference` (e.g. a centralized solution computed from all the
     data, where that is allowed). With `config.evaluate_every`, they also carry
     the problem's metrics on the clients' held-out data (evaluation traffic).
+    `on_step(run, step, pool)` sees every step's finished record (to stream it,
+    to checkpoint); `resume` goes on from a checkpoint.
     """
-    run = make_run(spec, config)
+    run = make_run(spec, config, resume)
     problem = make_problem(config.problem)
     z_star = reference if reference is not None else solution(config.problem, config.seed)
     dim_x, _ = problem.dims()
     paper = config.round_convention == "paper"
     stopped_by: BaseException | None = None
     try:
-        pool.start_run(run_info(config, run_id or f"{run.name}-{uuid.uuid4().hex[:8]}"))
+        if resume is None:
+            pool.start_run(run_info(config, run_id or f"{run.name}-{uuid.uuid4().hex[:8]}"))
+        else:
+            pool.start_run(run_info(config, resume.run_id))
+            pool.restore(resume.round_id, resume.traffic)
         event = run.advance(None)
         while event is not None:
             if isinstance(event, StepDone):
@@ -265,11 +299,14 @@ def run_algorithm(
                 if z_star is not None:
                     xs, zs = distances(iterate[None], z_star[None], dim_x)
                     dist_x, dist_z = float(xs[0]), float(zs[0])
-                if not run.record(event, rounds, dist_x, dist_z):
-                    break
-                if config.evaluate_every and event.steps % config.evaluate_every == 0:
+                going = run.record(event, rounds, dist_x, dist_z)
+                if going and config.evaluate_every and event.steps % config.evaluate_every == 0:
                     evaluated = pool.exchange(EvaluateTask(iterate, problem.metric_names), "evaluation")
                     run.records[-1].update(zip(problem.metric_names, evaluated.mean().tolist(), strict=True))
+                if on_step is not None:
+                    on_step(run, event, pool)
+                if not going:
+                    break
                 if progress is not None and event.steps > 0:
                     spent = event.spent.paper if paper else rounds
                     progress(run.name, spent, config.rounds, float("nan") if dist_z is None else dist_z)

@@ -204,6 +204,13 @@ class ClientPool(abc.ABC):
         # Metrics are weighted by the clients' held-out rows; everything else by the run's rule.
         return Answers(vectors, objective, counts if evaluation else self.weights)
 
+    def restore(self, round_id: int, traffic: dict[str, dict[str, object]]) -> None:
+        """Go on from a checkpoint: the round counter and the counts as they were."""
+        self.round_id = round_id
+        for category, counts in traffic.items():
+            if category in self.traffic:
+                self.traffic[category] = TrafficCounts(self.traffic[category].num_clients, **counts)  # type: ignore[arg-type]
+
     def gradients(self, z: Array, *, exact: bool = False, category: Category = "algorithm") -> Answers:
         """One round of G_i(z) from every client (a convenience over `exchange`)."""
         return self.exchange(GradientTask(z, exact=exact), category)

@@ -28,14 +28,10 @@ def make_run_dir(config: RunConfig) -> Path:
     raise RuntimeError(f"could not create a run directory below {base}")
 
 
-def write_outputs(
+def write_summary(
     run_dir: Path, config: RunConfig, results: Sequence[AlgorithmResult], transport: dict[str, Any]
 ) -> None:
-    (run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
-    with open(run_dir / "metrics.jsonl", "w") as out:
-        for result in results:
-            for entry in result.records:
-                out.write(json.dumps({"algorithm": result.name, **entry}) + "\n")
+    """summary.json and the plot, once the run has ended (config.json and metrics.jsonl are written as it goes)."""
     summary = {
         "name": config.name,
         "transport": transport,

@@ -114,6 +114,7 @@ def start_host_clients(net: Network, data: dict[int, str] | None = None) -> list
     for host, indices in CLIENTS.items():
         command = [*net.run_in(host), sys.executable, "-m", "fedsaddle", "--quiet", "client"]
         command += ["--coordinator", f"{COORDINATOR}:{PORT}", "--clients", indices, "--name", host]
+        command += ["--connect-timeout", "5"]  # a cut-off client retries this long before it gives up
         for index in parse_indices(indices) if data else ():
             command += ["--data", data[index]]
         processes.append(subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -174,7 +175,7 @@ def test_a_cut_link_fails_the_run_naming_the_client_and_nothing_stays_running(ne
         cut_at = time.monotonic()
         code, log = coordinator.finish(timeout=60)
         detected = time.monotonic() - cut_at
-        # the cut client cannot hear the goodbye: it must give up by itself (keepalive)
+        # the cut client cannot hear the goodbye: it must give up by itself (keepalive, then reconnects)
         deadline = time.monotonic() + 60
         while clients[1].poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)

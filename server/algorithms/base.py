@@ -113,6 +113,7 @@ class Algorithm(abc.ABC, Generic[State]):
     """One of the paper's algorithms, as generators of exchanges over an explicit state."""
 
     name: str
+    state_type: type  # the NamedTuple of its state (to read one back from a file)
 
     @abc.abstractmethod
     def init(self, z0: Array, seed: int) -> Exchanges[State]:

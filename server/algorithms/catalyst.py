@@ -131,6 +131,7 @@ class CatalystState(NamedTuple):
 
 class ScaffoldCatalystS(Algorithm[CatalystState]):
     name = "scaffold_catalyst_s"
+    state_type = CatalystState
 
     def __init__(
         self,

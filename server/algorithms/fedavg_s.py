@@ -36,6 +36,7 @@ class FedAvgState(NamedTuple):
 
 class FedAvgS(Algorithm[FedAvgState]):
     name = "fedavg_s"
+    state_type = FedAvgState
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ class MDState(NamedTuple):
 
 class MinibatchMirrorDescent(Algorithm[MDState]):
     name = "minibatch_md"
+    state_type = MDState
 
     def __init__(self, gamma: float, minibatch: int = 1) -> None:
         self.gamma = positive("gamma", gamma)

@@ -29,6 +29,7 @@ class MirrorProxState(NamedTuple):
 
 class MirrorProx(Algorithm[MirrorProxState]):
     name = "mirror_prox"
+    state_type = MirrorProxState
 
     def __init__(self, gamma: float, minibatch: int = 1) -> None:
         self.gamma = positive("gamma", gamma)

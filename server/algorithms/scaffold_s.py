@@ -44,6 +44,7 @@ class ScaffoldState(NamedTuple):
 
 class ScaffoldS(Algorithm[ScaffoldState]):
     name = "scaffold_s"
+    state_type = ScaffoldState
 
     def __init__(
         self, gamma_local: float, gamma_global: float | None = None, schedule: SyncSchedule | None = None

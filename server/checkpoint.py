@@ -1,0 +1,147 @@
+"""Checkpoints: a coordinator that is killed resumes with the same bits.
+
+Every `output.checkpoint_every` rounds the coordinator writes `checkpoint.npz`
+into the run directory: the running algorithm's state (its synchronization clock
+included), where its run loop stands, the pool's round counter and traffic
+counts, how many lines of metrics.jsonl are covered, and the results of the
+algorithms already finished. The write is atomic: a temporary file, fsync,
+rename, fsync of the folder; a coordinator killed while writing leaves the
+previous checkpoint intact.
+
+`fedsaddle coordinator --resume RUN_DIR` checks the checkpoint against the run
+directory's config before touching anything, trims metrics.jsonl to the lines
+the checkpoint covers (the steps after it are run again), and goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedsaddle.server.algorithms.base import StepCost, _build, _flatten
+from fedsaddle.server.config import RunConfig
+from fedsaddle.server.driver import AlgorithmResult, Resume, StepDone
+
+FORMAT = 1
+NAME = "checkpoint.npz"
+
+# A test aid: seconds to sleep between writing the temporary file and renaming it,
+# so that a test can kill the coordinator in the middle of a checkpoint.
+_PAUSE = float(os.environ.get("FEDSADDLE_TEST_CHECKPOINT_PAUSE", "0") or 0)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message says why. Nothing was changed."""
+
+
+def config_digest(config: RunConfig) -> str:
+    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()
+
+
+@dataclass
+class Checkpoint:
+    """What a resumed coordinator needs."""
+
+    config_sha256: str
+    algorithm_index: int  # which of config.algorithms was running
+    resume: Resume  # where it stood
+    metrics_lines: int  # lines of metrics.jsonl written up to the checkpoint
+    finished: list[AlgorithmResult]  # the algorithms already done (their records come from metrics.jsonl)
+
+
+def write(run_dir: Path, checkpoint: Checkpoint) -> None:
+    """Write the checkpoint atomically (the previous one stays until the new one is complete)."""
+    resume = checkpoint.resume
+    arrays, scalars = _flatten(resume.at.state)
+    meta = {
+        "format": FORMAT,
+        "config_sha256": checkpoint.config_sha256,
+        "algorithm_index": checkpoint.algorithm_index,
+        "run_id": resume.run_id,
+        "steps": resume.at.steps,
+        "spent": list(resume.at.spent),
+        "round_id": resume.round_id,
+        "traffic": resume.traffic,
+        "elapsed_s": resume.elapsed_s,
+        "metrics_lines": checkpoint.metrics_lines,
+        "state_type": type(resume.at.state).__name__,
+        "state": scalars,
+        "finished": [r.summary() for r in checkpoint.finished],
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    files = {f"state/{k}": v for k, v in arrays.items()}
+    files.update({f"finished/{i}": r.final_z for i, r in enumerate(checkpoint.finished)})
+    temporary = run_dir / (NAME + ".tmp")
+    with open(temporary, "wb") as out:
+        np.savez(out, __meta__=np.array(json.dumps(meta)), **files)  # type: ignore[arg-type]
+        out.flush()
+        os.fsync(out.fileno())
+    if _PAUSE:
+        print(f"writing checkpoint at round {resume.round_id}", file=sys.stderr, flush=True)
+        time.sleep(_PAUSE)
+    os.replace(temporary, run_dir / NAME)
+    folder = os.open(run_dir, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def read(run_dir: Path, config: RunConfig, state_types: list[type]) -> Checkpoint:
+    """The run directory's checkpoint, checked against its config; CheckpointError if it cannot be used.
+
+    `state_types`: the state class of each of config.algorithms, in order.
+    """
+    path = run_dir / NAME
+    if not path.exists():
+        raise CheckpointError(
+            f"{run_dir} has no {NAME}: the run wrote none before it stopped (see output.checkpoint_every)"
+        )
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            meta = json.loads(str(archive["__meta__"]))
+            arrays = {name: archive[name].copy() for name in archive.files if name != "__meta__"}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is damaged or truncated ({exc}); it cannot be resumed from") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {meta.get('format')!r}; this fedsaddle reads format {FORMAT}")
+    if meta["config_sha256"] != config_digest(config):
+        raise CheckpointError(f"{path} belongs to another config than {run_dir / 'config.json'}")
+    index = int(meta["algorithm_index"])
+    if not 0 <= index < len(config.algorithms) or meta["state_type"] != state_types[index].__name__:
+        raise CheckpointError(
+            f"{path} holds a {meta['state_type']} for algorithm {index}, which this config does not run"
+        )
+    state_arrays = {k.removeprefix("state/"): v for k, v in arrays.items() if k.startswith("state/")}
+    try:
+        state = _build(state_types[index], meta["state"], state_arrays)
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: the algorithm state is incomplete ({exc})") from None
+    finished = []
+    for i, summary in enumerate(meta["finished"]):
+        finished.append(
+            AlgorithmResult(
+                name=summary["name"],
+                spec=summary["spec"],
+                status=summary["status"],
+                records=[],
+                final_z=arrays[f"finished/{i}"],
+                dist_x=summary["dist_x"],
+                dist_z=summary["dist_z"],
+                traffic=summary["traffic"],
+                wall_s=summary["wall_s"],
+                detail=summary["detail"],
+                extra={k: summary[k] for k in ("meta_iterations", "syncs", "steps", "theta") if k in summary},
+            )
+        )
+    at = StepDone(int(meta["steps"]), state, StepCost(*meta["spent"]))
+    resume = Resume(meta["run_id"], at, int(meta["round_id"]), meta["traffic"], [], float(meta["elapsed_s"]))
+    return Checkpoint(meta["config_sha256"], index, resume, int(meta["metrics_lines"]), finished)

@@ -1,0 +1,199 @@
+"""A coordinator killed mid-run resumes from its checkpoint, and the run ends as if nothing had happened.
+
+Real processes and SIGKILL: the coordinator is killed at several points (between
+checkpoints, in the second algorithm, in the middle of writing a checkpoint), a
+new one resumes the run directory on the same address, and the clients, which
+were never restarted, reconnect by themselves. The final iterates, every count
+and metrics.jsonl (no line missing, none twice) equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import CLIENT_ENV, stop_processes
+from test_failures import Coordinator, write_config
+
+from fedsaddle.launch import client_command
+
+ROUNDS = 401
+CONFIG: dict[str, Any] = {
+    "name": "resumed",
+    "problem": {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 3.0},
+    "algorithms": [
+        {"name": "fedavg_s", "gamma_local": 0.02},
+        {"name": "scaffold_catalyst_s", "gamma_local": 0.02, "stop": {"rule": "objective", "rtol": 1e-2}},
+    ],
+    "rounds": ROUNDS,
+    "sync": {"kind": "random", "p": 0.2},
+    "gradient_noise": 0.05,
+    "output": {"plot": False, "checkpoint_every": 25},
+}
+
+
+def free_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def without_time(path: Path) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for line in lines:
+        line.pop("time_s")
+    return lines
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    path = write_config(folder / "run.yaml", **CONFIG)
+    done = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path), "--out", str(folder / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CLIENT_ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (folder / "runs").iterdir()
+    return json.loads((run_dir / "summary.json").read_text()), without_time(run_dir / "metrics.jsonl")
+
+
+def killed_and_resumed(
+    tmp_path: Path, kill_when: str, env: dict[str, str] | None = None
+) -> tuple[Path, int, str, list[int]]:
+    """Start a federation, SIGKILL the coordinator once `kill_when` shows in its log, resume it."""
+    address = free_address()
+    path = write_config(tmp_path / "run.yaml", **CONFIG)
+    first = Coordinator(path, tmp_path / "runs", listen=address, env=env)
+    clients = [
+        subprocess.Popen(
+            client_command(address, str(i), "--connect-timeout", "60"),
+            env=CLIENT_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(3)
+    ]
+    try:
+        first.wait_for(kill_when, 120)
+        first.process.send_signal(signal.SIGKILL)
+        first.finish(timeout=30)
+        (run_dir,) = (tmp_path / "runs").iterdir()
+        resumed = subprocess.Popen(
+            [sys.executable, "-m", "fedsaddle", "coordinator", "--resume", str(run_dir), "--listen", address],
+            env=CLIENT_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _, log = resumed.communicate(timeout=300)
+    finally:
+        codes = stop_processes(clients)
+    return run_dir, resumed.returncode, log, codes
+
+
+def assert_same_as_uninterrupted(run_dir: Path, expected: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
+    summary, lines = expected
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    for a, b in zip(summary["algorithms"], resumed["algorithms"], strict=True):
+        assert a["name"] == b["name"] and a["status"] == b["status"] == "ok"
+        assert a["z_sha256"] == b["z_sha256"]
+        logical = ("rounds", "messages_down", "messages_up", "floats_down", "floats_up")
+        assert {k: a["traffic"]["algorithm"][k] for k in logical} == {k: b["traffic"]["algorithm"][k] for k in logical}
+        assert (
+            a["meta_iterations" if "meta_iterations" in a else "syncs"]
+            == b["meta_iterations" if "meta_iterations" in b else "syncs"]
+        )
+    assert without_time(run_dir / "metrics.jsonl") == lines  # none missing, none twice
+
+
+def test_a_coordinator_killed_between_checkpoints_resumes_bit_identical(
+    tmp_path: Path, uninterrupted: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    run_dir, code, log, codes = killed_and_resumed(tmp_path, r"fedavg_s\s+round\s+2\d\d/401")
+    assert code == 0, log
+    assert re.search(r"resuming .* from its checkpoint: fedavg_s at step \d+, round \d+", log), log
+    assert codes == [0, 0, 0]  # never restarted: they reconnected to the new coordinator
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def test_a_coordinator_killed_in_the_second_algorithm_keeps_the_first(
+    tmp_path: Path, uninterrupted: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    run_dir, code, log, codes = killed_and_resumed(tmp_path, r"scaffold_catalyst_s\s+round\s+1\d\d/401")
+    assert code == 0, log
+    assert codes == [0, 0, 0]
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def test_a_coordinator_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
+    tmp_path: Path, uninterrupted: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    slow = {**CLIENT_ENV, "FEDSADDLE_TEST_CHECKPOINT_PAUSE": "1"}
+    # The second checkpoint write: the first is complete, the second only a temporary file.
+    run_dir, code, log, codes = killed_and_resumed(tmp_path, r"writing checkpoint at round [1-9]\d", env=slow)
+    assert code == 0, log
+    assert codes == [0, 0, 0]
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def digest(folder: Path) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(folder.iterdir()))).hexdigest()
+
+
+def test_a_damaged_or_mismatched_checkpoint_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    address = free_address()
+    path = write_config(tmp_path / "run.yaml", **{**CONFIG, "rounds": 1_000_000})
+    coordinator = Coordinator(path, tmp_path / "runs", listen=address)
+    clients = [
+        subprocess.Popen(
+            client_command(address, str(i)), env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for i in range(3)
+    ]
+    try:
+        coordinator.wait_for(r"fedavg_s\s+round", 60)
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the first checkpoint comes after 25 rounds
+        coordinator.process.send_signal(signal.SIGKILL)
+        coordinator.finish(timeout=30)
+    finally:
+        stop_processes(clients)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+
+    def refused(expected: str) -> None:
+        before = digest(run_dir)
+        done = subprocess.run(
+            [sys.executable, "-m", "fedsaddle", "coordinator", "--resume", str(run_dir), "--listen", address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=CLIENT_ENV,
+        )
+        assert done.returncode == 2, done.stderr
+        assert expected in done.stderr, done.stderr
+        assert digest(run_dir) == before  # nothing was touched
+
+    good = (run_dir / "checkpoint.npz").read_bytes()
+    (run_dir / "checkpoint.npz").write_bytes(good[: len(good) // 2])
+    refused("is damaged or truncated")
+    (run_dir / "checkpoint.npz").write_bytes(good)
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, "seed": 1}))
+    refused("belongs to another config")
+    (run_dir / "config.json").write_text(json.dumps(config))
+    (run_dir / "checkpoint.npz").unlink()
+    refused("has no checkpoint.npz")
