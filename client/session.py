@@ -119,5 +119,9 @@ class ClientSession:
         if self.worker is None:
             raise ClientError(f"task for run {message.run_id!r}, which this process could not start")
         task = wire.decode_task(message, payload, int(self.run.dimension))
-        answer = self.worker.execute(task, message.round_id)
+        # Only the clients the task names take part, when it names some (a sampled round).
+        clients = tuple(message.client_indices) or None
+        if clients is not None and not set(clients) <= set(self.indices):
+            raise ClientError(f"the task names clients {list(clients)[:8]}, not all hosted here")
+        answer = self.worker.execute(task, message.round_id, clients)
         return wire.encode_answer(message.run_id, message.round_id, answer, self.chunk_bytes)

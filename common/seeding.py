@@ -15,6 +15,7 @@ NOISE = 3  # stochastic gradient noise, per client and round
 SYNC = 4  # the coordinator's synchronization intervals
 SOLUTION = 5  # a problem's planted solution
 INIT = 6  # a random starting point
+SAMPLING = 7  # the coordinator's choice of the clients that take part in a round
 SHARED = 2**32 - 1  # "client index" of data shared by all clients
 
 

@@ -66,7 +66,12 @@ class Worker:
         selected.noise_scale = self.noise_scale
         return selected
 
-    def execute(self, task: Task, round_id: int) -> Answer:
+    def execute(self, task: Task, round_id: int, clients: tuple[int, ...] | None = None) -> Answer:
+        """The answer of the hosted clients, or of `clients` among them (those taking part in the round).
+
+        Every hosted client computes (a client's result depends only on its own
+        data and streams); only the answering ones' results are checked and kept.
+        """
         if isinstance(task, EvaluateTask):
             return self._evaluate(task)
         with np.errstate(over="ignore", invalid="ignore"):
@@ -77,12 +82,17 @@ class Worker:
         vectors = vectors.T  # columns (D, k[, B]) -> rows ([B,] k, D)
         if objective is not None:
             objective = objective.T
+        indices = self.indices
+        if clients is not None and not self.batched:
+            rows = [indices.index(i) for i in clients]
+            indices, vectors = tuple(clients), vectors[rows]
+            objective = None if objective is None else objective[rows]
         if self.batched:
-            return Answer(self.indices, vectors, objective)
+            return Answer(indices, vectors, objective)
         finite = bool(np.isfinite(vectors).all()) and (objective is None or bool(np.isfinite(objective).all()))
         if not finite:
-            return Answer(self.indices, np.empty((len(self.indices), 0)), None, diverged=True)
-        return Answer(self.indices, vectors, objective)
+            return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
+        return Answer(indices, vectors, objective)
 
     def _evaluate(self, task: EvaluateTask) -> Answer:
         evaluate = getattr(self.shards, "evaluate", None)

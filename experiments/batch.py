@@ -38,7 +38,7 @@ from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.server.algorithms.base import Answers, aggregate
 from fedsaddle.server.config import AlgorithmSpec, RunConfig
 from fedsaddle.server.driver import AlgorithmResult, Run, StepDone, distances, make_run
-from fedsaddle.server.pool import RoundTraffic, fresh_traffic, round_traffic
+from fedsaddle.server.pool import RoundTraffic, fresh_traffic, round_traffic, sample_clients
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
         finite &= np.isfinite(objective).all(axis=1)
     bad = [not v for v in map(bool, finite.ravel())]
     n, dimension = vectors.shape[1], vectors.shape[2]
-    traffic = round_traffic(tasks[0], n, dimension)
+    everyone = round_traffic(tasks[0], n, dimension)
     with np.errstate(over="ignore", invalid="ignore"):
         # Every run's aggregate at once: the same rule, per run, as Answers.mean() alone.
         weights = first.weights  # one for the whole group (the groups are made so)
@@ -208,18 +208,36 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
         for i, b in enumerate(rows):
             member = runs[b]
             member.rounds += 1
+            config = member.config
+            sampled = sample_clients(config.seed, config.participation.fraction, n, member.rounds)
+            traffic = everyone if sampled is None else round_traffic(tasks[0], n, dimension, sampled, sampled)
             member.traffic[traffic] += 1
+            if sampled is not None:  # as alone: only the drawn clients' results count
+                drawn = list(sampled)
+                bad[i] = not (
+                    np.isfinite(vectors[i][drawn]).all()
+                    and (objective is None or np.isfinite(objective[i][drawn]).all())
+                )
             if bad[i]:
                 # As a run alone: the round is counted, then the run stops as diverged.
                 member.run.stop("diverged", f"round {member.rounds}: non-finite values from the clients")
                 member.event = None
                 continue
-            answers = Answers(
-                vectors[i],
-                None if objective is None else objective[i],
-                weights,
-                aggregated=(means[i], None if objective_means is None else objective_means[i]),
-            )
+            if sampled is None:
+                answers = Answers(
+                    vectors[i],
+                    None if objective is None else objective[i],
+                    weights,
+                    aggregated=(means[i], None if objective_means is None else objective_means[i]),
+                )
+            else:  # as a sampled run alone: only the drawn clients' rows, aggregated on their own
+                chosen = list(sampled)
+                answers = Answers(
+                    vectors[i][chosen],
+                    None if objective is None else objective[i][chosen],
+                    None if weights is None else weights[chosen],
+                    sampled,
+                )
             member.event = member.run.advance(answers)
 
 

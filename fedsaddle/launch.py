@@ -114,6 +114,8 @@ def coordinator_pool(config: RunConfig, listen: str | None = None) -> GrpcPool:
         chunk_bytes=transport.chunk_bytes,
         round_timeout_s=transport.round_timeout_s,
         rejoin_timeout_s=transport.rejoin_timeout_s,
+        straggler_deadline_s=config.participation.straggler_deadline_s,
+        min_clients=config.participation.min_clients,
         server_credentials=server_credentials(transport.tls) if transport.tls else None,
         authenticator=Authenticator.from_file(transport.credentials) if transport.credentials else None,
     )

@@ -177,6 +177,27 @@ class TransportSpec(_Model):
     )
 
 
+class ParticipationSpec(_Model):
+    """Which clients take part in a round: opt-in modes beyond the paper's full participation."""
+
+    fraction: float = Field(
+        1.0, gt=0, le=1, description="clients drawn per round from the coordinator's seed (reproducible); 1: all"
+    )
+    straggler_deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="close a round after this many seconds once min_clients have answered (gRPC only; "
+        "not reproducible bit for bit)",
+    )
+    min_clients: int | None = Field(None, ge=1, description="answers a round needs before its straggler deadline")
+
+    @model_validator(mode="after")
+    def _deadline_needs_a_quorum(self) -> ParticipationSpec:
+        if (self.straggler_deadline_s is None) != (self.min_clients is None):
+            raise ValueError("straggler_deadline_s and min_clients go together")
+        return self
+
+
 class OutputSpec(_Model):
     dir: str = Field("runs", description="run directories are created below this folder")
     plot: bool = True
@@ -207,6 +228,7 @@ class RunConfig(_Model):
         description="aggregation weights: uniform (the paper's 1/n) or by the clients' sample counts "
         "(what FedAvg users expect; clients then tell the coordinator their sample counts)",
     )
+    participation: ParticipationSpec = Field(default_factory=ParticipationSpec)
     evaluate_every: int = Field(
         0, ge=0, description="every this many steps, clients evaluate the iterate on their held-out data (0: never)"
     )
@@ -232,6 +254,9 @@ class RunConfig(_Model):
             raise ValueError(f"evaluate_every: problem {self.problem.name} has no evaluation metrics")
         if self.weighting == "samples" and problem.synthetic:
             raise ValueError(f"weighting: samples needs clients with data files; {self.problem.name} is synthetic")
+        quorum = self.participation.min_clients
+        if quorum is not None and quorum > self.problem.num_clients:
+            raise ValueError(f"participation.min_clients: {quorum} is more than the {self.problem.num_clients} clients")
         return self
 
     @model_validator(mode="after")

@@ -256,7 +256,8 @@ def make_run(spec: AlgorithmSpec, config: RunConfig, resume: Resume | None = Non
 
 
 def run_info(config: RunConfig, run_id: str) -> RunInfo:
-    return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting)
+    fraction = config.participation.fraction
+    return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction)
 
 
 def run_algorithm(

@@ -28,6 +28,8 @@ class LocalPool(ClientPool):
         counts = getattr(shards, "sample_counts", None)
         return counts() if counts is not None else None
 
-    def _exchange(self, task: Task, round_id: int, category: Category) -> list[Answer]:
+    def _exchange(
+        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
+    ) -> list[Answer]:
         assert self._worker is not None
-        return [self._worker.execute(task, round_id)]
+        return [self._worker.execute(task, round_id, participants)]

@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from fedsaddle.common import seeding
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
@@ -68,6 +69,7 @@ class RunInfo:
     seed: int  # seeds the gradient noise, and a synthetic problem's data
     gradient_noise: float = 0.0
     weighting: Literal["uniform", "samples"] = "uniform"
+    fraction: float = 1.0  # clients sampled per round (from the coordinator's seed); 1: all
 
     @cached_property
     def kind(self) -> Problem:
@@ -83,20 +85,29 @@ class RunInfo:
 
 
 class RoundTraffic(NamedTuple):
-    """One round's logical traffic: its n clients, and the float64 entries each sends and receives."""
+    """One round's logical traffic: who was sent the task and who answered, and the float64
+    entries each received and sent. `sent`/`answered` None: every client 0..n-1."""
 
     num_clients: int
     floats_down: int  # per client: the task's vectors
     floats_up: int  # per client: its answer vector, plus f_i(z) when asked
+    sent: tuple[int, ...] | None = None
+    answered: tuple[int, ...] | None = None
 
 
-def round_traffic(task: Task, num_clients: int, dimension: int) -> RoundTraffic:
+def round_traffic(
+    task: Task,
+    num_clients: int,
+    dimension: int,
+    sent: tuple[int, ...] | None = None,
+    answered: tuple[int, ...] | None = None,
+) -> RoundTraffic:
     """The traffic of one round of `task`: the single definition of what a round costs."""
     down = sum(v.shape[-1] for v in task.payload())
     if isinstance(task, EvaluateTask):
-        return RoundTraffic(num_clients, down, len(task.metric_names) + 1)  # metrics, and the held-out rows
+        return RoundTraffic(num_clients, down, len(task.metric_names) + 1, sent, answered)  # metrics, held-out rows
     up = dimension + (1 if isinstance(task, GradientTask) and task.want_objective else 0)
-    return RoundTraffic(num_clients, down, up)
+    return RoundTraffic(num_clients, down, up, sent, answered)
 
 
 @dataclass
@@ -119,15 +130,18 @@ class TrafficCounts:
         self.per_client_floats_up = self.per_client_floats_up or [0] * self.num_clients
 
     def add(self, traffic: RoundTraffic, times: int = 1) -> None:
-        """Count `times` rounds of the given traffic."""
-        n = traffic.num_clients
+        """Count `times` rounds of the given traffic: only the clients that took part."""
+        everyone = range(traffic.num_clients)
+        sent = everyone if traffic.sent is None else traffic.sent
+        answered = everyone if traffic.answered is None else traffic.answered
         self.rounds += times
-        self.messages_down += n * times
-        self.messages_up += n * times
-        self.floats_down += n * traffic.floats_down * times
-        self.floats_up += n * traffic.floats_up * times
-        for i in range(n):
+        self.messages_down += len(sent) * times
+        self.messages_up += len(answered) * times
+        self.floats_down += len(sent) * traffic.floats_down * times
+        self.floats_up += len(answered) * traffic.floats_up * times
+        for i in sent:
             self.per_client_floats_down[i] += traffic.floats_down * times
+        for i in answered:
             self.per_client_floats_up[i] += traffic.floats_up * times
 
     def as_dict(self) -> dict[str, object]:
@@ -142,6 +156,18 @@ class TrafficCounts:
             "per_client_floats_down": list(self.per_client_floats_down),
             "per_client_floats_up": list(self.per_client_floats_up),
         }
+
+
+def sample_clients(seed: int, fraction: float, num_clients: int, round_id: int) -> tuple[int, ...] | None:
+    """The clients drawn for a round when only a fraction takes part (None: all of them).
+
+    A stream of its own, named by (seed, round id): every transport draws the same clients.
+    """
+    if fraction >= 1:
+        return None
+    k = max(1, round(fraction * num_clients))
+    drawn = seeding.rng(seed, seeding.SAMPLING, round_id).choice(num_clients, k, replace=False)
+    return tuple(sorted(int(i) for i in drawn))
 
 
 def fresh_traffic(num_clients: int) -> dict[Category, TrafficCounts]:
@@ -172,37 +198,50 @@ class ClientPool(abc.ABC):
                 raise PoolError(f"client {int(np.argmin(counts))} reports no samples")
             self.weights = np.asarray(counts, dtype=np.float64)
 
+    def participants(self, round_id: int, category: Category) -> tuple[int, ...] | None:
+        """The clients that take part in a round: all (None), or a sample drawn from the run's seed."""
+        run = self._require_run()
+        return None if category != "algorithm" else sample_clients(run.seed, run.fraction, run.num_clients, round_id)
+
     def exchange(self, task: Task, category: Category = "algorithm") -> Answers:
-        """One round: send the task to every client and return their answers in client-index order.
+        """One round: send the task to the round's clients and return their answers in client-index order.
 
         The round is counted even when clients report non-finite results (then
-        Diverged is raised): it happened.
+        Diverged is raised): it happened. Under partial participation (sampling,
+        or a straggler deadline that closed the round), the answers say which
+        clients they come from.
         """
         run = self._require_run()
         self.round_id += 1
-        answers = self._exchange(task, self.round_id, category)
+        participants = self.participants(self.round_id, category)
+        answers = self._exchange(task, self.round_id, category, participants)
         n, dim = run.num_clients, run.dimension
         evaluation = isinstance(task, EvaluateTask)
         want_objective = isinstance(task, GradientTask) and task.want_objective
-        vectors = np.empty((n, len(task.metric_names) if isinstance(task, EvaluateTask) else dim))
-        objective = np.empty(n) if want_objective else None
-        counts = np.zeros(n) if evaluation else None
+        everyone = participants is None and sum(len(a.indices) for a in answers) == n
+        answered = list(range(n)) if everyone else sorted(i for a in answers for i in a.indices)
+        position = None if everyone else {index: row for row, index in enumerate(answered)}
+        vectors = np.empty((len(answered), len(task.metric_names) if isinstance(task, EvaluateTask) else dim))
+        objective = np.empty(len(answered)) if want_objective else None
+        counts = np.zeros(len(answered)) if evaluation else None
         diverged: list[int] = []
         for answer in answers:
             if answer.diverged:
                 diverged.extend(answer.indices)
                 continue
-            rows = list(answer.indices)
+            rows = list(answer.indices) if position is None else [position[i] for i in answer.indices]
             vectors[rows] = answer.vectors
             if objective is not None and answer.objective is not None:
                 objective[rows] = answer.objective
             if counts is not None and answer.counts is not None:
                 counts[rows] = answer.counts
-        self.traffic[category].add(round_traffic(task, n, dim))
+        traffic = round_traffic(task, n, dim, participants, None if everyone else tuple(answered))
+        self.traffic[category].add(traffic)
         if diverged:
             raise Diverged(self.round_id, tuple(sorted(diverged)))
         # Metrics are weighted by the clients' held-out rows; everything else by the run's rule.
-        return Answers(vectors, objective, counts if evaluation else self.weights)
+        weights = counts if evaluation else self.weights if everyone or self.weights is None else self.weights[answered]
+        return Answers(vectors, objective, weights, None if everyone else tuple(answered))
 
     def restore(self, round_id: int, traffic: dict[str, dict[str, object]]) -> None:
         """Go on from a checkpoint: the round counter and the counts as they were."""
@@ -234,5 +273,7 @@ class ClientPool(abc.ABC):
         """Tell every client about the run (they load their data); their sample counts, when asked."""
 
     @abc.abstractmethod
-    def _exchange(self, task: Task, round_id: int, category: Category) -> list[Answer]:
-        """Send the task to every client and return all answers (one per process)."""
+    def _exchange(
+        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
+    ) -> list[Answer]:
+        """Send the task to the participating clients (None: all) and return their answers (one per process)."""

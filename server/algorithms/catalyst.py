@@ -37,6 +37,9 @@ is estimated along the way by the secant monotonicity
 over one meta-iteration's syncs, from the G(z~) SCAFFOLD-S gathers anyway, and
 the next meta-iteration uses theta = c mu_hat (the first uses the configured
 theta). Metrics are taken at z~, the newest synchronized iterate.
+
+Missing clients: as SCAFFOLD-S, its inner solver (the control and both rounds
+average the clients that answered); the stop rules see that sampled G.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ of the paper's Experiments, with k_l the global local-step index (the k of the
 framework). The box sends the unweighted sum under a constant step; weighting the
 sum keeps z~ equal to the clients' average iterate when gamma_g = gamma_l, which
 is how the paper defines FedAvg-S. Cost: one round per sync.
+
+Missing clients: the server step averages the direction sums of the clients that
+answered. FedAvg-S's client drift is then joined by the sampling noise; with
+heterogeneous clients it settles further from z*.
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ With the Euclidean mirror map on an unconstrained domain the mirror step is this
 plain step. tau is deterministic, as the paper says; under random
 synchronization it is round(1/p) (see SyncSchedule.minibatch). Cost: one round
 per step.
+
+Missing clients (participation.fraction < 1, or a straggler deadline that closed
+the round): the step uses the mean over the clients that answered. Under uniform
+sampling that is an unbiased estimate of G(z) whose variance grows with the
+clients' heterogeneity, so the method behaves like its stochastic version and
+converges to a neighbourhood of z* instead of z* itself.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ extragradient method):
 
 tau is deterministic, as for Minibatch Mirror Descent. Cost: two rounds per
 step, in both conventions (the paper counts both too).
+
+Missing clients: each of the two gathers averages the clients that answered it
+(two independent samples), an unbiased but noisy G; as for Minibatch MD the
+iterates then settle in a neighbourhood of z*.
 """
 
 from __future__ import annotations

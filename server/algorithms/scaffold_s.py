@@ -20,6 +20,15 @@ broadcasts of the averaged sum and of z~^{k+1} fold into the next task.
 
 `sync` also serves SCAFFOLD-Catalyst-S as its inner solver: with theta > 0 it
 runs on the regularized G_i^theta(z) = G_i(z) + theta (z - z_bar) (catalyst.py).
+
+Missing clients: the server step averages the direction sums of the clients that
+answered the local-steps round, and the control G(z~) is the mean over those
+that answered the gradient round (each round draws its own sample). The control
+is then only an estimate of G(z~), so the correction removes client drift only
+on average: with full participation (or identical clients) SCAFFOLD-S still
+converges to z*; with sampled heterogeneous clients it settles in a
+neighbourhood whose size grows with the heterogeneity and shrinks with the
+fraction sampled.
 """
 
 from __future__ import annotations

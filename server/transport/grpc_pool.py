@@ -17,7 +17,8 @@ import contextlib
 import logging
 import secrets
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -48,6 +49,20 @@ class MissingClients(PoolError):
         self.missing = tuple(missing)
 
 
+@dataclass
+class Round:
+    """One round's task as the pool hands it to the loop."""
+
+    pieces: list[bytes]  # the serialized task, for sessions whose clients all take part
+    round_id: int
+    entries: int  # float64 entries per client in an answer
+    want_objective: bool
+    evaluation: bool
+    floats: int  # float64 entries the task carries per client
+    subset: set[int] | None  # the clients taking part (None: all)
+    pieces_for: Callable[[tuple[int, ...]], list[bytes]]  # the task for a session with only some of them
+
+
 class GrpcPool(ClientPool):
     """A ClientPool whose clients are processes connected over gRPC."""
 
@@ -62,12 +77,15 @@ class GrpcPool(ClientPool):
         authenticator: Authenticator | None = None,
         hello_timeout_s: float = 10.0,
         rejoin_timeout_s: float = 0.0,
+        straggler_deadline_s: float | None = None,
+        min_clients: int | None = None,
     ) -> None:
         super().__init__()
         self.federation_size = num_clients
         self.chunk_bytes = chunk_bytes
         self.round_timeout_s = round_timeout_s
         self.rejoin_timeout_s = rejoin_timeout_s
+        self.straggler_deadline_s, self.min_clients = straggler_deadline_s, min_clients
         self._spec: bytes | None = None  # the current run's RunSpec, for sessions that rejoin
         self._counts: list[int] | None = None  # the clients' sample counts in this run (weighting: samples)
         self._resent = [0, 0, 0]  # messages, float64 entries and bytes sent again to rejoining sessions
@@ -252,17 +270,23 @@ class GrpcPool(ClientPool):
             clients = len(round_.expected[session.id].indices)
             self._resend(session, round_.pieces, clients, round_.floats_per_client * clients)
 
-    def _exchange(self, task: Task, round_id: int, category: Category) -> list[Answer]:
+    def _exchange(
+        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
+    ) -> list[Answer]:
         assert self.run is not None
         pieces = wire.encode_task(self.run.run_id, round_id, task, self.chunk_bytes)
         want_objective = isinstance(task, GradientTask) and task.want_objective
         evaluation = isinstance(task, EvaluateTask)
         entries = len(task.metric_names) if isinstance(task, EvaluateTask) else self.run.dimension
         traffic = round_traffic(task, self.run.num_clients, self.run.dimension)
+        subset = None if participants is None else set(participants)
+
+        def pieces_for(indices: tuple[int, ...]) -> list[bytes]:  # a session with some of its clients sampled
+            return wire.encode_task(self.run.run_id, round_id, task, self.chunk_bytes, indices)  # type: ignore[union-attr]
+
+        round_ = Round(pieces, round_id, entries, want_objective, evaluation, traffic.floats_down, subset, pieces_for)
         try:
-            answers, bytes_down, bytes_up = self._call(
-                self._round(pieces, round_id, entries, want_objective, evaluation, traffic.floats_down)
-            )
+            answers, bytes_down, bytes_up = self._call(self._round(round_))
         finally:
             self._count_resent()
         counts = self.traffic[category]
@@ -280,33 +304,41 @@ class GrpcPool(ClientPool):
             counts.floats_down += floats
             counts.bytes_down += size
 
-    async def _round(
-        self, pieces: list[bytes], round_id: int, entries: int, want_objective: bool, evaluation: bool, floats: int
-    ) -> tuple[list[Answer], int, int]:
-        """Send one round's task to every session and wait for all answers."""
+    async def _round(self, round_: Round) -> tuple[list[Answer], int, int]:
+        """Send one round's task to the participating sessions and wait for their answers."""
         assert self.run is not None
-        run_id = self.run.run_id
-        sessions = await self._present(f"before round {round_id}", run_id)
+        run_id, round_id = self.run.run_id, round_.round_id
+        everyone = await self._present(f"before round {round_id}", run_id)
+        taking_part: list[tuple[Session, tuple[int, ...]]] = []
+        for session in everyone:
+            mine = session.indices if round_.subset is None else tuple(i for i in session.indices if i in round_.subset)
+            if mine:
+                taking_part.append((session, mine))
         barrier = OpenRound(
-            list(sessions),
+            [s for s, _ in taking_part],
             f"round {round_id}",
             self.rejoin_timeout_s,
             expected={
-                s.id: Expectation(run_id, round_id, s.indices, entries, want_objective, evaluation) for s in sessions
+                s.id: Expectation(run_id, round_id, mine, round_.entries, round_.want_objective, round_.evaluation)
+                for s, mine in taking_part
             },
-            pieces=pieces,
-            floats_per_client=floats,
+            pieces=round_.pieces,
+            floats_per_client=round_.floats,
+            straggler_deadline_s=self.straggler_deadline_s,
+            min_clients=self.min_clients,
         )
         self.barriers.round = barrier
-        size = sum(len(p) for p in pieces)
+        sent = 0
         try:
-            for session in sessions:
+            for session, mine in taking_part:
+                pieces = round_.pieces if mine == session.indices else round_.pieces_for(mine)
                 for piece in pieces:
                     session.send(piece)
+                    sent += len(piece)
             await barrier.wait(self.round_timeout_s)
         finally:
             self.barriers.round = None
-        return barrier.in_order(), size * len(sessions), barrier.bytes_up
+        return barrier.in_order(), sent, barrier.bytes_up
 
     def close(self) -> None:
         """Say goodbye to every client (the run finished, or failed: `failure`), then stop the server."""

@@ -133,6 +133,11 @@ class OpenRound(Barrier):
     bytes_up: int = 0
     pieces: list[bytes] = field(default_factory=list)  # the serialized task, to send a rejoining session
     floats_per_client: int = 0  # float64 entries the task carries (for counting what is sent again)
+    straggler_deadline_s: float | None = None  # close the round after this long ...
+    min_clients: int | None = None  # ... once this many clients have answered
+
+    def answered_clients(self) -> int:
+        return sum(len(self.expected[s.id].indices) for s in self.sessions if s.id in self.answers)
 
     def _has(self, session: Session) -> bool:
         return session.id in self.answers
@@ -152,7 +157,21 @@ class OpenRound(Barrier):
         self._check_done()
 
     def in_order(self) -> list[Answer]:
-        return [self.answers[s.id] for s in self.sessions]
+        """The answers in client-index order (only those in hand, if a straggler deadline closed the round)."""
+        return [self.answers[s.id] for s in self.sessions if s.id in self.answers]
+
+    async def wait(self, timeout: float) -> None:
+        if self.straggler_deadline_s is None or self.min_clients is None:
+            return await super().wait(timeout)
+        try:
+            await super().wait(min(timeout, self.straggler_deadline_s))
+            return
+        except ClientLost:
+            if self.answered_clients() >= self.min_clients:
+                return  # close with the answers in hand; later ones are stale
+            if self.straggler_deadline_s >= timeout:
+                raise
+        await super().wait(timeout - self.straggler_deadline_s)
 
 
 @dataclass
