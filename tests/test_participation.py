@@ -29,9 +29,7 @@ FIVE: list[dict[str, Any]] = [
 
 
 def sampled(algorithm: dict[str, Any], **fields: Any) -> Any:
-    return config(
-        problem=PROBLEM, algorithms=[algorithm], rounds=25, participation={"fraction": 0.5}, seed=4, **fields
-    )
+    return config(problem=PROBLEM, algorithms=[algorithm], rounds=25, participation={"fraction": 0.5}, seed=4, **fields)
 
 
 def test_the_sample_is_drawn_from_the_seed_and_the_round() -> None:
@@ -66,9 +64,7 @@ def test_a_batch_of_sampled_runs_equals_the_runs_alone() -> None:
         assert result.z_sha256 == alone.z_sha256 and result.traffic == alone.traffic
 
 
-@pytest.mark.parametrize(
-    "algorithm", [{**FIVE[2], "decay": "constant"}, FIVE[3], FIVE[4]], ids=lambda a: a["name"]
-)
+@pytest.mark.parametrize("algorithm", [{**FIVE[2], "decay": "constant"}, FIVE[3], FIVE[4]], ids=lambda a: a["name"])
 def test_sampled_runs_still_converge(algorithm: dict[str, Any]) -> None:
     homogeneous = {**PROBLEM, "heterogeneity": 0.0}
     run = config(problem=homogeneous, algorithms=[algorithm], rounds=400, participation={"fraction": 0.5})
