@@ -45,6 +45,7 @@ proto: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/round_latency.py
 	$(BIN)/python bench/paper_sweep.py
+	$(BIN)/python bench/soak.py
 
 # A development CA, a coordinator certificate and client certificates in certs/.
 certs:
