@@ -334,7 +334,10 @@ def cmd_health(args: argparse.Namespace) -> int:
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
         except grpc.RpcError as exc:
-            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            hint = ""
+            if credentials is not None and not args.cert and "socket closed" in (exc.details() or "").lower():
+                hint = " (a mutual-TLS coordinator also needs --cert and --key)"
+            print(f"{args.address}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
             return EXIT_RUN_FAILED
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(f"{args.address}: {status}")

@@ -9,6 +9,7 @@ holds gRPC objects (grpc/grpc#13873).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from fedsaddle.common.indices import parse_indices
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.pool import PoolError
 from fedsaddle.server.transport.grpc_pool import GrpcPool, MissingClients
+
+log = logging.getLogger("fedsaddle.coordinator")
 
 CLIENT_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # for tests that start processes themselves
 
@@ -106,11 +109,17 @@ def index_groups(num_clients: int, per_process: int) -> list[str]:
 def coordinator_pool(config: RunConfig, listen: str | None = None) -> GrpcPool:
     """The gRPC pool a config describes (TLS and credentials included), listening on `listen`."""
     from fedsaddle.server.transport.auth import Authenticator, server_credentials
+    from fedsaddle.server.transport.sessions import Limits
 
     transport = config.transport
+    limits = transport.limits
+    address = listen or transport.listen
+    warning = open_federation_warning(config, address)
+    if warning is not None:
+        log.warning("%s", warning)
     return GrpcPool(
         config.problem.num_clients,
-        listen or transport.listen,
+        address,
         chunk_bytes=transport.chunk_bytes,
         round_timeout_s=transport.round_timeout_s,
         rejoin_timeout_s=transport.rejoin_timeout_s,
@@ -118,7 +127,34 @@ def coordinator_pool(config: RunConfig, listen: str | None = None) -> GrpcPool:
         min_clients=config.participation.min_clients,
         server_credentials=server_credentials(transport.tls) if transport.tls else None,
         authenticator=Authenticator.from_file(transport.credentials) if transport.credentials else None,
+        limits=Limits(
+            max_connections=limits.max_connections,
+            max_streams_per_connection=limits.max_streams_per_connection,
+            max_streams_per_peer=limits.max_streams_per_peer,
+            max_pending_hellos=limits.max_pending_hellos,
+            hello_timeout_s=limits.hello_timeout_s,
+            idle_connection_s=limits.idle_connection_s,
+            max_undelivered_bytes=int(limits.max_undelivered_mib * (1 << 20)),
+        ),
+        token_listen=transport.token_listen,
+        token_credentials=server_credentials(transport.tls, client_certificates=False) if transport.tls else None,
     )
+
+
+def open_federation_warning(config: RunConfig, address: str) -> str | None:
+    """What to say when a coordinator is reachable from other hosts and lets anyone join."""
+    if config.transport.credentials is not None or _loopback(address):
+        return None
+    return (
+        f"OPEN FEDERATION: listening on {address} without credentials. Anyone who can reach this port can "
+        "join as any free client index before your clients do, and answer in their place. Give the config "
+        "transport.credentials (tokens or client certificates), or listen on a loopback address."
+    )
+
+
+def _loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def wait_for_children(

@@ -160,6 +160,20 @@ class TlsSpec(_Model):
     client_ca: str | None = Field(None, description="CA that signs client certificates; set it to require them")
 
 
+class LimitsSpec(_Model):
+    """What the coordinator grants its peers, so that no peer can exhaust it (defaults suit most federations)."""
+
+    max_connections: int = Field(512, ge=1, description="TCP connections in all")
+    max_streams_per_connection: int = Field(8, ge=2, description="concurrent calls on one connection")
+    max_streams_per_peer: int = Field(256, ge=1, description="streams from one address (NAT: many clients)")
+    max_pending_hellos: int = Field(256, ge=1, description="streams that have not said Hello yet, in all")
+    hello_timeout_s: float = Field(10.0, gt=0, description="a stream without a Hello is closed after this long")
+    idle_connection_s: float = Field(30.0, gt=0, description="a connection with no call open is closed after this")
+    max_undelivered_mib: float = Field(
+        64.0, gt=0, description="a session whose unread instructions exceed this (or 3 rounds' worth) is dropped"
+    )
+
+
 class TransportSpec(_Model):
     listen: str = Field("127.0.0.1:50051", description="HOST:PORT the coordinator listens on")
     join_timeout_s: float = Field(120.0, gt=0, description="wait this long for all clients to join")
@@ -175,6 +189,18 @@ class TransportSpec(_Model):
     credentials: str | None = Field(
         None, description="file of client identities and the indices each may speak for (see server/transport/auth.py)"
     )
+    token_listen: str | None = Field(
+        None,
+        description="a second HOST:PORT with TLS but no client certificate, for token identities when "
+        "tls.client_ca makes `listen` mutual TLS",
+    )
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+
+    @model_validator(mode="after")
+    def _token_port_needs_tls_and_tokens(self) -> TransportSpec:
+        if self.token_listen is not None and (self.tls is None or self.credentials is None):
+            raise ValueError("token_listen needs tls and credentials (it serves token identities over TLS)")
+        return self
 
 
 class ParticipationSpec(_Model):

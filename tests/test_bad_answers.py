@@ -20,6 +20,7 @@ from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientLost, RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.sessions import Limits
 
 RUN = config(
     problem={"name": "paper_regression", "num_clients": 2, "dim": 3, "s": 2.0},
@@ -205,7 +206,8 @@ def raw_stream(channel: grpc.Channel) -> Any:
 
 
 def test_bytes_that_are_not_protobuf_and_a_silent_stream_get_precise_statuses() -> None:
-    with GrpcPool(1, "127.0.0.1:0", hello_timeout_s=1.0) as pool, grpc.insecure_channel(pool.address) as channel:
+    limits = Limits(hello_timeout_s=1.0)
+    with GrpcPool(1, "127.0.0.1:0", limits=limits) as pool, grpc.insecure_channel(pool.address) as channel:
         with pytest.raises(grpc.RpcError) as error:
             list(raw_stream(channel)(iter([b"\xff\xff\xff\xff not a protobuf"])))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -83,8 +83,9 @@ def test_clients_on_their_own_files_match_the_in_process_run_bit_for_bit(
 def test_the_run_spec_of_a_real_problem_carries_no_data_and_no_seed(cancer: tuple[Path, dict[str, Any]]) -> None:
     _, summary = cancer
     config = api.load(auc_config(summary))
-    with GrpcPool(CLIENTS, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
-        hands = [HandClient(channel, [i], auto_ready=False) for i in range(CLIENTS)]
+    with GrpcPool(CLIENTS, "127.0.0.1:0") as pool:
+        channels = [grpc.insecure_channel(pool.address) for _ in range(CLIENTS)]  # a connection each, as processes
+        hands = [HandClient(channels[i], [i], auto_ready=False) for i in range(CLIENTS)]
         for hand in hands:
             hand.welcome()
         pool.wait_for_clients(10)
@@ -107,6 +108,8 @@ def test_the_run_spec_of_a_real_problem_carries_no_data_and_no_seed(cancer: tupl
         for hand in hands:
             hand.close()
         starter.join(timeout=10)
+        for channel in channels:
+            channel.close()
     assert len(failed) == 1 and "disconnected during the start of run r" in str(failed[0])
 
 

@@ -108,8 +108,10 @@ class Authenticator:
             )
 
 
-def server_credentials(tls: TlsSpec) -> grpc.ServerCredentials:
-    """TLS for the coordinator; with client_ca, clients must show a certificate it signed."""
+def server_credentials(tls: TlsSpec, client_certificates: bool = True) -> grpc.ServerCredentials:
+    """TLS for the coordinator; with client_ca (and `client_certificates`), clients must show a certificate
+    it signed. gRPC cannot ask for a certificate without requiring one, so token identities under mutual TLS
+    use a second port (transport.token_listen) with `client_certificates=False`."""
 
     def read(path: str, what: str) -> bytes:
         try:
@@ -118,7 +120,7 @@ def server_credentials(tls: TlsSpec) -> grpc.ServerCredentials:
             raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
 
     pair = [(read(tls.key, "TLS key"), read(tls.cert, "TLS certificate"))]
-    if tls.client_ca is None:
+    if tls.client_ca is None or not client_certificates:
         return grpc.ssl_server_credentials(pair)
     return grpc.ssl_server_credentials(
         pair, root_certificates=read(tls.client_ca, "client CA"), require_client_auth=True

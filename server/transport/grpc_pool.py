@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import gc
 import logging
 import secrets
 import threading
@@ -35,7 +37,7 @@ from fedsaddle.server.transport.checks import Expectation
 from fedsaddle.server.transport.refusal import printable
 from fedsaddle.server.transport.rounds import Barriers, OpenRound, RunStart
 from fedsaddle.server.transport.servicer import SERVICE, SessionService
-from fedsaddle.server.transport.sessions import Registry, Session
+from fedsaddle.server.transport.sessions import Limits, Overflow, Registry, Session
 
 log = logging.getLogger("fedsaddle.coordinator")
 T = TypeVar("T")
@@ -63,6 +65,37 @@ class Round:
     pieces_for: Callable[[tuple[int, ...]], list[bytes]]  # the task for a session with only some of them
 
 
+def keep_memory_returnable() -> None:
+    """Ask glibc to give large buffers back to the OS when they are freed.
+
+    By default glibc raises its mmap threshold after freeing a large block, so
+    later messages of megabytes land in its heaps, where any live neighbour pins
+    the pages: after a burst of large (hostile) messages the process would stay
+    at its peak. A fixed threshold keeps them in mmap, freed at once; fewer
+    arenas fragment less. Elsewhere than glibc this does nothing.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD: fixed, not adjusted upwards
+        libc.mallopt(-8, 4)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
+async def _return_freed_memory(every_s: float = 15.0) -> None:
+    """Every few seconds, free what only reference cycles still hold (an idle process rarely
+    runs the cyclic collector) and hand free heap pages back to the OS (glibc's malloc_trim)."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        trim = None
+    while True:
+        await asyncio.sleep(every_s)
+        gc.collect()
+        if trim is not None:
+            trim(0)
+
+
 class GrpcPool(ClientPool):
     """A ClientPool whose clients are processes connected over gRPC."""
 
@@ -75,16 +108,20 @@ class GrpcPool(ClientPool):
         round_timeout_s: float = 60.0,
         server_credentials: grpc.ServerCredentials | None = None,
         authenticator: Authenticator | None = None,
-        hello_timeout_s: float = 10.0,
+        limits: Limits | None = None,
         rejoin_timeout_s: float = 0.0,
         straggler_deadline_s: float | None = None,
         min_clients: int | None = None,
+        token_listen: str | None = None,
+        token_credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         super().__init__()
+        keep_memory_returnable()
         self.federation_size = num_clients
         self.chunk_bytes = chunk_bytes
         self.round_timeout_s = round_timeout_s
         self.rejoin_timeout_s = rejoin_timeout_s
+        self.limits = limits or Limits()
         self.straggler_deadline_s, self.min_clients = straggler_deadline_s, min_clients
         self._spec: bytes | None = None  # the current run's RunSpec, for sessions that rejoin
         self._counts: list[int] | None = None  # the clients' sample counts in this run (weighting: samples)
@@ -96,9 +133,10 @@ class GrpcPool(ClientPool):
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._closed = False
+        self.token_port: int | None = None  # the second port, for token identities under mutual TLS
         try:
-            self.registry, self.barriers, self.service = self._call(self._make_state(authenticator, hello_timeout_s))
-            self.port = self._call(self._start_server(listen, server_credentials))
+            self.registry, self.barriers, self.service = self._call(self._make_state(authenticator))
+            self.port = self._call(self._start_server(listen, server_credentials, token_listen, token_credentials))
         except BaseException:
             self._stop_loop()
             raise
@@ -111,34 +149,69 @@ class GrpcPool(ClientPool):
         """Run a coroutine on the server's loop and wait for its result in this thread."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
-    async def _make_state(
-        self, authenticator: Authenticator | None, hello_timeout_s: float
-    ) -> tuple[Registry, Barriers, SessionService]:
+    async def _make_state(self, authenticator: Authenticator | None) -> tuple[Registry, Barriers, SessionService]:
         registry, barriers = Registry(self.federation_size), Barriers()
         welcome = pb.Welcome(
             federation_id=self.federation_id, num_clients=self.federation_size, chunk_bytes=self.chunk_bytes
         )
-        service = SessionService(registry, barriers, welcome, authenticator, hello_timeout_s)
+        service = SessionService(registry, barriers, welcome, authenticator, self.limits)
         service.on_join, service.on_ready = self._on_join, self._on_ready
         return registry, barriers, service
 
-    async def _start_server(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
-        server = grpc.aio.server(options=wire.grpc_options(self.chunk_bytes, server=True))
+    async def _start_server(
+        self,
+        listen: str,
+        credentials: grpc.ServerCredentials | None,
+        token_listen: str | None,
+        token_credentials: grpc.ServerCredentials | None,
+    ) -> int:
+        limits = self.limits
+        options = [
+            *wire.grpc_options(self.chunk_bytes, server=True),
+            ("grpc.max_allowed_incoming_connections", limits.max_connections),
+            ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
+            ("grpc.max_connection_idle_ms", int(1000 * limits.idle_connection_s)),
+            # A connection that never completes its handshake (silent, or not HTTP/2) is closed as soon.
+            ("grpc.server_handshake_timeout_ms", int(1000 * limits.idle_connection_s)),
+            ("grpc.max_metadata_size", 16 << 10),
+        ]
+        # Calls beyond this many in all are refused with RESOURCE_EXHAUSTED by gRPC itself.
+        calls = limits.max_connections * limits.max_streams_per_connection
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=calls)
         server.add_generic_rpc_handlers((self.service.handler(),))
         # The standard health service (grpc.health.v1), for orchestrators and `fedsaddle health`.
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        port = self._bind(server, listen, credentials)
+        if token_listen is not None:
+            self.token_port = self._bind(server, token_listen, token_credentials)
+        await server.start()
+        for service in ("", SERVICE):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        self._trimmer = asyncio.ensure_future(_return_freed_memory())
+        return port
+
+    @staticmethod
+    def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
         try:
             port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
         except RuntimeError as exc:
             raise PoolError(f"cannot listen on {listen}: {exc}") from None
         if port == 0:
-            raise PoolError(f"cannot listen on {listen}")
-        await server.start()
-        for service in ("", SERVICE):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._server = server
+            raise PoolError(f"cannot listen on {listen} (is the port taken, or the address not this host's?)")
         return port
+
+    def _deliver(self, session: Session, pieces: list[bytes]) -> int:
+        """Queue instructions for a session; a session that stopped reading is dropped (and named). Bytes queued."""
+        size = 0
+        try:
+            for piece in pieces:
+                session.send(piece)
+                size += len(piece)
+        except Overflow as overflow:
+            self.service.drop(session, str(overflow))
+        return size
 
     # -- the pool ---------------------------------------------------------------------------
 
@@ -184,7 +257,7 @@ class GrpcPool(ClientPool):
         self.barriers.starting = barrier
         try:
             for session in sessions:
-                session.send(spec)
+                self._deliver(session, [spec])
             await barrier.wait(self.round_timeout_s)
         finally:
             self.barriers.starting = None
@@ -236,11 +309,9 @@ class GrpcPool(ClientPool):
     # -- rejoining sessions (on the loop) ----------------------------------------------------
 
     def _resend(self, session: Session, pieces: list[bytes], clients: int = 0, floats: int = 0) -> None:
-        for piece in pieces:
-            session.send(piece)
+        self._resent[2] += self._deliver(session, pieces)
         self._resent[0] += clients
         self._resent[1] += floats
-        self._resent[2] += sum(len(p) for p in pieces)
 
     def _on_join(self, session: Session) -> None:
         """A session joined while a run is under way: it can only be a client coming back."""
@@ -329,12 +400,12 @@ class GrpcPool(ClientPool):
         )
         self.barriers.round = barrier
         sent = 0
+        bound = max(self.limits.max_undelivered_bytes, 3 * sum(len(p) for p in round_.pieces))
         try:
             for session, mine in taking_part:
                 pieces = round_.pieces if mine == session.indices else round_.pieces_for(mine)
-                for piece in pieces:
-                    session.send(piece)
-                    sent += len(piece)
+                session.max_queued_bytes = bound  # a few rounds' worth: more means it stopped reading
+                sent += self._deliver(session, pieces)
             await barrier.wait(self.round_timeout_s)
         finally:
             self.barriers.round = None
@@ -353,6 +424,7 @@ class GrpcPool(ClientPool):
         if self._server is not None:
             with contextlib.suppress(Exception):
                 self._call(self._server.stop(grace=2.0), timeout=10)
+            self._loop.call_soon_threadsafe(self._trimmer.cancel)
         self._stop_loop()
 
     async def _goodbye(self, reason: str, outcome: pb.Outcome) -> None:

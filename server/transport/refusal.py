@@ -7,6 +7,9 @@ line or a status message, so a peer cannot flood the logs or break them.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import grpc
 
 DETAILS_LIMIT = 1024  # bytes of text in a status or Rejected message
@@ -31,3 +34,28 @@ class Refusal(Exception):
         super().__init__(details)
         self.code = code
         self.details = details
+
+
+class RefusalLog:
+    """Warnings for refused peers, at most `burst` per `window_s` seconds; the rest are counted and summed up.
+
+    A flood of hostile streams then costs the log a few lines, not one each.
+    """
+
+    def __init__(self, logger: logging.Logger, burst: int = 20, window_s: float = 10.0) -> None:
+        self.logger, self.burst, self.window_s = logger, burst, window_s
+        self.window_start = 0.0
+        self.logged = 0
+        self.suppressed = 0
+
+    def warn(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.window_start >= self.window_s:
+            if self.suppressed:
+                self.logger.warning("... and %d more refusals in the last %g s", self.suppressed, self.window_s)
+            self.window_start, self.logged, self.suppressed = now, 0, 0
+        if self.logged < self.burst:
+            self.logged += 1
+            self.logger.warning(message, *args)
+        else:
+            self.suppressed += 1

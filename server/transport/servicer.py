@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -23,9 +23,9 @@ from fedsaddle.common import wire
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.transport import checks
 from fedsaddle.server.transport.auth import Authenticator, Identity
-from fedsaddle.server.transport.refusal import Refusal, printable
+from fedsaddle.server.transport.refusal import Refusal, RefusalLog, printable
 from fedsaddle.server.transport.rounds import Barriers
-from fedsaddle.server.transport.sessions import Overflow, Registry, Session
+from fedsaddle.server.transport.sessions import Admission, Limits, Overflow, Registry, Session
 
 log = logging.getLogger("fedsaddle.coordinator")
 
@@ -51,6 +51,19 @@ def serialize(message: bytes | pb.Instruction) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+async def _end(context: grpc.aio.ServicerContext[Any, Any], refusal: Refusal) -> NoReturn:
+    """End the stream with the refusal's status.
+
+    Only its code and text go on: gRPC keeps the exception that abort raises, and
+    that exception must not drag along (through a traceback) the frames that held
+    what the peer sent, or every refused message would stay in memory.
+    """
+    code, details = refusal.code, refusal.details
+    refusal.__traceback__ = refusal.__context__ = refusal.__cause__ = None
+    del refusal
+    await context.abort(code, details)
+
+
 class SessionService:
     """Serves every Session stream of one coordinator."""
 
@@ -60,16 +73,17 @@ class SessionService:
         barriers: Barriers,
         welcome: pb.Welcome,
         authenticator: Authenticator | None = None,
-        hello_timeout_s: float = 10.0,
-        max_queued_bytes: int = 1 << 62,
+        limits: Limits | None = None,
     ) -> None:
         self.registry = registry
         self.barriers = barriers
         self.welcome = pb.Instruction(welcome=welcome).SerializeToString()
         self.chunk_bytes = welcome.chunk_bytes
         self.authenticator = authenticator
-        self.hello_timeout_s = hello_timeout_s
-        self.max_queued_bytes = max_queued_bytes
+        self.limits = limits or Limits()
+        self.hello_timeout_s = self.limits.hello_timeout_s
+        self.admission = Admission(self.limits.max_streams_per_peer, self.limits.max_pending_hellos)
+        self.refusals = RefusalLog(log)
         self.on_join: Callable[[Session], None] | None = None  # e.g. send a rejoining session the current run
         self.on_ready: Callable[[Session, pb.Ready], None] | None = None  # a Ready outside a run's start
 
@@ -83,31 +97,62 @@ class SessionService:
 
     async def session(
         self, requests: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes]
-    ) -> AsyncIterator[bytes]:
+    ) -> None:
         peer = context.peer()
+        host = peer.rsplit(":", 1)[0]
+        try:
+            self.admission.enter(host)
+        except Refusal as refusal:
+            self.refusals.warn("refused a stream from %s: %s", peer, refusal.details)
+            await _end(context, refusal)
+        try:
+            await self._serve(requests, context, peer)
+        finally:
+            self.admission.leave(host)
+
+    async def _serve(
+        self, requests: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes], peer: str
+    ) -> None:
         incoming = requests.__aiter__()
+        refused: Refusal | None = None
         try:
             session = await self._open(incoming, context, peer)
         except Refusal as refusal:
-            log.warning("refused a session from %s: %s", peer, refusal.details)
-            await context.abort(refusal.code, refusal.details)
+            self.refusals.warn("refused a session from %s: %s", peer, refusal.details)
+            refused = refusal
+        finally:
+            self.admission.greeted()
+        if refused is not None:
+            await _end(context, refused)
         log.info("%s joined", session.describe())
+        session.task = asyncio.current_task()
         reader = asyncio.create_task(self._read(session, incoming))
         failure: Refusal | None = None
         try:
-            yield self.welcome
+            await context.write(self.welcome)
             if self.on_join is not None:
                 self.on_join(session)
             while (item := await session.outbox.get()) is not None:
                 session.queued_bytes -= len(item)
-                yield item
+                await context.write(item)
             failure = reader.result() if reader.done() else None
+        except asyncio.CancelledError:  # dropped (see drop); the stream ends with the reason
+            failure = session.dropped or Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
         finally:
             reader.cancel()
             self._close(session, "ended its session" if session.closing else "disconnected")
         if failure is not None:
             log.warning("ended the session of %s: %s", session.describe(), failure.details)
-            await context.abort(failure.code, failure.details)
+            await _end(context, failure)
+
+    def drop(self, session: Session, reason: str) -> None:
+        """End a session from the coordinator's side (it stopped reading its stream): it is lost, by name."""
+        if not session.alive:
+            return
+        session.dropped = Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
+        self._close(session, f"was dropped: {reason}")
+        if session.task is not None:
+            session.task.cancel()
 
     async def _open(
         self, incoming: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes], peer: str
@@ -128,7 +173,7 @@ class SessionService:
         if identity is not None:
             Authenticator.check_indices(identity, indices)
         session = Session(indices, peer, printable(hello.client_name, 256), identity)
-        session.max_queued_bytes = self.max_queued_bytes
+        session.max_queued_bytes = self.limits.max_undelivered_bytes
         return self.registry.open(session)
 
     def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Identity | None:
@@ -219,6 +264,6 @@ class SessionService:
         round_.accept(session, answer, size)
 
     def _reject(self, session: Session, round_id: int, code: grpc.StatusCode, details: str) -> None:
-        log.warning("refused an answer from %s: %s", session.describe(), details)
+        self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
         rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
         session.send(pb.Instruction(rejected=rejected).SerializeToString())

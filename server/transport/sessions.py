@@ -20,6 +20,47 @@ from fedsaddle.server.transport.auth import Identity
 from fedsaddle.server.transport.refusal import Refusal, printable
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one coordinator grants its peers (transport.limits in the config)."""
+
+    max_connections: int = 512  # TCP connections in all (gRPC closes the ones over it)
+    max_streams_per_connection: int = 8  # a client needs one Session stream, and a health check
+    max_streams_per_peer: int = 256  # streams from one address (a host behind NAT may run many clients)
+    max_pending_hellos: int = 256  # streams that have not said Hello yet, in all
+    hello_timeout_s: float = 10.0  # a stream without a Hello is closed after this long
+    idle_connection_s: float = 30.0  # a connection with no call open is closed after this long
+    max_undelivered_bytes: int = 64 << 20  # a session whose unread instructions exceed this is dropped
+
+
+class Admission:
+    """Counts streams per peer address and streams waiting for their Hello; refuses the ones over the limits."""
+
+    def __init__(self, max_per_peer: int, max_pending: int) -> None:
+        self.max_per_peer, self.max_pending = max_per_peer, max_pending
+        self.per_peer: dict[str, int] = {}
+        self.pending = 0
+
+    def enter(self, host: str) -> None:
+        if self.pending >= self.max_pending:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.pending} streams are waiting for a Hello already")
+        if self.per_peer.get(host, 0) >= self.max_per_peer:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_per_peer} streams from {host} already")
+        self.per_peer[host] = self.per_peer.get(host, 0) + 1
+        self.pending += 1
+
+    def greeted(self) -> None:
+        """The stream said Hello, or was refused: it no longer waits."""
+        self.pending -= 1
+
+    def leave(self, host: str) -> None:
+        left = self.per_peer[host] - 1
+        if left:
+            self.per_peer[host] = left
+        else:
+            del self.per_peer[host]
+
+
 class Overflow(Exception):
     """A session's undelivered messages exceeded their bound: it stopped reading its stream."""
 
@@ -38,6 +79,8 @@ class Session:
     max_queued_bytes: int = 1 << 62
     alive: bool = True
     closing: bool = False  # told goodbye: its end is expected
+    task: asyncio.Task[None] | None = None  # the stream's handler (to drop a session that stops reading)
+    dropped: Refusal | None = None  # why the coordinator ended it
     ready_run: str | None = None  # the run this session's clients are loaded for (it said Ready)
 
     def describe(self) -> str:

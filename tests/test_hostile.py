@@ -1,0 +1,287 @@
+"""Hostile peers, with real sockets: they meet limits, get short precise refusals, cannot flood the log,
+and a session that stops reading its stream is dropped and named. Mixed credentials work as documented."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+from conftest import CLIENT_ENV, config
+from test_bad_answers import HandClient, raw_stream
+from test_failures import Coordinator, write_config
+
+from fedsaddle.launch import open_federation_warning
+from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.driver import RunStopped, run_algorithm
+from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.sessions import Limits
+
+
+def held_stream(channel: grpc.Channel) -> tuple[queue.Queue[bytes | None], Any]:
+    """A Session stream that says nothing (its requests stay open until None is put)."""
+    requests: queue.Queue[bytes | None] = queue.Queue()
+    return requests, raw_stream(channel)(iter(requests.get, None))
+
+
+def first_status(responses: Any) -> tuple[grpc.StatusCode, str]:
+    try:
+        next(responses)
+    except grpc.RpcError as error:
+        return error.code(), error.details()  # type: ignore[attr-defined]
+    raise AssertionError("the stream was not refused")
+
+
+def test_streams_waiting_for_a_hello_are_bounded() -> None:
+    with GrpcPool(2, "127.0.0.1:0", limits=Limits(max_pending_hellos=3, hello_timeout_s=30)) as pool:
+        channels = [grpc.insecure_channel(pool.address) for _ in range(3)]
+        held = [held_stream(channels[i]) for i in range(3)]
+        time.sleep(0.5)  # the three reach the coordinator and wait there
+        _, extra = held_stream(channels[0])
+        code, details = first_status(extra)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "3 streams are waiting for a Hello already" in details
+        for requests, _ in held:
+            requests.put(None)  # they end without a Hello: the waiting room empties ...
+        time.sleep(0.5)
+        hand = HandClient(channels[1], [0])  # ... and a real client gets in
+        assert hand.welcome().num_clients == 2
+        hand.close()
+        for channel in channels:
+            channel.close()
+
+
+def test_streams_from_one_peer_are_bounded() -> None:
+    with GrpcPool(4, "127.0.0.1:0", limits=Limits(max_streams_per_peer=5, hello_timeout_s=30)) as pool:
+        channels = [grpc.insecure_channel(pool.address) for _ in range(3)]
+        hands = [HandClient(channels[i % 3], [i]) for i in range(2)]
+        for hand in hands:
+            hand.welcome()
+        held = [held_stream(channels[i % 3]) for i in range(3)]
+        time.sleep(0.5)
+        _, sixth = held_stream(channels[1])
+        code, details = first_status(sixth)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "5 streams from ipv4:127.0.0.1 already" in details
+        for requests, _ in held:
+            requests.put(None)
+        for hand in hands:
+            hand.close()
+        for channel in channels:
+            channel.close()
+
+
+def test_silent_connections_are_closed_after_the_idle_timeout() -> None:
+    with GrpcPool(1, "127.0.0.1:0", limits=Limits(idle_connection_s=1.0)) as pool:
+        host, port = pool.address.rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port)), timeout=10) for _ in range(5)]
+        started = time.monotonic()
+        for connection in silent:
+            while connection.recv(4096):  # the server's HTTP/2 settings, then ...
+                pass
+            connection.close()  # ... closed by the coordinator
+        assert time.monotonic() - started < 8
+
+
+def test_a_session_that_stops_reading_is_dropped_and_named() -> None:
+    run = config(
+        problem={"name": "paper_regression", "num_clients": 2, "dim": 20_000},
+        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
+        rounds=1000,
+    )
+    limits = Limits(max_undelivered_bytes=1 << 20)
+    with (
+        GrpcPool(2, "127.0.0.1:0", limits=limits, round_timeout_s=30) as pool,
+        grpc.insecure_channel(pool.address) as channel,
+    ):
+        honest = HandClient(channel, [0])
+        stub_stream = raw_stream(channel)
+        hostile_messages: queue.Queue[bytes | None] = queue.Queue()
+        hostile = stub_stream(iter(hostile_messages.get, None))
+        hello = pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=[1], client_name="never reads"))
+        hostile_messages.put(hello.SerializeToString())
+        next(hostile)  # the welcome
+        honest.welcome()
+        pool.wait_for_clients(10)
+        outcome: dict[str, Any] = {}
+
+        def run_it() -> None:
+            try:
+                outcome["result"] = run_algorithm(run.algorithms[0], run, pool)
+            except RunStopped as stopped:
+                outcome["result"] = stopped.result
+
+        runner = threading.Thread(target=run_it, daemon=True)
+        runner.start()
+        run_id = pb.Instruction.FromString(next(hostile)).run.run_id  # the last thing this peer reads
+        hostile_messages.put(pb.ClientMessage(ready=pb.Ready(run_id=run_id, dimension=40_000)).SerializeToString())
+        # It says Ready for whatever run, then answers every round blindly without reading a task.
+        spec = None
+        deadline = time.monotonic() + 60
+        while runner.is_alive() and time.monotonic() < deadline:
+            try:
+                task = honest.next(timeout=1)
+            except queue.Empty:
+                continue
+            if not task.HasField("task"):
+                continue
+            good = honest.good(task.task)
+            honest.send(pb.ClientMessage(answer=good))
+            blind = pb.Answer(run_id=task.task.run_id, round_id=task.task.round_id, client_indices=[1])
+            blind.payload = np.zeros(40_000).tobytes()
+            blind.payload_length = 40_000
+            hostile_messages.put(pb.ClientMessage(answer=blind).SerializeToString())
+            spec = task
+        runner.join(timeout=30)
+        hostile_messages.put(None)
+        honest.close()
+        del spec
+    result = outcome["result"]
+    assert result.status == "stopped"
+    assert "client 1 (never reads at ipv4:127.0.0.1:" in result.detail and "stopped reading its stream" in result.detail
+
+
+def test_refusals_are_short_and_the_log_is_not_flooded(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="fedsaddle.coordinator")
+    options = [("grpc.max_send_message_length", 8 << 20)]
+    with GrpcPool(10, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address, options=options) as channel:
+        stub = raw_stream(channel)
+        name = "\x1b[31m" + "x" * (4 << 20)  # 4 MiB, with a terminal escape
+        hello = pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=range(10_000), client_name=name))
+        code, details = first_status(stub(iter([hello.SerializeToString()])))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith("client indices [10, 11, 12, 13, 14, 15, 16, 17, ... and 9982 more] are outside")
+        assert len(details) < 200
+        for _ in range(60):  # a flood of refusals
+            first_status(stub(iter([b"\xff not a protobuf"])))
+        time.sleep(0.2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert all(len(line) < 1200 for line in lines), max(len(line) for line in lines)
+    assert all("\x1b" not in line and "Traceback" not in line for line in lines)
+    assert sum("refused a session" in line for line in lines) <= 20  # then counted, not written
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_an_open_federation_on_a_reachable_address_is_announced() -> None:
+    run = config(algorithms=[{"name": "minibatch_md", "gamma": 0.1}])
+    warning = open_federation_warning(run, "0.0.0.0:50051")
+    assert warning is not None and "OPEN FEDERATION" in warning and "transport.credentials" in warning
+    assert open_federation_warning(run, "127.0.0.1:50051") is None
+    assert open_federation_warning(run, "[::1]:50051") is None
+    guarded = run.model_copy(update={"transport": run.transport.model_copy(update={"credentials": "ids.yaml"})})
+    assert open_federation_warning(guarded, "0.0.0.0:50051") is None
+
+
+def test_the_readmes_two_site_example_runs_token_and_certificate_identities_together(tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    subprocess.run(["bash", "scripts/dev-certs.sh", str(certs), "site-b"], check=True, capture_output=True)
+    new_token = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "new-token", "--name", "site-a", "--clients", "0-4"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=CLIENT_ENV,
+    ).stdout
+    token = new_token.splitlines()[1]
+    (tmp_path / "site-a.token").write_text(token + "\n")
+    (tmp_path / "credentials.yaml").write_text(
+        "identities:\n" + "\n".join(new_token.splitlines()[4:]) + "\n  site-b: {indices: [5, 6, 7, 8, 9]}\n"
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        token_port = probe.getsockname()[1]
+    run = {
+        "problem": {"name": "paper_regression", "num_clients": 10, "dim": 5},
+        "algorithms": [{"name": "scaffold_s", "gamma_local": 0.02}],
+        "rounds": 21,
+        "output": {"plot": False},
+        "transport": {
+            "tls": {
+                "cert": str(certs / "coordinator.pem"),
+                "key": str(certs / "coordinator.key"),
+                "client_ca": str(certs / "ca.pem"),
+            },
+            "credentials": str(tmp_path / "credentials.yaml"),
+            "token_listen": f"127.0.0.1:{token_port}",
+        },
+    }
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **run), tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    ca = ["--ca", str(certs / "ca.pem")]
+    clients = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedsaddle",
+                "client",
+                "--coordinator",
+                f"127.0.0.1:{token_port}",
+                "--clients",
+                "0-4",
+                *ca,
+                "--token-file",
+                str(tmp_path / "site-a.token"),
+            ],
+            env=CLIENT_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedsaddle",
+                "client",
+                "--coordinator",
+                address,
+                "--clients",
+                "5-9",
+                *ca,
+                "--cert",
+                str(certs / "site-b.pem"),
+                "--key",
+                str(certs / "site-b.key"),
+            ],
+            env=CLIENT_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ),
+    ]
+    health = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedsaddle",
+            "health",
+            "--address",
+            address,
+            *ca,
+            "--cert",
+            str(certs / "site-b.pem"),
+            "--key",
+            str(certs / "site-b.key"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=CLIENT_ENV,
+    )
+    code, log, codes = coordinator.finish_with(clients, timeout=120)  # type: ignore[arg-type]
+    assert code == 0, log
+    assert codes == [0, 0]
+    assert "as 'site-a'" in log and "as 'site-b'" in log
+    assert health.returncode == 0 and "SERVING" in health.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    remote = yaml.safe_load((run_dir / "summary.json").read_text())["algorithms"][0]["z_sha256"]
+    local_config = config(**{k: v for k, v in run.items() if k not in ("transport", "output")})
+    assert remote == run_algorithm(local_config.algorithms[0], local_config, LocalPool()).z_sha256
