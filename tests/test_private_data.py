@@ -84,7 +84,9 @@ def test_the_run_spec_of_a_real_problem_carries_no_data_and_no_seed(cancer: tupl
     _, summary = cancer
     config = api.load(auc_config(summary))
     with GrpcPool(CLIENTS, "127.0.0.1:0") as pool:
-        channels = [grpc.insecure_channel(pool.address) for _ in range(CLIENTS)]  # a connection each, as processes
+        # A connection each, as separate processes would have (channels in one process share one by default).
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        channels = [grpc.insecure_channel(pool.address, options=own) for _ in range(CLIENTS)]
         hands = [HandClient(channels[i], [i], auto_ready=False) for i in range(CLIENTS)]
         for hand in hands:
             hand.welcome()
