@@ -197,7 +197,7 @@ def test_sigterm_stops_every_process_cleanly_with_outputs_written(tmp_path: Path
         code, log = run.coordinator.finish(timeout=30)
     assert code == 0, log
     assert "stopped by SIGTERM; outputs written, clients told goodbye" in log
-    assert run.client_codes == [0, 0]
+    assert run.client_codes == [0, 0], run.client_logs
     (run_dir,) = list((tmp_path / "runs").iterdir())
     summary = yaml.safe_load((run_dir / "summary.json").read_text())
     assert summary["transport"]["failure"] == "stopped by SIGTERM"

@@ -30,6 +30,7 @@ from fedsaddle.server.transport.sessions import Admission, Limits, Overflow, Reg
 log = logging.getLogger("fedsaddle.coordinator")
 
 SERVICE = "fedsaddle.v2.Coordinator"
+GOODBYE_GRACE_S = 2.0  # how long a told-goodbye session may take to close its side
 
 
 class Received(NamedTuple):
@@ -135,6 +136,10 @@ class SessionService:
             while (item := await session.outbox.get()) is not None:
                 session.queued_bytes -= len(item)
                 await context.write(item)
+            if session.closing and not reader.done():
+                # After a goodbye, let the client close its side first: ending the call now would fail an
+                # answer it is writing, and it would never read the goodbye queued before that answer.
+                await asyncio.wait({reader}, timeout=GOODBYE_GRACE_S)
             failure = reader.result() if reader.done() else None
         except asyncio.CancelledError:  # dropped (see drop); the stream ends with the reason
             failure = session.dropped or Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
