@@ -12,6 +12,7 @@ credentials or indices.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -31,6 +32,7 @@ log = logging.getLogger("fedsaddle.client")
 
 # The most a coordinator may ask one chunk to be; the receive limit follows from it.
 MAX_CHUNK_BYTES = 64 << 20
+GOODBYE_WAIT_S = 5.0  # after a goodbye, how long to wait for the coordinator to end the call
 
 __all__ = ["ClientError", "ClientOptions", "run_client", "serve"]
 
@@ -125,6 +127,8 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
                 await call.write(message)
             if session.over:
                 await call.done_writing()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(call.code(), GOODBYE_WAIT_S)  # the coordinator ends the call
                 return
     except grpc.aio.AioRpcError as exc:
         fatal, cause = diagnose(exc, options)

@@ -141,8 +141,9 @@ class SessionService:
                 # answer it is writing, and it would never read the goodbye queued before that answer.
                 await asyncio.wait({reader}, timeout=GOODBYE_GRACE_S)
             failure = reader.result() if reader.done() else None
-        except asyncio.CancelledError:  # dropped (see drop); the stream ends with the reason
-            failure = session.dropped or Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
+        except asyncio.CancelledError:  # dropped (see drop), the server stopping, or the client gone
+            if session.dropped is not None or not session.closing:
+                failure = session.dropped or Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
         finally:
             reader.cancel()
             self._close(session, "ended its session" if session.closing else "disconnected")
