@@ -1,8 +1,10 @@
-"""Round latency: one gradient round (Minibatch MD's exchange) over gRPC vs in-process.
+"""Round latency: one gradient round (Minibatch MD's exchange) over gRPC, against the bare-gRPC floor.
 
-Starts a federation of client processes on 127.0.0.1, times `rounds` gradient
-rounds for each dimension, and prints the median, quartiles and the transport's
-cost per round (gRPC median minus in-process median), beside the bytes moved.
+In one run: the anchor (bench/anchor.py: raw bytes through grpc.aio bidi
+streams, nothing computed), fedsaddle's gradient round with a client process
+per client, and the same round in-process. fedsaddle's transport cost is its
+gRPC round minus the in-process round (the gradient work); the ratio to the
+anchor is what fedsaddle adds to moving the same bytes.
 
     python bench/round_latency.py                      # d = 10 and d = 1e6, 10 processes
     python bench/round_latency.py --dims 10 --rounds 500
@@ -12,10 +14,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from anchor import Floor
+
+from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.launch import reap, start_clients
 from fedsaddle.server.local_pool import LocalPool
@@ -23,11 +32,7 @@ from fedsaddle.server.pool import ClientPool, RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 
-def time_rounds(pool: ClientPool, run: RunInfo, rounds: int, warmup: int = 3) -> list[float]:
-    pool.start_run(run)
-    z = np.ones(run.dimension)
-    for _ in range(warmup):
-        pool.gradients(z)
+def time_rounds(pool: ClientPool, z: Array, rounds: int) -> list[float]:
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -36,9 +41,9 @@ def time_rounds(pool: ClientPool, run: RunInfo, rounds: int, warmup: int = 3) ->
     return times
 
 
-def quartiles(times: list[float]) -> tuple[float, float, float]:
+def quartiles(times: list[float]) -> str:
     q1, median, q3 = statistics.quantiles(times, n=4)
-    return q1, median, q3
+    return f"{1e3 * median:.3f} [{1e3 * q1:.3f}, {1e3 * q3:.3f}]"
 
 
 def main() -> None:
@@ -46,33 +51,61 @@ def main() -> None:
     parser.add_argument("--dims", type=float, nargs="+", default=[10, 1e6], help="d: x and y each in R^d")
     parser.add_argument("--clients", type=int, default=10, help="clients, one process each")
     parser.add_argument("--rounds", type=int, default=100, help="timed rounds per dimension (median over them)")
+    parser.add_argument(
+        "--blocks", type=int, default=5, help="the rounds alternate between the three in this many blocks"
+    )
     args = parser.parse_args()
-
-    n = args.clients
+    n, dims = args.clients, [int(v) for v in args.dims]
+    floor = Floor(n)
     pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600)
     processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False)
+    local = LocalPool()
+    rows = []
     try:
         pool.wait_for_clients(120)
-        print(f"{n} client processes on 127.0.0.1, {args.rounds} rounds each (median [q1, q3])")
-        header = f"{'d':>9} {'vector MB':>9} {'gRPC ms':>24} {'in-process ms':>24} {'transport ms':>12} {'MB/round':>9}"
-        print(header)
-        print("-" * len(header))
-        for d in (int(v) for v in args.dims):
+        for d in dims:
             run = RunInfo(f"bench-{d}", PaperRegressionSpec(num_clients=n, dim=d, s=1.0), 0, 0.0)
-            remote = time_rounds(pool, run, args.rounds)
-            moved = (pool.traffic["algorithm"].bytes_down + pool.traffic["algorithm"].bytes_up) / pool.round_id
-            local = time_rounds(LocalPool(), run, args.rounds)
-            (rq1, rmed, rq3), (lq1, lmed, lq3) = quartiles(remote), quartiles(local)
-            print(
-                f"{d:>9} {16 * d / 1e6:>9.3f} "
-                f"{f'{1e3 * rmed:.3f} [{1e3 * rq1:.3f}, {1e3 * rq3:.3f}]':>24} "
-                f"{f'{1e3 * lmed:.3f} [{1e3 * lq1:.3f}, {1e3 * lq3:.3f}]':>24} "
-                f"{1e3 * (rmed - lmed):>12.3f} {moved / 1e6:>9.2f}",
-                flush=True,
-            )
+            pool.start_run(run)
+            local.start_run(run)
+            z = np.ones(run.dimension)
+            size = 8 * run.dimension
+            for _ in range(3):  # warm-up
+                floor.rounds(size, 1), pool.gradients(z), local.gradients(z)
+            start_round, moved_before = pool.round_id, _moved(pool)
+            remote: list[float] = []
+            in_process: list[float] = []
+            bare: list[float] = []
+            per_block = max(1, args.rounds // args.blocks)
+            for _ in range(args.blocks):  # alternate, so that the three see the same machine
+                bare += floor.rounds(size, per_block)
+                remote += time_rounds(pool, z, per_block)
+                in_process += time_rounds(local, z, per_block)
+            moved = (_moved(pool) - moved_before) / (pool.round_id - start_round)
+            rows.append((d, remote, in_process, bare, moved))
     finally:
         pool.close()
         reap(processes)
+        floor.close()
+    print(f"{n} client processes on 127.0.0.1, {len(rows[0][1]) if rows else 0} rounds each; ms, median [q1, q3]")
+    header = (
+        f"{'d':>9} {'fedsaddle gRPC':>26} {'in-process':>24} {'transport':>10} {'bare gRPC':>24} "
+        f"{'ratio':>6} {'MB/round':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for d, remote, in_process, bare, moved in rows:
+        transport = statistics.median(remote) - statistics.median(in_process)
+        ratio = transport / statistics.median(bare)
+        print(
+            f"{d:>9} {quartiles(remote):>26} {quartiles(in_process):>24} {1e3 * transport:>10.3f} "
+            f"{quartiles(bare):>24} {ratio:>6.2f} {moved / 1e6:>9.2f}",
+            flush=True,
+        )
+
+
+def _moved(pool: GrpcPool) -> int:
+    traffic = pool.traffic["algorithm"]
+    return traffic.bytes_down + traffic.bytes_up
 
 
 if __name__ == "__main__":

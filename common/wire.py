@@ -219,7 +219,7 @@ def decode_answer(
     `dimension` is the entries per client (the metrics' count for an evaluation answer,
     which must also carry one held-out row count per client: `want_counts`).
     """
-    indices = tuple(int(i) for i in header.client_indices)
+    indices = tuple(header.client_indices)
     if header.diverged:
         return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
     values = from_bytes(payload, len(indices) * dimension).reshape(len(indices), dimension)

@@ -95,6 +95,14 @@ class RoundTraffic(NamedTuple):
     answered: tuple[int, ...] | None = None
 
 
+def _rows(indices: tuple[int, ...], position: dict[int, int] | None) -> slice | list[int]:
+    """Where an answer's clients go among the round's rows (a slice when they are consecutive)."""
+    rows = list(indices) if position is None else [position[i] for i in indices]
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return rows
+
+
 def round_traffic(
     task: Task,
     num_clients: int,
@@ -229,7 +237,7 @@ class ClientPool(abc.ABC):
             if answer.diverged:
                 diverged.extend(answer.indices)
                 continue
-            rows = list(answer.indices) if position is None else [position[i] for i in answer.indices]
+            rows = _rows(answer.indices, position)
             vectors[rows] = answer.vectors
             if objective is not None and answer.objective is not None:
                 objective[rows] = answer.objective

@@ -53,10 +53,12 @@ def answer_header(
 ) -> int:
     """Whether an Answer header can be this session's answer to the open round: the payload's
     byte length if so, else Refusal with the status that says why."""
-    claimed = tuple(int(i) for i in header.client_indices)
-    foreign = sorted(set(claimed) - set(session_indices))
-    if foreign:
-        raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"this session may not answer for clients {some(foreign)}")
+    claimed = tuple(header.client_indices)
+    # The usual case first: exactly the expected clients, which are this session's own.
+    if expected is None or claimed != expected.indices:
+        foreign = sorted(set(claimed) - set(session_indices))
+        if foreign:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"this session may not answer for clients {some(foreign)}")
     if expected is None or header.run_id != expected.run_id:
         current = expected.run_id if expected else "none is open"
         raise Refusal(

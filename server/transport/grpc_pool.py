@@ -65,6 +65,37 @@ class Round:
     pieces_for: Callable[[tuple[int, ...]], list[bytes]]  # the task for a session with only some of them
 
 
+RoundOutcome = tuple[list[Answer], int, int]  # the answers in client order, bytes sent, bytes received
+
+
+class Reply:
+    """A round's outcome, handed from the event loop to the thread that waits for it.
+
+    Cheaper than a concurrent Future: one lock, released once. The first result
+    set wins (a round that completes wakes its waiter at once; the coroutine that
+    ran it finishes after)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._value: RoundOutcome = ([], 0, 0)
+        self._error: BaseException | None = None
+        self._set = False
+
+    def set(self, value: RoundOutcome = ([], 0, 0), error: BaseException | None = None) -> None:
+        """On the loop: hand over the outcome (ignored after the first)."""
+        if not self._set:
+            self._set, self._value, self._error = True, value, error
+            self._lock.release()
+
+    def get(self) -> RoundOutcome:
+        """In the waiting thread: the outcome, or its error raised here."""
+        self._lock.acquire()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def keep_memory_returnable() -> None:
     """Ask glibc to give large buffers back to the OS when they are freed.
 
@@ -133,6 +164,7 @@ class GrpcPool(ClientPool):
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._closed = False
+        self._round_task: asyncio.Task[None] | None = None
         self.token_port: int | None = None  # the second port, for token identities under mutual TLS
         try:
             self.registry, self.barriers, self.service = self._call(self._make_state(authenticator))
@@ -356,8 +388,10 @@ class GrpcPool(ClientPool):
             return wire.encode_task(self.run.run_id, round_id, task, self.chunk_bytes, indices)  # type: ignore[union-attr]
 
         round_ = Round(pieces, round_id, entries, want_objective, evaluation, traffic.floats_down, subset, pieces_for)
+        reply = Reply()
+        self._loop.call_soon_threadsafe(self._start_round, round_, reply)
         try:
-            answers, bytes_down, bytes_up = self._call(self._round(round_))
+            answers, bytes_down, bytes_up = reply.get()
         finally:
             self._count_resent()
         counts = self.traffic[category]
@@ -375,8 +409,21 @@ class GrpcPool(ClientPool):
             counts.floats_down += floats
             counts.bytes_down += size
 
-    async def _round(self, round_: Round) -> tuple[list[Answer], int, int]:
-        """Send one round's task to the participating sessions and wait for their answers."""
+    def _start_round(self, round_: Round, reply: Reply) -> None:
+        self._round_task = self._loop.create_task(self._round(round_, reply))
+
+    async def _round(self, round_: Round, reply: Reply) -> None:
+        """Send one round's task to the participating sessions; the reply gets their answers, the bytes
+        sent and received (or the error that ended the round)."""
+        try:
+            await self._run_round(round_, reply)
+        except Exception as exc:
+            reply.set(error=exc)
+        except asyncio.CancelledError:
+            reply.set(error=PoolError("the coordinator is shutting down"))
+            raise
+
+    async def _run_round(self, round_: Round, reply: Reply) -> None:
         assert self.run is not None
         run_id, round_id = self.run.run_id, round_.round_id
         everyone = await self._present(f"before round {round_id}", run_id)
@@ -406,10 +453,13 @@ class GrpcPool(ClientPool):
                 pieces = round_.pieces if mine == session.indices else round_.pieces_for(mine)
                 session.max_queued_bytes = bound  # a few rounds' worth: more means it stopped reading
                 sent += self._deliver(session, pieces)
+            # The last answer wakes the waiting thread directly, without a trip through this coroutine.
+            barrier.on_done = lambda: reply.set((barrier.in_order(), sent, barrier.bytes_up))
             await barrier.wait(self.round_timeout_s)
+            reply.set((barrier.in_order(), sent, barrier.bytes_up))  # closed by the straggler deadline
         finally:
-            self.barriers.round = None
-        return barrier.in_order(), sent, barrier.bytes_up
+            if self.barriers.round is barrier:  # the next round may be open already
+                self.barriers.round = None
 
     def close(self) -> None:
         """Say goodbye to every client (the run finished, or failed: `failure`), then stop the server."""

@@ -10,6 +10,7 @@ rejoin timeout for a new session with the same indices to take its place.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fedsaddle.common.tasks import Answer
@@ -19,40 +20,67 @@ from fedsaddle.server.transport.checks import Expectation
 from fedsaddle.server.transport.sessions import Session
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 @dataclass(eq=False)
 class Barrier:
-    """Waits for one message from each of some sessions."""
+    """Waits for one message from each of some sessions.
+
+    Completion is counted, not searched for: each accepted message takes its
+    session off `pending`, so a round costs O(1) per answer whatever the number
+    of sessions. The waiter sleeps on one future that anything that matters
+    (done, failed, a session lost or replaced) resolves.
+    """
 
     sessions: list[Session]
     what: str  # for errors: "round 7", "the start of run r"
     rejoin_timeout_s: float = 0.0
-    future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     lost: dict[tuple[int, ...], tuple[float, str]] = field(default_factory=dict)  # indices -> (deadline, how)
     renewed: float = 0.0  # when a session last rejoined: it gets a full timeout from then
-    changed: asyncio.Event = field(default_factory=asyncio.Event)  # a session was lost or replaced
+    pending: set[str] = field(init=False)  # ids of the sessions not heard from yet
+    done: bool = field(default=False, init=False)
+    error: BaseException | None = field(default=None, init=False)
+    on_done: Callable[[], None] | None = field(default=None, init=False)  # called once, when complete
+    _wake: asyncio.Future[None] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.pending = {s.id for s in self.sessions}
+
+    def finished(self) -> bool:
+        return self.done
 
     def waiting_on(self) -> list[Session]:
-        return [s for s in self.sessions if not self._has(s)]
+        return [s for s in self.sessions if s.id in self.pending]
 
-    def _has(self, session: Session) -> bool:
-        raise NotImplementedError
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
-    def _check_done(self) -> None:
-        if not self.future.done() and not self.waiting_on():
-            self.future.set_result(None)
+    def _heard(self, session: Session) -> None:
+        """A session's message was accepted."""
+        self.pending.discard(session.id)
+        if not self.pending and not self.done:
+            self.done = True
+            if self.on_done is not None:
+                self.on_done()
+            self._poke()
 
     def fail(self, error: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
+        if not self.done:
+            self.done, self.error = True, error
+            self._poke()
 
     def lose(self, session: Session, reason: str) -> None:
         """A session's stream ended: fail the barrier if it was still waited on, or wait for a rejoin."""
-        if session not in self.sessions or self._has(session) or self.future.done():
+        if session.id not in self.pending or self.done:
             return
         how = f"{session.describe()} {reason} during {self.what}"
         if self.rejoin_timeout_s > 0:
             self.lost[session.indices] = (asyncio.get_running_loop().time() + self.rejoin_timeout_s, how)
-            self.changed.set()
+            self._poke()
         else:
             self.fail(ClientLost(how, session.indices))
 
@@ -62,9 +90,11 @@ class Barrier:
             return None
         old = next(s for s in self.sessions if s.indices == new.indices)
         self.sessions[self.sessions.index(old)] = new
+        self.pending.discard(old.id)
+        self.pending.add(new.id)
         del self.lost[new.indices]
         self.renewed = asyncio.get_running_loop().time()
-        self.changed.set()
+        self._poke()
         return old
 
     async def wait(self, timeout: float) -> None:
@@ -72,24 +102,20 @@ class Barrier:
         lost client that did not rejoin in time."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while True:
+        while not self.done:
             rejoins = [d for d, _ in self.lost.values()]
             # A rejoin in progress may outlast the round's timeout; a rejoined session gets a full one.
             until = max([deadline, self.renewed + timeout if self.renewed else 0.0, *rejoins])
             nearest = min([until, *rejoins])
-            self.changed.clear()
-            changed = asyncio.ensure_future(self.changed.wait())
+            self._wake = wake = loop.create_future()
+            timer = loop.call_at(nearest, _resolve, wake)
             try:
-                await asyncio.wait(
-                    (self.future, changed), timeout=max(0.0, nearest - loop.time()), return_when=asyncio.FIRST_COMPLETED
-                )
+                await wake
             finally:
-                changed.cancel()
-            if self.future.done():
-                self.future.result()  # raises what failed the barrier
-                return
-            if self.changed.is_set():
-                continue  # deadlines moved: look again
+                timer.cancel()
+                self._wake = None
+            if self.finished():  # (a method: the await above may have changed it)
+                break
             now = loop.time()
             gone = [(indices, how) for indices, (d, how) in self.lost.items() if d <= now]
             if gone:
@@ -103,6 +129,8 @@ class Barrier:
                     f"{self.what}: no answer within {timeout:g} s from {names}{more}",
                     tuple(i for s in silent for i in s.indices),
                 )
+        if self.error is not None:
+            raise self.error
 
 
 @dataclass(eq=False)
@@ -112,14 +140,11 @@ class RunStart(Barrier):
     run_id: str = ""
     ready: dict[str, pb.Ready] = field(default_factory=dict)
 
-    def _has(self, session: Session) -> bool:
-        return session.id in self.ready
-
     def accept(self, session: Session, ready: pb.Ready) -> bool:
         """Take a session's Ready; False if this barrier does not wait on it."""
-        if session in self.sessions and ready.run_id == self.run_id and session.id not in self.ready:
+        if session.id in self.pending and ready.run_id == self.run_id:
             self.ready[session.id] = ready
-            self._check_done()
+            self._heard(session)
             return True
         return False
 
@@ -139,9 +164,6 @@ class OpenRound(Barrier):
     def answered_clients(self) -> int:
         return sum(len(self.expected[s.id].indices) for s in self.sessions if s.id in self.answers)
 
-    def _has(self, session: Session) -> bool:
-        return session.id in self.answers
-
     def expectation(self, session: Session) -> Expectation | None:
         return self.expected.get(session.id)
 
@@ -154,7 +176,7 @@ class OpenRound(Barrier):
     def accept(self, session: Session, answer: Answer, size: int) -> None:
         self.answers[session.id] = answer
         self.bytes_up += size
-        self._check_done()
+        self._heard(session)
 
     def in_order(self) -> list[Answer]:
         """The answers in client-index order (only those in hand, if a straggler deadline closed the round)."""

@@ -24,7 +24,7 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.transport import checks
 from fedsaddle.server.transport.auth import Authenticator, Identity
 from fedsaddle.server.transport.refusal import Refusal, RefusalLog, printable
-from fedsaddle.server.transport.rounds import Barriers
+from fedsaddle.server.transport.rounds import Barriers, OpenRound
 from fedsaddle.server.transport.sessions import Admission, Limits, Overflow, Registry, Session
 
 log = logging.getLogger("fedsaddle.coordinator")
@@ -239,7 +239,8 @@ class SessionService:
             return None
         if length and not header.payload:
             return header, wire.Assembler(length), size  # chunks follow
-        self._offer(session, header, header.payload, size)
+        assert round_ is not None and expected is not None
+        self._accept(session, round_, expected, header, header.payload, size)
         return None
 
     def _chunk(
@@ -257,12 +258,28 @@ class SessionService:
         return None
 
     def _offer(self, session: Session, header: pb.Answer, payload: bytes, size: int) -> None:
+        """A chunked answer is complete: checked again, as the round may have moved on while the chunks came."""
         round_ = self.barriers.round
         expected = round_.expectation(session) if round_ is not None else None
         try:
-            # Checked again: the round may have moved on while the chunks came.
             checks.answer_header(header, session.indices, expected, round_ is not None and session.id in round_.answers)
-            assert round_ is not None and expected is not None
+        except Refusal as refusal:
+            self._reject(session, header.round_id, refusal.code, refusal.details)
+            return
+        assert round_ is not None and expected is not None
+        self._accept(session, round_, expected, header, payload, size)
+
+    def _accept(
+        self,
+        session: Session,
+        round_: OpenRound,
+        expected: checks.Expectation,
+        header: pb.Answer,
+        payload: bytes,
+        size: int,
+    ) -> None:
+        """Offer an answer whose header was checked against the open round: its vectors are checked here."""
+        try:
             answer = checks.answer(header, payload, expected)
         except Refusal as refusal:
             self._reject(session, header.round_id, refusal.code, refusal.details)

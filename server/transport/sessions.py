@@ -108,6 +108,7 @@ class Registry:
         self.owner: dict[int, Session] = {}
         self.lost: dict[int, str] = {}  # client index -> how its session ended, until it rejoins
         self.all_joined = asyncio.Event()
+        self._live: list[Session] | None = None  # live(), until a session opens or closes
 
     def open(self, session: Session) -> Session:
         """Give the session its indices; Refusal(ALREADY_EXISTS) if another live session holds one."""
@@ -117,6 +118,7 @@ class Registry:
         for i in session.indices:
             self.owner[i] = session
             self.lost.pop(i, None)
+        self._live = None
         if len(self.owner) == self.num_clients:
             self.all_joined.set()
         return session
@@ -130,13 +132,18 @@ class Registry:
             if self.owner.get(i) is session:
                 del self.owner[i]
                 self.lost[i] = f"{session.describe()} {reason}"
+        self._live = None
         self.all_joined.clear()
 
     def live(self) -> list[Session]:
         """The live sessions, in the order of their first client index."""
-        return sorted({id(s): s for s in self.owner.values()}.values(), key=lambda s: s.indices[0])
+        if self._live is None:
+            self._live = sorted({id(s): s for s in self.owner.values()}.values(), key=lambda s: s.indices[0])
+        return list(self._live)
 
     def missing(self) -> list[int]:
+        if len(self.owner) == self.num_clients:
+            return []
         return [i for i in range(self.num_clients) if i not in self.owner]
 
     def require_all(self, when: str) -> list[Session]:
