@@ -28,6 +28,11 @@ from fedsaddle.server.algorithms import Algorithm, Answers, StepCost, build
 from fedsaddle.server.config import AlgorithmSpec, RunConfig
 from fedsaddle.server.pool import ClientPool, Diverged, RunInfo, fresh_traffic
 
+# A run has diverged when its iterate is not finite, or when its distance to z* has
+# grown this much over the distance it started from (a converging method may rise
+# a little first, never by four orders of magnitude).
+DIVERGENCE_GROWTH = 1e4
+
 # -- the run loop ---------------------------------------------------------------------------
 
 
@@ -196,6 +201,10 @@ class Run:
             finite = bool(np.isfinite(self.final_z).all())
         if done.steps > 0 and not finite:
             self.stop("diverged", f"the iterate is not finite after round {rounds}")
+            return False
+        start = self.records[0].get("dist_z")
+        if dist_z is not None and start is not None and dist_z > DIVERGENCE_GROWTH * max(float(start), 1e-12):
+            self.stop("diverged", f"||z - z*|| grew from {start:.3g} to {dist_z:.3g} by round {rounds}")
             return False
         return True
 

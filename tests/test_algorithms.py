@@ -148,7 +148,7 @@ def test_a_too_large_step_is_reported_as_diverged() -> None:
     run = config(problem=GAME, algorithms=[{"name": "scaffold_s", "gamma_local": 5.0}], rounds=200)
     (result,) = run_all(run, LocalPool())
     assert result.status == "diverged"
-    assert "non-finite" in result.detail
+    assert "grew from" in result.detail or "non-finite" in result.detail  # whichever comes first
 
 
 def drive(exchanges: Any, pool: LocalPool) -> Any:

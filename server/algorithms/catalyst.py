@@ -36,7 +36,11 @@ is estimated along the way by the secant monotonicity
     mu_hat = sum_k <G(z~_k) - G(z~_{k-1}), z~_k - z~_{k-1}> / sum_k ||z~_k - z~_{k-1}||^2
 over one meta-iteration's syncs, from the G(z~) SCAFFOLD-S gathers anyway, and
 the next meta-iteration uses theta = c mu_hat (the first uses the configured
-theta). Metrics are taken at z~, the newest synchronized iterate.
+theta). Once the iterates reach round-off the secants measure noise: theta is
+kept when they are within a few ulps of z~, and it never exceeds 1/gamma_local
+(without these safeguards the estimate drifted up at round-off until the local
+steps diverged, hundreds of rounds after convergence). Metrics are taken at z~,
+the newest synchronized iterate.
 
 Missing clients: as SCAFFOLD-S, its inner solver (the control and both rounds
 average the clients that answered); the stop rules see that sampled G.
@@ -46,6 +50,8 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
+import numpy as np
+
 from fedsaddle.common.numeric import Array, dot, norm
 from fedsaddle.common.tasks import GradientTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, positive
@@ -54,6 +60,9 @@ from fedsaddle.server.algorithms.schedule import SyncSchedule
 
 # -- the inner stop rule -----------------------------------------------------------------
 
+
+EPS = float(np.finfo(np.float64).eps)
+SECANT_FLOOR = 100.0  # secants within this many ulps of z~ are round-off (see _next_theta)
 
 _COST = StepCost(exchanges=2, paper=1)
 _INIT_COST = StepCost(exchanges=1, paper=0)
@@ -152,6 +161,8 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
         self.stop: InnerStop = stop if stop is not None else GradientMapping(0.1, 50)
         self.theta_rule = theta_rule
         self.theta_scale = positive("theta_scale", theta_scale)
+        gamma = self.inner_solver.gamma_local
+        self.theta_max = 1.0 / gamma if gamma > 0 else float("inf")
         self.dim_x = dim_x  # length of x in z = (x, y); None: half of z
 
     def init(self, z0: Array, seed: int) -> Exchanges[CatalystState]:
@@ -203,7 +214,7 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
         return CatalystState(
             z_bar=inner.z_tilde,
             inner=inner,
-            theta=self._next_theta(state.theta, secant_inner, secant_norm),
+            theta=self._next_theta(state.theta, secant_inner, secant_norm, inner.z_tilde),
             meta_iterations=state.meta_iterations + 1,
             inner_syncs=0,
             anchor_grad_norm=norm(inner.grad_tilde),
@@ -212,11 +223,18 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
             secant_norm=0.0,
         )
 
-    def _next_theta(self, theta: float, secant_inner: float, secant_norm: float) -> float:
-        """theta = c mu_hat from this meta-iteration's secants (when estimated and measurable)."""
-        if self.theta_rule == "estimated" and secant_norm > 0 and secant_inner > 0:
-            return self.theta_scale * (secant_inner / secant_norm)
-        return theta
+    def _next_theta(self, theta: float, secant_inner: float, secant_norm: float, z: Array) -> float:
+        """theta = c mu_hat from this meta-iteration's secants, when estimated and measurable.
+
+        Safeguards: steps at round-off (the secants shorter than SECANT_FLOOR ulps of z~)
+        measure noise, not curvature, so theta stays; and theta never exceeds 1/gamma_local,
+        beyond which the regularizer's own term overshoots in every local step.
+        """
+        if self.theta_rule != "estimated" or secant_inner <= 0:
+            return theta
+        if secant_norm <= (SECANT_FLOOR * EPS * max(norm(z), 1.0)) ** 2:
+            return theta
+        return min(self.theta_scale * (secant_inner / secant_norm), self.theta_max)
 
     def _regularized(self, f: float, z: Array, z_bar: Array, theta: float) -> float:
         """f^theta(z) = f(z) + theta/2 ||x - x_bar||^2 - theta/2 ||y - y_bar||^2."""
