@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from fedsaddle.server.pool import ClientPool
 
 log = logging.getLogger("fedsaddle")
+_LOADED = time.perf_counter()
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -233,9 +234,10 @@ def cmd_local(args: argparse.Namespace) -> int:
         raise UsageError("`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens")
     _stop_on_sigterm()
     data = _data_paths(args.data, range(config.problem.num_clients))
-    with loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data) as (pool, processes):
+    federation = loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=True)
+    with federation as (pool, processes):
         transport = {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
-        return _run(config, pool, transport)
+        return _run(config, pool, transport, timed=True)
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -383,14 +385,25 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 # -- running a config and what its ending means ---------------------------------------------
 
 
-def _run(config: RunConfig, pool: ClientPool, transport: dict[str, Any], reference: Any = None) -> int:
+def _run(
+    config: RunConfig, pool: ClientPool, transport: dict[str, Any], reference: Any = None, timed: bool = False
+) -> int:
+    """Run a config; `timed`: say how long after the command the first round was done."""
     from fedsaddle.progress import Progress
     from fedsaddle.server.coordinator import run_config
     from fedsaddle.server.report import table
 
     progress = Progress()
+    first: list[float] = []
+
+    def hook(name: str, spent: int, budget: int, dist_z: float) -> None:
+        if timed and not first:
+            first.append(_since_start())
+            print(f"first round done {first[0]:.2f} s after the command started", file=sys.stderr, flush=True)
+        progress.rounds(name, spent, budget, dist_z)
+
     try:
-        outcome = run_config(config, pool, transport, progress.rounds, reference)
+        outcome = run_config(config, pool, transport, hook, reference)
     finally:
         progress.close()
     if outcome.results:
@@ -414,6 +427,16 @@ def _exit_code(outcome: Outcome) -> int:
         return EXIT_INTERRUPTED
     log.error("run failed: %s", outcome.failure)
     return EXIT_RUN_FAILED
+
+
+def _since_start() -> float:
+    """Seconds since this process started (the kernel's start time; else since this module loaded)."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, in ticks since boot
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter() - _LOADED
 
 
 def _stop_on_sigterm() -> None:

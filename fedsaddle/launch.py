@@ -2,8 +2,10 @@
 
 Used by the command line (`fedsaddle local`, the gRPC experiment), the tests and
 the benchmarks, so that there is one way to start clients and one way to reap them.
-Client processes are started with subprocess, never forked from a process that
-holds gRPC objects (grpc/grpc#13873).
+Client processes are started with subprocess, or, for `fedsaddle local`, forked
+from the coordinator's process before it creates any gRPC object (grpc/grpc#13873):
+a forked client skips Python's start and the imports it shares with the
+coordinator, which is most of a federation's start-up on a small machine.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from typing import IO
+from typing import IO, Protocol
 
 from fedsaddle.common.indices import parse_indices
 from fedsaddle.server.config import RunConfig
@@ -74,7 +78,114 @@ def start_clients(
     return processes
 
 
-def reap(processes: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> list[int]:
+class ClientProcess(Protocol):
+    """What the launcher uses of a client process: subprocess.Popen, or a ForkedClient."""
+
+    pid: int
+    returncode: int | None
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class ForkedClient:
+    """A client process forked from this one: Popen's interface, as far as the launcher uses it."""
+
+    stdout: IO[bytes] | None = None
+    stderr: IO[bytes] | None = None
+
+    def __init__(self, pid: int, address_pipe: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pipe: int | None = address_pipe  # the child reads the coordinator's address from it
+
+    def start(self, address: str) -> None:
+        """Tell the child where the coordinator listens; it dials out."""
+        if self._pipe is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._pipe, address.encode())
+        self.release()
+
+    def release(self) -> None:
+        """Close this side of the address pipe (a child not yet started then exits)."""
+        if self._pipe is not None:
+            os.close(self._pipe)
+            self._pipe = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"client process {self.pid}", timeout or 0.0)
+            time.sleep(0.005)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_clients(
+    groups: Sequence[str],
+    *,
+    quiet: bool = True,
+    extra: Sequence[str] = (),
+    data: Mapping[int, str] | None = None,
+) -> list[ForkedClient]:
+    """start_clients, forked: each child waits for the coordinator's address (ForkedClient.start).
+
+    Call it before this process creates any gRPC object.
+    """
+    import fedsaddle.client.service  # noqa: F401  (imported once, here, instead of in every child)
+    from fedsaddle.cli import main
+
+    children: list[ForkedClient] = []
+    for spec in groups:
+        files = [arg for index in parse_indices(spec) if data for arg in ("--data", data[index])]
+        read_end, write_end = os.pipe()
+        sys.stdout.flush(), sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller
+            code = 1
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the coordinator's handler
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                os.close(write_end)
+                for sibling in children:
+                    sibling.release()  # the parent's ends of the siblings' pipes are not this child's
+                address = os.read(read_end, 4096).decode()
+                if address:  # nothing: the coordinator did not start
+                    command = client_command(address, spec, *extra, *files, quiet=quiet)
+                    code = main(command[3:])  # after `python -m fedsaddle`
+            except BaseException:  # print whatever ended it, then exit
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush(), sys.stderr.flush()
+                os._exit(code)
+        os.close(read_end)
+        children.append(ForkedClient(pid, write_end))
+    return children
+
+
+def reap(processes: Sequence[ClientProcess], grace: float = 10.0) -> list[int]:
     """Wait for processes to end (they should, after a goodbye); SIGTERM, then SIGKILL, stragglers.
 
     Returns their exit codes, in order.
@@ -85,16 +196,17 @@ def reap(processes: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> l
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.terminate()
+    codes = []
     for process in processes:
         try:
-            process.wait(timeout=2)
+            codes.append(process.wait(timeout=2))
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait()
+            codes.append(process.wait())
         for stream in (process.stdout, process.stderr):
             if stream is not None:
                 stream.close()
-    return [process.returncode for process in processes]
+    return codes
 
 
 def index_groups(num_clients: int, per_process: int) -> list[str]:
@@ -157,9 +269,7 @@ def _loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def wait_for_children(
-    pool: GrpcPool, children: Sequence[subprocess.Popen[bytes]], groups: Sequence[str], timeout: float
-) -> None:
+def wait_for_children(pool: GrpcPool, children: Sequence[ClientProcess], groups: Sequence[str], timeout: float) -> None:
     """wait_for_clients, but give up at once, naming them, if client processes exit first."""
     deadline = time.monotonic() + timeout
     while True:
@@ -182,15 +292,30 @@ def loopback_federation(
     quiet_clients: bool = True,
     capture: bool = False,
     data: Mapping[int, str] | None = None,
-) -> Iterator[tuple[GrpcPool, list[subprocess.Popen[bytes]]]]:
-    """A coordinator pool on 127.0.0.1 and client processes for every index; all stopped afterwards."""
-    pool = coordinator_pool(config, "127.0.0.1:0")
+    fork: bool = False,
+) -> Iterator[tuple[GrpcPool, list[ClientProcess]]]:
+    """A coordinator pool on 127.0.0.1 and client processes for every index; all stopped afterwards.
+
+    fork: fork the client processes from this one (see fork_clients) instead of starting
+    them afresh; only before this process has created any gRPC object.
+    """
     groups = index_groups(config.problem.num_clients, per_process)
     # The operator runs both sides here, so the clients trust the config's plugin problem.
     trust = ["--problem", config.problem.plugin] if config.problem.plugin else []
-    children: list[subprocess.Popen[bytes]] = []
+    children: list[ClientProcess] = []
+    pool: GrpcPool | None = None
     try:
-        children = start_clients(pool.address, groups, quiet=quiet_clients, capture=capture, data=data, extra=trust)
+        if fork:
+            forked = fork_clients(groups, quiet=quiet_clients, data=data, extra=trust)
+            children = list(forked)
+            pool = coordinator_pool(config, "127.0.0.1:0")
+            for child in forked:
+                child.start(pool.address)
+        else:
+            pool = coordinator_pool(config, "127.0.0.1:0")
+            children = list(
+                start_clients(pool.address, groups, quiet=quiet_clients, capture=capture, data=data, extra=trust)
+            )
         print(
             f"coordinator on {pool.address}; started {len(children)} client processes "
             f"for {config.problem.num_clients} clients",
@@ -200,5 +325,9 @@ def loopback_federation(
         wait_for_children(pool, children, groups, config.transport.join_timeout_s)
         yield pool, children
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
+        for process in children:
+            if isinstance(process, ForkedClient):
+                process.release()
         reap(children)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -82,9 +84,40 @@ def test_local_runs_a_federation_of_processes_on_loopback(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr
     assert "started 4 client processes for 4 clients" in done.stderr
     assert "WARNING" not in done.stderr  # a clean run ends every session without a complaint
+    assert re.search(r"first round done \d+\.\d\d s after the command started", done.stderr)
     summary = summary_of(tmp_path / "runs")
     assert summary["transport"]["client_processes"] == 4
     assert all(a["status"] == "ok" for a in summary["algorithms"])
+    simulated = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "sim"))
+    assert simulated.returncode == 0, simulated.stderr
+    hashes = [a["z_sha256"] for a in summary["algorithms"]]
+    assert hashes == [a["z_sha256"] for a in summary_of(tmp_path / "sim")["algorithms"]]
+
+
+def _children(pid: int) -> set[int]:
+    found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(p) for p in found.split()}
+
+
+def test_local_clients_are_processes_of_their_own_and_end_with_the_command(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**SMALL, "rounds": 1_000_000, "algorithms": SMALL["algorithms"][:1]}))
+    command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(path), "--out", str(tmp_path / "runs")]
+    local = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CLIENT_ENV)
+    try:
+        assert local.stderr is not None
+        for line in local.stderr:
+            if "first round done" in line:
+                break
+        clients = _children(local.pid)
+        assert len(clients) == 4  # one process per client, each with a pid of its own
+        local.send_signal(signal.SIGTERM)
+        _, err = local.communicate(timeout=60)
+    finally:
+        local.kill()
+    assert local.returncode == 0, err
+    assert "stopped by SIGTERM; outputs written, clients told goodbye" in err
+    assert all(not Path(f"/proc/{pid}").exists() for pid in clients)  # reaped, none left behind
 
 
 def test_show_config_prints_the_built_in_run() -> None:
