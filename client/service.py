@@ -25,6 +25,7 @@ import grpc
 
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import wire
+from fedsaddle.common.memory import keep_memory_returnable
 from fedsaddle.common.worker import ShardCache
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
 
@@ -177,6 +178,8 @@ async def run_client(options: ClientOptions) -> None:
 
 def serve(options: ClientOptions) -> None:
     """Run the client; SIGTERM ends it cleanly (the stream closes, the coordinator is told)."""
+
+    keep_memory_returnable()  # a task's and an answer's buffers go back to the OS between rounds
 
     async def session() -> None:
         task = asyncio.current_task()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 
 from pydantic import ValidationError
 
@@ -51,7 +52,7 @@ class ClientSession:
             hello=pb.Hello(protocol_version=pb.PROTOCOL_VERSION_2, client_indices=list(self.indices), client_name=name)
         )
 
-    def handle(self, instruction: pb.Instruction) -> list[pb.ClientMessage]:
+    def handle(self, instruction: pb.Instruction) -> Iterable[pb.ClientMessage]:
         """Act on one instruction; the messages to send in reply."""
         kind = instruction.WhichOneof("body")
         if kind == "welcome":
@@ -113,7 +114,7 @@ class ClientSession:
         log.error("cannot serve run %s: %s", run.run_id, reason)
         return pb.Ready(run_id=run.run_id, error=reason)
 
-    def _execute(self, message: pb.Task, payload: bytes) -> list[pb.ClientMessage]:
+    def _execute(self, message: pb.Task, payload: bytes | bytearray) -> Iterable[pb.ClientMessage]:
         if self.run is None or message.run_id != self.run.run_id:
             raise ClientError(f"task for run {message.run_id!r} before its RunSpec")
         if self.worker is None:

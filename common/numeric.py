@@ -21,6 +21,7 @@ Array = NDArray[np.float64]
 # Below this many entries per vector, one cumulative sum beats a Python loop;
 # both add in index order, so they give the same bits.
 _SMALL = 4096
+SUMMED_BY_LOOP_ABOVE = _SMALL  # vectors longer than this are summed one by one (server/pool.py relies on it)
 
 
 def ordered_sum(vectors: Array) -> Array:

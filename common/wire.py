@@ -11,6 +11,7 @@ serialized Instructions) and sends the same bytes to every session.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -62,19 +63,29 @@ def grpc_options(chunk_bytes: int, server: bool = False) -> list[tuple[str, int]
 
 
 def to_bytes(vectors: Sequence[Array]) -> bytes:
+    return _contiguous(vectors).tobytes()
+
+
+def _contiguous(vectors: Sequence[Array]) -> memoryview:
+    """The vectors' float64 entries, one after the other, as bytes (a view when there is one vector)."""
     if len(vectors) == 1:
-        return np.ascontiguousarray(vectors[0], dtype=FLOAT64).tobytes()
-    return np.concatenate([np.asarray(v, dtype=FLOAT64).ravel() for v in vectors]).tobytes()
+        values = np.ascontiguousarray(vectors[0], dtype=FLOAT64)
+    else:
+        values = np.concatenate([np.asarray(v, dtype=FLOAT64).ravel() for v in vectors])
+    return memoryview(values.reshape(-1)).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def from_bytes(data: bytes | bytearray, length: int) -> Array:
     """A read-only float64 view of the bytes (no copy), of exactly `length` entries."""
     if len(data) != 8 * length:
         raise WireError(f"payload has {len(data)} bytes, expected {8 * length} ({length} float64 entries)")
-    return np.frombuffer(data, dtype=FLOAT64)
+    values = np.frombuffer(data, dtype=FLOAT64)
+    values.flags.writeable = False  # also over an assembled bytearray
+    return values
 
 
-def chunks(data: bytes, chunk_bytes: int) -> Iterator[pb.Chunk]:
+def chunks(data: bytes | memoryview, chunk_bytes: int) -> Iterator[pb.Chunk]:
+    """The payload in Chunks of at most `chunk_bytes`, each made when it is asked for."""
     view = memoryview(data)
     for offset in range(0, len(data), chunk_bytes):
         yield pb.Chunk(offset=offset, data=view[offset : offset + chunk_bytes].tobytes())
@@ -90,11 +101,16 @@ class Assembler:
     def __init__(self, total_bytes: int) -> None:
         self.total = total_bytes
         self.filled = 0
-        self._pieces: list[bytes] = []
+        self._data = bytearray()  # grown in place: the payload is never held twice
 
     @property
     def done(self) -> bool:
         return self.filled == self.total
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory the payload holds so far."""
+        return len(self._data)
 
     def add(self, chunk: pb.Chunk) -> None:
         if chunk.offset != self.filled:
@@ -104,14 +120,12 @@ class Assembler:
             raise WireError(f"chunks overrun the payload: {end} bytes of {self.total}")
         if not chunk.data:
             raise WireError("empty chunk")
-        self._pieces.append(chunk.data)
+        self._data += chunk.data
         self.filled = end
 
-    def payload(self) -> bytes:
+    def payload(self) -> bytearray:
         """The whole payload (call when done)."""
-        data = b"".join(self._pieces)
-        self._pieces = [data]
-        return data
+        return self._data
 
 
 # -- tasks: coordinator -> client ------------------------------------------------------
@@ -150,11 +164,11 @@ def encode_task(
     run_id: str, round_id: int, task: Task, chunk_bytes: int, client_indices: Sequence[int] = ()
 ) -> list[bytes]:
     """The serialized Task instruction, followed by serialized Chunks if the payload is larger than one chunk."""
-    payload = to_bytes(task.payload())
+    payload = _contiguous(task.payload())
     message = task_message(run_id, round_id, task, len(payload) // 8)
     message.client_indices.extend(client_indices)
     if len(payload) <= chunk_bytes:
-        message.payload = payload
+        message.payload = payload.tobytes()
         return [pb.Instruction(task=message).SerializeToString()]
     pieces = [pb.Instruction(task=message).SerializeToString()]
     pieces.extend(pb.Instruction(chunk=c).SerializeToString() for c in chunks(payload, chunk_bytes))
@@ -194,21 +208,27 @@ def decode_task(message: pb.Task, payload: bytes | bytearray, dimension: int) ->
 # -- answers: client -> coordinator ----------------------------------------------------
 
 
-def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) -> list[pb.ClientMessage]:
-    """The Answer message, followed by Chunks if the payload is larger than one chunk."""
+def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) -> Iterator[pb.ClientMessage]:
+    """The Answer message, followed by Chunks if the payload is larger than one chunk.
+
+    The chunks are cut from the answer's vectors as they are sent: a large answer is
+    never copied whole.
+    """
     header = pb.Answer(run_id=run_id, round_id=round_id, client_indices=list(answer.indices), diverged=answer.diverged)
     if answer.diverged:
-        return [pb.ClientMessage(answer=header)]
-    payload = to_bytes([answer.vectors])
+        return iter([pb.ClientMessage(answer=header)])
+    payload = _contiguous([answer.vectors])
     header.payload_length = len(payload) // 8
     if answer.objective is not None:
         header.objective = to_bytes([answer.objective])
     if answer.counts is not None:
         header.sample_counts.extend(int(c) for c in answer.counts)
     if len(payload) <= chunk_bytes:
-        header.payload = payload
-        return [pb.ClientMessage(answer=header)]
-    return [pb.ClientMessage(answer=header), *(pb.ClientMessage(chunk=c) for c in chunks(payload, chunk_bytes))]
+        header.payload = payload.tobytes()
+        return iter([pb.ClientMessage(answer=header)])
+    return itertools.chain(
+        [pb.ClientMessage(answer=header)], (pb.ClientMessage(chunk=c) for c in chunks(payload, chunk_bytes))
+    )
 
 
 def decode_answer(

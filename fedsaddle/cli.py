@@ -147,8 +147,10 @@ def _serving(config: RunConfig, listen: str | None) -> Any:
 
     pool = coordinator_pool(config, listen)
     try:
+        token = config.transport.token_listen
+        tokens = f"token identities on {token.rsplit(':', 1)[0]}:{pool.token_port}; " if token else ""
         print(
-            f"coordinator listening on {pool.address}; waiting for {config.problem.num_clients} clients",
+            f"coordinator listening on {pool.address}; {tokens}waiting for {config.problem.num_clients} clients",
             file=sys.stderr,
             flush=True,
         )

@@ -27,7 +27,8 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from fedsaddle.common import seeding
-from fedsaddle.common.numeric import Array
+from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE as LARGE
+from fedsaddle.common.numeric import Array, ordered_sum
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.server.algorithms.base import Answers
@@ -228,6 +229,11 @@ class ClientPool(abc.ABC):
         want_objective = isinstance(task, GradientTask) and task.want_objective
         everyone = participants is None and sum(len(a.indices) for a in answers) == n
         answered = list(range(n)) if everyone else sorted(i for a in answers for i in a.indices)
+        if not evaluation and dim > LARGE and not any(a.diverged for a in answers):
+            # Large vectors are not stacked into one (clients, D) array: the mean is added up
+            # from the answers as they are, in client-index order, with the same arithmetic.
+            self.traffic[category].add(round_traffic(task, n, dim, participants, None if everyone else tuple(answered)))
+            return self._streamed(answers, answered, want_objective, everyone)
         position = None if everyone else {index: row for row, index in enumerate(answered)}
         vectors = np.empty((len(answered), len(task.metric_names) if isinstance(task, EvaluateTask) else dim))
         objective = np.empty(len(answered)) if want_objective else None
@@ -250,6 +256,29 @@ class ClientPool(abc.ABC):
         # Metrics are weighted by the clients' held-out rows; everything else by the run's rule.
         weights = counts if evaluation else self.weights if everyone or self.weights is None else self.weights[answered]
         return Answers(vectors, objective, weights, None if everyone else tuple(answered))
+
+    def _streamed(self, answers: list[Answer], answered: list[int], want_objective: bool, everyone: bool) -> Answers:
+        """Answers whose mean is summed from each client's row in place (see `aggregate`)."""
+        rows = sorted((index, answer.vectors[k]) for answer in answers for k, index in enumerate(answer.indices))
+        weights = self.weights if everyone or self.weights is None else self.weights[answered]
+        objective = np.empty(len(answered)) if want_objective else None
+        if objective is not None:
+            row_of = {index: row for row, index in enumerate(answered)}
+            for answer in answers:
+                if answer.objective is not None:
+                    objective[[row_of[i] for i in answer.indices]] = answer.objective
+        if weights is None:
+            total = np.array(rows[0][1], copy=True)
+            for _, vector in rows[1:]:
+                total += vector
+            mean = total / len(rows)
+        else:
+            total = weights[0] * rows[0][1]
+            for weight, (_, vector) in zip(weights[1:], rows[1:], strict=True):
+                total += weight * vector
+            weight_sum = float(ordered_sum(weights[:, None])[0])
+            mean = total / weight_sum if weight_sum != 0 else np.full(total.shape, np.nan)
+        return Answers(None, objective, weights, None if everyone else tuple(answered), aggregated=(mean, None))
 
     def restore(self, round_id: int, traffic: dict[str, dict[str, object]]) -> None:
         """Go on from a checkpoint: the round counter and the counts as they were."""

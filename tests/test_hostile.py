@@ -196,9 +196,6 @@ def test_the_readmes_two_site_example_runs_token_and_certificate_identities_toge
     (tmp_path / "credentials.yaml").write_text(
         "identities:\n" + "\n".join(new_token.splitlines()[4:]) + "\n  site-b: {indices: [5, 6, 7, 8, 9]}\n"
     )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        token_port = probe.getsockname()[1]
     run = {
         "problem": {"name": "paper_regression", "num_clients": 10, "dim": 5},
         "algorithms": [{"name": "scaffold_s", "gamma_local": 0.02}],
@@ -211,11 +208,12 @@ def test_the_readmes_two_site_example_runs_token_and_certificate_identities_toge
                 "client_ca": str(certs / "ca.pem"),
             },
             "credentials": str(tmp_path / "credentials.yaml"),
-            "token_listen": f"127.0.0.1:{token_port}",
+            "token_listen": "127.0.0.1:0",  # any free port: the coordinator says which
         },
     }
     coordinator = Coordinator(write_config(tmp_path / "run.yaml", **run), tmp_path / "runs")
-    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    listening = coordinator.wait_for(r"listening on (\S+); token identities on 127\.0\.0\.1:(\d+);", 30)
+    address, token_port = listening.group(1), int(listening.group(2))
     ca = ["--ca", str(certs / "ca.pem")]
     clients = [
         subprocess.Popen(

@@ -94,7 +94,9 @@ def test_the_assembler_holds_only_what_arrived() -> None:
     # A peer announcing a huge payload and sending little costs the coordinator little.
     assembler = wire.Assembler(8 << 30)
     assembler.add(pb.Chunk(offset=0, data=b"z" * 1024))
-    assert sum(len(p) for p in assembler._pieces) == 1024
+    assert assembler.held_bytes == 1024
+    assembler.add(pb.Chunk(offset=1024, data=b"y" * 1024))
+    assert assembler.held_bytes == 2048 and assembler.filled == 2048
 
 
 def test_message_limit_is_raised_only_as_far_as_one_chunk_needs() -> None:

@@ -70,9 +70,9 @@ class PaperRegressionShards:
             a_rows.append(np.maximum(1.0 + s * stream.standard_normal(d), 1.0))
             b_rows.append(own_b[i] - b_mean)
         # columns, (d, k): a[:, i] is client i's diagonal
-        self.a = np.array(a_rows).reshape(len(self.indices), d).T.copy()
-        self.b = np.array(b_rows).reshape(len(self.indices), d).T.copy()
-        self._half_a, self._half_b = 0.5 * self.a, 0.5 * self.b
+        # Only A_i / 2 and b_i / 2 are kept (the gradient's terms); doubling them back is exact.
+        self._half_a = 0.5 * np.array(a_rows).reshape(len(self.indices), d).T.copy()
+        self._half_b = 0.5 * np.array(b_rows).reshape(len(self.indices), d).T.copy()
         self._scratch: dict[tuple[int, ...], Array] = {}
 
     @classmethod
@@ -81,9 +81,8 @@ class PaperRegressionShards:
         stacked = cls.__new__(cls)
         first = runs[0]
         stacked.indices, stacked.dim, stacked.dimension = first.indices, first.dim, first.dimension
-        stacked.a = np.stack([r.a for r in runs], axis=-1)
-        stacked.b = np.stack([r.b for r in runs], axis=-1)
-        stacked._half_a, stacked._half_b = 0.5 * stacked.a, 0.5 * stacked.b
+        stacked._half_a = np.stack([r._half_a for r in runs], axis=-1)
+        stacked._half_b = np.stack([r._half_b for r in runs], axis=-1)
         stacked.lam = np.array([r.lam for r in runs], dtype=float)
         stacked._scratch = {}
         return stacked
@@ -93,11 +92,20 @@ class PaperRegressionShards:
         selected = type(self).__new__(type(self))
         selected.indices, selected.dim, selected.dimension = self.indices, self.dim, self.dimension
         rows = list(runs)
-        selected.a, selected.b = self.a[..., rows].copy(), self.b[..., rows].copy()
-        selected._half_a, selected._half_b = 0.5 * selected.a, 0.5 * selected.b
+        selected._half_a, selected._half_b = self._half_a[..., rows].copy(), self._half_b[..., rows].copy()
         selected.lam = np.asarray(self.lam)[rows]
         selected._scratch = {}
         return selected
+
+    @property
+    def a(self) -> Array:
+        """The clients' diagonals a_i, as columns (d, k)."""
+        return 2.0 * self._half_a
+
+    @property
+    def b(self) -> Array:
+        """The clients' b_i, as columns (d, k)."""
+        return 2.0 * self._half_b
 
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         d = self.dim

@@ -52,13 +52,13 @@ class Answers:
 
     def __init__(
         self,
-        vectors: Array,
+        vectors: Array | None,
         objective: Array | None = None,
         weights: Array | None = None,
         indices: tuple[int, ...] | None = None,
         aggregated: tuple[Array, float | None] | None = None,
     ) -> None:
-        self.vectors = vectors  # (m, D)
+        self.vectors = vectors  # (m, D); None when the pool passed the mean in (large D)
         self.objective = objective  # (m,) f_i(z), when the task asked for it
         self.weights = weights  # (m,) sample counts, or None for uniform weights
         self.indices = indices  # the answering clients; None: all n, in order
@@ -67,6 +67,7 @@ class Answers:
     def mean(self) -> Array:
         """The aggregated vector (D,)."""
         if self._mean is None:
+            assert self.vectors is not None
             self._mean = aggregate(self.vectors[None], self.weights)[0]
         return self._mean
 

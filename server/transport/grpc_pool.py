@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
+from fedsaddle.common.memory import keep_memory_returnable
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo, round_traffic
@@ -94,23 +95,6 @@ class Reply:
         if self._error is not None:
             raise self._error
         return self._value
-
-
-def keep_memory_returnable() -> None:
-    """Ask glibc to give large buffers back to the OS when they are freed.
-
-    By default glibc raises its mmap threshold after freeing a large block, so
-    later messages of megabytes land in its heaps, where any live neighbour pins
-    the pages: after a burst of large (hostile) messages the process would stay
-    at its peak. A fixed threshold keeps them in mmap, freed at once; fewer
-    arenas fragment less. Elsewhere than glibc this does nothing.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD: fixed, not adjusted upwards
-        libc.mallopt(-8, 4)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
 
 
 async def _return_freed_memory(every_s: float = 15.0) -> None:
@@ -458,6 +442,7 @@ class GrpcPool(ClientPool):
             await barrier.wait(self.round_timeout_s)
             reply.set((barrier.in_order(), sent, barrier.bytes_up))  # closed by the straggler deadline
         finally:
+            barrier.on_done = None  # it refers to the barrier: without this, a cycle keeps the answers alive
             if self.barriers.round is barrier:  # the next round may be open already
                 self.barriers.round = None
 

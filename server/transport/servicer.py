@@ -257,7 +257,7 @@ class SessionService:
         self._offer(session, header, assembler.payload(), total + size)
         return None
 
-    def _offer(self, session: Session, header: pb.Answer, payload: bytes, size: int) -> None:
+    def _offer(self, session: Session, header: pb.Answer, payload: bytes | bytearray, size: int) -> None:
         """A chunked answer is complete: checked again, as the round may have moved on while the chunks came."""
         round_ = self.barriers.round
         expected = round_.expectation(session) if round_ is not None else None
@@ -275,7 +275,7 @@ class SessionService:
         round_: OpenRound,
         expected: checks.Expectation,
         header: pb.Answer,
-        payload: bytes,
+        payload: bytes | bytearray,
         size: int,
     ) -> None:
         """Offer an answer whose header was checked against the open round: its vectors are checked here."""

@@ -1,0 +1,88 @@
+"""Memory of a federation: `fedsaddle local` at d = 1e6 with SCAFFOLD-S, every process sampled.
+
+Starts `fedsaddle local` (a coordinator and one process per client, forked from it)
+and samples every process of the tree every 50 ms until it ends. Prints each
+process's peak resident set (VmHWM), the peak of their sum (RSS counts pages the
+forked processes share once per process), and the peak of their proportional
+sum (PSS: shared pages split between the processes that share them; the
+federation's real footprint).
+
+    python bench/memory.py                 # d = 1e6, 10 clients, 10 rounds
+    python bench/memory.py --dim 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in found.split()]
+
+
+def _field(path: str, name: str) -> int | None:
+    """A `Name:  N kB` line of a /proc file, in MiB; None if the process is gone."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=float, default=1e6, help="d: x and y each in R^d")
+    parser.add_argument("--clients", type=int, default=10, help="clients, one process each")
+    parser.add_argument("--rounds", type=int, default=10, help="communication rounds")
+    args = parser.parse_args()
+    config = {
+        "name": "memory",
+        "problem": {"name": "paper_regression", "num_clients": args.clients, "dim": int(args.dim), "s": 1.0},
+        "algorithms": [{"name": "scaffold_s", "gamma_local": 0.01}],
+        "sync": {"kind": "fixed", "tau": 5},
+        "rounds": args.rounds,
+        "output": {"plot": False},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "memory.yaml"
+        path.write_text(yaml.safe_dump(config))
+        command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(path), "--out", tmp, "--quiet-clients"]
+        local = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        peaks: dict[int, int] = {}
+        roles: dict[int, str] = {local.pid: "coordinator"}
+        peak_rss = peak_pss = 0
+        while local.poll() is None:
+            tree = [local.pid, *_children(local.pid)]
+            rss = pss = 0
+            for pid in tree:
+                roles.setdefault(pid, "client")
+                hwm = _field(f"/proc/{pid}/status", "VmHWM")
+                if hwm is not None:
+                    peaks[pid] = hwm
+                    rss += _field(f"/proc/{pid}/status", "VmRSS") or 0
+                    pss += _field(f"/proc/{pid}/smaps_rollup", "Pss") or 0
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            time.sleep(0.05)
+        err = local.stderr.read() if local.stderr else ""
+    if local.returncode != 0:
+        sys.exit(f"fedsaddle local failed ({local.returncode}):\n{err[-2000:]}")
+    clients = sorted((peaks[p] for p in peaks if roles[p] == "client"), reverse=True)
+    print(f"memory, fedsaddle local, SCAFFOLD-S, d = {args.dim:g}, {args.clients} client processes, MiB")
+    print(f"  coordinator peak RSS        {peaks.get(local.pid, 0):>6}")
+    print(f"  client peak RSS             {' '.join(str(c) for c in clients)}")
+    print(f"  total RSS, peak of the sum  {peak_rss:>6}   (shared pages counted in every process)")
+    print(f"  total PSS, peak of the sum  {peak_pss:>6}   (shared pages split: the real footprint)")
+
+
+if __name__ == "__main__":
+    main()
