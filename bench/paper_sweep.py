@@ -17,7 +17,7 @@ import statistics
 import time
 
 from fedsaddle.experiments.batch import run_batch, run_batches
-from fedsaddle.experiments.grid import PAPER_FIVE, Grid
+from fedsaddle.experiments.grid import PAPER_FIVE, STEP_SCALES, Grid
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sample", type=int, default=4, help="runs per algorithm timed one at a time")
     args = parser.parse_args()
-    grid = Grid(algorithms=PAPER_FIVE)
+    grid = Grid(algorithms=PAPER_FIVE, step_scales=STEP_SCALES, variants={})  # the paper's own grid
     members = {a: [m for _, m in grid.members(a)] for a in PAPER_FIVE}
     batches = [members[a] for a in PAPER_FIVE]
     runs = sum(len(m) for m in batches)

@@ -1,13 +1,21 @@
 """The paper's experimental grid (section Experiments) and how its runs are kept and compared.
 
-n = 10, d = 10, lambda = 1e-5, tau = 20, sigma = 0, s = 0..15, step sizes
-{0.1, 0.05, 0.01} / max(s, 1) for the five algorithms (FedAvg-S with the
-decaying local step, SCAFFOLD-Catalyst-S with theta = 1 and the paper's
-objective-decrease heuristic), plus SCAFFOLD-Catalyst-S with this project's
-defaults beside it (the gradient-mapping stop rule and the estimated theta).
+n = 10, d = 10, lambda = 1e-5, tau = 20, sigma = 0, s = 0..15, for the five
+algorithms (FedAvg-S with the decaying local step, SCAFFOLD-Catalyst-S with
+theta = 1 and the paper's objective-decrease heuristic), plus two variants
+beside them: FedAvg-S with a constant step, and SCAFFOLD-Catalyst-S with this
+project's defaults (the gradient-mapping stop rule and the estimated theta).
 
-For each (algorithm, s) the step with the smallest geometric mean of the final
-||x - x*|| over seeds is kept; its spread over seeds is reported as [min, max].
+The paper tries steps {0.1, 0.05, 0.01}/max(s, 1) for every method; the best
+step was at that grid's edge almost everywhere. Here each method has its own
+grid, wide enough that its best step lies inside it (the reports flag any best
+at an edge), and the paper's Catalyst is also tuned over its stop threshold
+rtol in {1e-1, ..., 1e-4}, so that every method is compared at its best.
+
+For each (algorithm, s) the (step, variant) with the smallest median final
+||x - x*|| over seeds is kept, distances below FLOOR counting as equal (ties
+there go to the fewest median rounds to 1e-10); reports give the median and
+the interquartile range over seeds.
 """
 
 from __future__ import annotations
@@ -26,20 +34,24 @@ from fedsaddle.server.pool import ClientPool
 
 from .batch import BatchRun, run_batches
 
-STEP_SCALES = (0.1, 0.05, 0.01)
+STEP_SCALES = (0.1, 0.05, 0.01)  # the paper's grid, times 1/max(s, 1)
 ACCURACIES = (1e-6, 1e-10)
+FLOOR = 1e-15  # distances to z* = 0 below this are round-off: equal for choosing a step
 
-# Each algorithm of the paper's Experiments as a config entry, without its step size.
+_OBJECTIVE_STOP = {"rule": "objective", "rtol": 1e-3, "max_inner_syncs": 50}
+
+# Each algorithm of the sweep as a config entry, without its step size.
 PAPER_ENTRIES: dict[str, dict[str, Any]] = {
     "minibatch_md": {"name": "minibatch_md"},
     "mirror_prox": {"name": "mirror_prox"},
     "fedavg_s": {"name": "fedavg_s", "decay": "inverse_sqrt"},
+    "fedavg_s_constant": {"name": "fedavg_s", "decay": "constant", "label": "fedavg_s_constant"},
     "scaffold_s": {"name": "scaffold_s"},
     "scaffold_catalyst_s": {
         "name": "scaffold_catalyst_s",
         "theta": 1.0,
         "theta_rule": "fixed",
-        "stop": {"rule": "objective", "rtol": 1e-3, "max_inner_syncs": 50},
+        "stop": _OBJECTIVE_STOP,
     },
     "catalyst_ours": {
         "name": "scaffold_catalyst_s",
@@ -50,6 +62,43 @@ PAPER_ENTRIES: dict[str, dict[str, Any]] = {
     },
 }
 PAPER_FIVE = ("minibatch_md", "mirror_prox", "fedavg_s", "scaffold_s", "scaffold_catalyst_s")
+SWEPT = (
+    "minibatch_md",
+    "mirror_prox",
+    "fedavg_s",
+    "fedavg_s_constant",
+    "scaffold_s",
+    "scaffold_catalyst_s",
+    "catalyst_ours",
+)
+
+# One name per algorithm variant, in every table and figure (runs.csv keeps the keys).
+NAMES = {
+    "minibatch_md": "Minibatch MD",
+    "mirror_prox": "Minibatch Mirror-prox",
+    "fedavg_s": "FedAvg-S (decaying step)",
+    "fedavg_s_constant": "FedAvg-S (constant step)",
+    "scaffold_s": "SCAFFOLD-S",
+    "scaffold_catalyst_s": "Catalyst (paper)",
+    "catalyst_ours": "Catalyst (ours)",
+}
+
+# Each method's step grid, times 1/max(s, 1), chosen to bracket its best step at every s.
+STEP_GRIDS: dict[str, tuple[float, ...]] = {
+    "minibatch_md": (1.0, 0.5, 0.2, 0.1),
+    "mirror_prox": (5.0, 2.0, 1.0, 0.5),
+    "fedavg_s": (2.0, 1.0, 0.5, 0.2, 0.1, 0.05),
+    "fedavg_s_constant": (0.05, 0.02, 0.01, 0.005, 0.002, 0.001),
+    "scaffold_s": (0.5, 0.2, 0.1, 0.05),
+    "scaffold_catalyst_s": (1.0, 0.5, 0.2, 0.1),
+    "catalyst_ours": (1.0, 0.5, 0.2, 0.1, 0.05),
+}
+
+# Hyper-parameters tuned beside the step: the paper's Catalyst at each stop threshold.
+STOP_THRESHOLDS = (1e-1, 1e-2, 1e-3, 1e-4)
+VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
+    "scaffold_catalyst_s": {f"rtol={r:g}": {"stop": {**_OBJECTIVE_STOP, "rtol": r}} for r in STOP_THRESHOLDS},
+}
 
 
 def with_step(entry: Mapping[str, Any], step: float) -> dict[str, Any]:
@@ -62,16 +111,26 @@ def with_step(entry: Mapping[str, Any], step: float) -> dict[str, Any]:
 class Grid:
     s_values: tuple[float, ...] = tuple(float(s) for s in range(16))
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
-    step_scales: tuple[float, ...] = STEP_SCALES
+    step_scales: tuple[float, ...] | None = None  # one grid for every algorithm; None: STEP_GRIDS
     rounds: int = 500
     convention: str = "exchanges"
     tau: int = 20
-    algorithms: tuple[str, ...] = (*PAPER_FIVE, "catalyst_ours")
+    algorithms: tuple[str, ...] = SWEPT
     entries: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: PAPER_ENTRIES)
+    variants: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=lambda: VARIANTS)
     overrides: dict[str, Any] = field(default_factory=dict)  # extra config fields, e.g. init
 
-    def config(self, algorithm: str, s: float, scale: float, seed: int) -> RunConfig:
+    def scales(self, algorithm: str) -> tuple[float, ...]:
+        if self.step_scales is not None:
+            return self.step_scales
+        return STEP_GRIDS.get(algorithm, STEP_SCALES)
+
+    def variants_of(self, algorithm: str) -> Mapping[str, Mapping[str, Any]]:
+        return self.variants.get(algorithm) or {"": {}}
+
+    def config(self, algorithm: str, s: float, scale: float, seed: int, variant: str = "") -> RunConfig:
         step = scale / max(s, 1.0)
+        entry = {**self.entries[algorithm], **self.variants_of(algorithm)[variant]}
         return parse_config(
             {
                 "name": "paper",
@@ -80,7 +139,7 @@ class Grid:
                 "sync": {"kind": "fixed", "tau": self.tau},
                 "rounds": self.rounds,
                 "round_convention": self.convention,
-                "algorithms": [with_step(self.entries[algorithm], step)],
+                "algorithms": [with_step(entry, step)],
                 **self.overrides,
             }
         )
@@ -88,16 +147,30 @@ class Grid:
     def members(self, algorithm: str) -> list[tuple[dict[str, Any], BatchRun]]:
         out = []
         for s in self.s_values:
-            for scale in self.step_scales:
-                for seed in self.seeds:
-                    config = self.config(algorithm, s, scale, seed)
-                    key = {"algorithm": algorithm, "s": s, "step_scale": scale, "seed": seed}
-                    out.append((key, BatchRun(config, config.algorithms[0])))
+            for scale in self.scales(algorithm):
+                for variant in self.variants_of(algorithm):
+                    for seed in self.seeds:
+                        config = self.config(algorithm, s, scale, seed, variant)
+                        key = {"algorithm": algorithm, "s": s, "step_scale": scale, "variant": variant, "seed": seed}
+                        out.append((key, BatchRun(config, config.algorithms[0])))
         return out
 
     @property
     def size(self) -> int:
-        return len(self.algorithms) * len(self.s_values) * len(self.step_scales) * len(self.seeds)
+        per_s = sum(len(self.scales(a)) * len(self.variants_of(a)) for a in self.algorithms)
+        return per_s * len(self.s_values) * len(self.seeds)
+
+    def describe(self) -> str:
+        """The parameters, for figure captions and report headers."""
+        seeds = self.seeds
+        seed_text = (
+            f"seeds {seeds[0]}-{seeds[-1]}" if seeds == tuple(range(seeds[0], seeds[-1] + 1)) else f"seeds {seeds}"
+        )
+        counted = "every exchange counted" if self.convention == "exchanges" else "paper convention"
+        return (
+            f"n = 10, d = 10, lambda = 1e-5, tau = {self.tau}, sigma = 0; {len(seeds)} {seed_text}; "
+            f"{self.rounds} rounds ({counted})"
+        )
 
 
 @dataclass
@@ -135,7 +208,12 @@ class Row:
 def run_grid(grid: Grid, progress: Callable[[int], None] | None = None, workers: int | None = None) -> list[Row]:
     """Every (algorithm, s, step, seed) of the grid: one batch per algorithm, spread over
     `workers` processes (default: one per core); `progress(runs done)`."""
-    members = [grid.members(algorithm) for algorithm in grid.algorithms]
+    # One batch per (algorithm, variant): batches of similar size keep the worker processes busy alike.
+    members = [
+        [m for m in grid.members(algorithm) if m[0]["variant"] == variant]
+        for algorithm in grid.algorithms
+        for variant in grid.variants_of(algorithm)
+    ]
     hook = None if progress is None else (lambda done, _total: progress(done))
     results = run_batches([[m for _, m in batch] for batch in members], workers, hook)
     return [
@@ -151,7 +229,7 @@ def run_rows_on(
     """The given grid points one by one on a pool (e.g. over gRPC)."""
     rows = []
     for key in keys:
-        config = grid.config(key["algorithm"], key["s"], key["step_scale"], key["seed"])
+        config = grid.config(key["algorithm"], key["s"], key["step_scale"], key["seed"], key.get("variant", ""))
         rows.append(Row(key, run_algorithm(config.algorithms[0], config, pool)))
         if progress is not None:
             progress(len(rows))
@@ -167,31 +245,65 @@ def log_mean(values: Sequence[float]) -> float:
     return float(np.mean(np.log10(np.maximum(values, 1e-300))))
 
 
+def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """q1, median, q3 of the values; a diverged run (NaN or inf) counts as +inf."""
+    if not values:
+        return math.nan, math.nan, math.nan
+    # Interpolating next to an infinity would give NaN: compute with a huge stand-in, map it back.
+    stand_in = [v if math.isfinite(v) else 1e300 for v in values]
+    found = np.percentile(stand_in, [25, 50, 75], method="median_unbiased")
+    q1, median, q3 = (float(v) if v < 1e299 else math.inf for v in found)
+    return q1, median, q3
+
+
 @dataclass
 class Best:
     algorithm: str
     s: float
     step_scale: float
     rows: list[Row]  # one per seed
+    variant: str = ""
+    edge: bool = False  # the step is the smallest or largest of its grid
 
     @property
     def finals(self) -> list[float]:
         return [r.result.dist_x for r in self.rows]
 
     @property
+    def median(self) -> float:
+        return quartiles(self.finals)[1]
+
+    @property
+    def diverged(self) -> int:
+        return sum(r.result.status == "diverged" for r in self.rows)
+
+    @property
     def geometric_mean(self) -> float:
         value = log_mean(self.finals)
         return 10**value if math.isfinite(value) else math.inf
 
+    def score(self) -> tuple[float, float]:
+        """What choosing minimizes: the median final distance (round-off counts as equal), then rounds to 1e-10."""
+        reached = [r.rounds_to(1e-10) for r in self.rows]
+        rounds = quartiles([math.inf if x is None else float(x) for x in reached])[1]
+        return max(quartiles([max(f, FLOOR) if math.isfinite(f) else math.inf for f in self.finals])[1], FLOOR), rounds
+
 
 def best_steps(rows: Sequence[Row]) -> dict[tuple[str, float], Best]:
-    groups: dict[tuple[str, float, float], list[Row]] = defaultdict(list)
+    """For each (algorithm, s): the step (and variant) of the grid with the best score over seeds."""
+    groups: dict[tuple[str, float, float, str], list[Row]] = defaultdict(list)
+    scales: dict[str, set[float]] = defaultdict(set)
     for row in rows:
-        groups[(row.key["algorithm"], row.key["s"], row.key["step_scale"])].append(row)
+        key = row.key
+        groups[(key["algorithm"], key["s"], key["step_scale"], key.get("variant", ""))].append(row)
+        scales[key["algorithm"]].add(key["step_scale"])
     best: dict[tuple[str, float], Best] = {}
-    for (algorithm, s, scale), members in groups.items():
-        candidate = Best(algorithm, s, scale, members)
+    for (algorithm, s, scale, variant), members in groups.items():
+        candidate = Best(algorithm, s, scale, members, variant)
         current = best.get((algorithm, s))
-        if current is None or log_mean(candidate.finals) < log_mean(current.finals):
+        if current is None or candidate.score() < current.score():
             best[(algorithm, s)] = candidate
+    for chosen in best.values():
+        grid = scales[chosen.algorithm]
+        chosen.edge = len(grid) > 1 and chosen.step_scale in (min(grid), max(grid))
     return best

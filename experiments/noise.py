@@ -10,8 +10,8 @@ from fedsaddle.common.worker import ShardCache
 from fedsaddle.server.driver import AlgorithmResult
 
 from .batch import run_batch
-from .grid import PAPER_FIVE, Grid
-from .report import LABELS, PLOT_FLOOR, axis_label, convention_note, fmt, markdown
+from .grid import NAMES, SWEPT, Grid
+from .report import DIST_LABEL, MARKERS, PLOT_FLOOR, axis_label, convention_note, fmt, markdown
 
 NOISE_LEVELS = (0.0, 0.01, 0.1, 1.0)
 
@@ -25,14 +25,22 @@ def run_noise(out: Path, command: str, s: float = 5.0, seeds: tuple[int, ...] = 
 
     out.mkdir(parents=True, exist_ok=True)
     cache = ShardCache(size=len(seeds))
-    algorithms = (*PAPER_FIVE, "catalyst_ours")
+    algorithms = SWEPT
     curves: dict[tuple[str, float], list[AlgorithmResult]] = {}
     for sigma in NOISE_LEVELS:
-        grid = Grid(s_values=(s,), seeds=seeds, rounds=rounds, step_scales=(0.1,), overrides={"gradient_noise": sigma})
+        grid = Grid(
+            s_values=(s,),
+            seeds=seeds,
+            rounds=rounds,
+            step_scales=(0.1,),
+            variants={},
+            overrides={"gradient_noise": sigma},
+        )
         for algorithm in algorithms:
             members = grid.members(algorithm)
             curves[(algorithm, sigma)] = run_batch([m for _, m in members], cache)
-    fig, axes = plt.subplots(1, len(NOISE_LEVELS), figsize=(5 * len(NOISE_LEVELS), 4.2), dpi=110, sharey=True)
+    fig, axes = plt.subplots(1, len(NOISE_LEVELS), figsize=(4.2 * len(NOISE_LEVELS), 4.0), dpi=110, sharey=True)
+    handles = []
     lines = [
         "# Stochastic gradients\n",
         f"Made by `{command}`. s = {s:g}, step 0.1/max(s, 1), tau = 20, {len(seeds)} seeds; gradient noise "
@@ -48,18 +56,28 @@ def run_noise(out: Path, command: str, s: float = 5.0, seeds: tuple[int, ...] = 
             xs = [rec["rounds"] for rec in results[0].records[:length]]
             ys = np.maximum(np.array([[rec["dist_x"] for rec in r.records[:length]] for r in results]), PLOT_FLOOR)
             style = "--" if algorithm == "catalyst_ours" else "-"
-            ax.semilogy(xs, np.median(ys, axis=0), style, label=LABELS[algorithm])
+            (line,) = ax.semilogy(
+                xs, np.median(ys, axis=0), style, marker=MARKERS[algorithm], markevery=max(1, length // 6), ms=4
+            )
+            if sigma == NOISE_LEVELS[0]:
+                handles.append(line)
             tail = ys[:, int(0.9 * length) :]
             cells.append(fmt(float(np.median(tail))) if length else "diverged")
         rows.append((f"{sigma:g}", cells))
-        ax.set_title(f"sigma = {sigma:g}")
+        ax.set_title(rf"$\sigma = {sigma:g}$")
         ax.set_xlabel(axis_label("exchanges"))
         ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(convention_note("exchanges"), fontsize=9)
-    axes[0].set_ylabel(f"||x - x*|| (median over seeds; floor {PLOT_FLOOR:g})")
-    axes[0].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+    seed_text = f"seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    fig.suptitle(
+        f"Gradient noise: s = {s:g}, step 0.1/max(s,1) for every method, tau = 20, n = 10, d = 10, {seed_text}; "
+        f"median over seeds. {convention_note('exchanges')}",
+        fontsize=8,
+        wrap=True,
+    )
+    axes[0].set_ylabel(f"{DIST_LABEL} (median over seeds; floor {PLOT_FLOOR:g})")
+    fig.legend(handles, [NAMES[a] for a in algorithms], loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.92))
     fig.savefig(out / "figure_noise.png")
     plt.close(fig)
-    lines.append(markdown("", "sigma", algorithms, rows).lstrip("\n"))
+    lines.append(markdown("", "sigma", [NAMES[a] for a in algorithms], rows).lstrip("\n"))
     (out / "noise.md").write_text("\n".join(lines))

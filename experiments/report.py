@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .grid import ACCURACIES, Best, Grid, Row, best_steps
+from .grid import ACCURACIES, NAMES, Best, Grid, Row, best_steps, quartiles
 
 # Figures clip distances at this floor: with z* = 0 (s = 0 especially) iterates shrink
 # past any meaningful accuracy, and 1e-100 would flatten every other curve.
@@ -38,61 +38,103 @@ def markdown(caption: str, first: str, columns: Sequence[str], rows: Iterable[tu
     return "\n".join(lines) + "\n"
 
 
-def final_table(best: dict[tuple[str, float], Best], algorithms: Sequence[str], convention: str) -> str:
-    counted = "every exchange counted" if convention == "exchanges" else "the paper's convention"
+def _name(algorithm: str) -> str:
+    return NAMES.get(algorithm, algorithm)
 
+
+def _iqr(values: Sequence[float]) -> str:
+    q1, median, q3 = quartiles(values)
+    return f"{fmt(median)} [{fmt(q1)}, {fmt(q3)}]"
+
+
+def _choice(b: Best) -> str:
+    variant = f", {b.variant}" if b.variant else ""
+    return f"({b.step_scale:g}{variant}{', edge' if b.edge else ''})"
+
+
+def final_table(best: dict[tuple[str, float], Best], algorithms: Sequence[str], grid: Grid) -> str:
     def cell(b: Best) -> str:
-        return f"{fmt(b.geometric_mean)} [{fmt(min(b.finals))}, {fmt(max(b.finals))}] ({b.step_scale:g})"
+        diverged = f", {b.diverged} diverged" if b.diverged else ""
+        return f"{_iqr(b.finals)} {_choice(b)}{diverged}"
 
     return markdown(
-        f"Final ||x - x*|| after the budget ({counted}): geometric mean over seeds [min, max], "
-        "at the best of the three step sizes (its scale in parentheses).",
+        f"Final ||x - x*|| after the budget ({grid.describe()}): median over seeds [interquartile range], at the "
+        "best step of the method's grid (its scale times 1/max(s,1) in parentheses; 'edge': the best step is the "
+        "grid's smallest or largest; for Catalyst (paper) also its best stop threshold).",
         "s",
-        algorithms,
+        [_name(a) for a in algorithms],
         ((f"{s:g}", [cell(best[(a, s)]) for a in algorithms]) for s in sorted({s for _, s in best})),
     )
 
 
-def accuracy_table(rows: Sequence[Row], algorithms: Sequence[str], accuracy: float) -> str:
-    """Rounds (every exchange counted) until ||x - x*|| <= accuracy: median over seeds, at the fastest step."""
-    groups: dict[tuple[str, float, float], list[float]] = defaultdict(list)
+def accuracy_table(rows: Sequence[Row], algorithms: Sequence[str], accuracy: float, grid: Grid) -> str:
+    """Rounds until ||x - x*|| <= accuracy: median [IQR] over seeds, at the (step, variant) that gets there fastest."""
+    groups: dict[tuple[str, float, float, str], list[float]] = defaultdict(list)
     for row in rows:
         reached = row.rounds_to(accuracy)
-        groups[(row.key["algorithm"], row.key["s"], row.key["step_scale"])].append(
-            math.inf if reached is None else reached
-        )
-    fastest: dict[tuple[str, float], tuple[float, float]] = {}
-    for (algorithm, s, scale), values in groups.items():
-        median = sorted(values)[len(values) // 2]
+        key = (row.key["algorithm"], row.key["s"], row.key["step_scale"], row.key.get("variant", ""))
+        groups[key].append(math.inf if reached is None else float(reached))
+    fastest: dict[tuple[str, float], tuple[float, list[float], float, str]] = {}
+    for (algorithm, s, scale, variant), values in groups.items():
+        median = quartiles(values)[1]
         if (algorithm, s) not in fastest or median < fastest[(algorithm, s)][0]:
-            fastest[(algorithm, s)] = (median, scale)
+            fastest[(algorithm, s)] = (median, values, scale, variant)
 
-    def cell(median: float, scale: float) -> str:
-        return "not reached" if not math.isfinite(median) else f"{int(median)} ({scale:g})"
+    def cell(median: float, values: list[float], scale: float, variant: str) -> str:
+        if not math.isfinite(median):
+            return "not reached"
+        q1, _, q3 = quartiles(values)
+        spread = f"[{q1:.0f}, {'not reached' if not math.isfinite(q3) else f'{q3:.0f}'}]"
+        return f"{median:.0f} {spread} ({scale:g}{', ' + variant if variant else ''})"
 
+    counted = "every exchange counted" if grid.convention == "exchanges" else "the paper's convention"
     return markdown(
-        f"Rounds until ||x - x*|| <= {accuracy:g}, every exchange counted: median over seeds, at the step of the "
-        "grid that gets there fastest (its scale in parentheses); 'not reached' = not within the run's budget.",
+        f"Rounds until ||x - x*|| <= {accuracy:g} ({counted}): median over seeds [interquartile range], at the step "
+        "of the grid that gets there fastest (in parentheses); 'not reached' = not within the run's budget.",
         "s",
-        algorithms,
+        [_name(a) for a in algorithms],
         ((f"{s:g}", [cell(*fastest[(a, s)]) for a in algorithms]) for s in sorted({s for _, s in fastest})),
+    )
+
+
+def stop_threshold_table(rows: Sequence[Row]) -> str | None:
+    """The paper's Catalyst at each stop threshold: median final ||x - x*|| at that threshold's best step."""
+    mine = [r for r in rows if r.key["algorithm"] == "scaffold_catalyst_s" and r.key.get("variant")]
+    if not mine:
+        return None
+    by_variant: dict[str, list[Row]] = defaultdict(list)
+    for row in mine:
+        by_variant[row.key["variant"]].append(row)
+    best = {variant: best_steps(members) for variant, members in by_variant.items()}
+    variants = sorted(best, key=lambda v: -float(v.split("=")[1]))
+    s_values = sorted({r.key["s"] for r in mine})
+    return markdown(
+        "Catalyst (paper): sensitivity to its stop threshold (the objective-decrease rtol). Final ||x - x*||, "
+        "median over seeds [interquartile range], at each threshold's best step.",
+        "s",
+        variants,
+        ((f"{s:g}", [f"{_iqr(best[v][('scaffold_catalyst_s', s)].finals)}" for v in variants]) for s in s_values),
     )
 
 
 # -- figures ---------------------------------------------------------------------------
 
-LABELS = {
-    "minibatch_md": "Minibatch MD",
-    "mirror_prox": "Minibatch Mirror-prox",
-    "fedavg_s": "FedAvg-S",
-    "scaffold_s": "SCAFFOLD-S",
-    "scaffold_catalyst_s": "SCAFFOLD-Catalyst-S (paper's stop heuristic)",
-    "catalyst_ours": "SCAFFOLD-Catalyst-S (gradient stop, estimated theta)",
+MARKERS = {
+    "minibatch_md": "o",
+    "mirror_prox": "s",
+    "fedavg_s": "v",
+    "fedavg_s_constant": "^",
+    "scaffold_s": "D",
+    "scaffold_catalyst_s": "P",
+    "catalyst_ours": "*",
 }
+DIST_LABEL = r"$\|x - x^\star\|$"
 
 
 def axis_label(convention: str) -> str:
-    return "rounds (every exchange)" if convention == "exchanges" else "rounds (paper's count)"
+    return (
+        "communication rounds (every exchange)" if convention == "exchanges" else "communication rounds (paper's count)"
+    )
 
 
 def convention_note(convention: str) -> str:
@@ -107,71 +149,131 @@ def convention_note(convention: str) -> str:
     )
 
 
+def _curve(row: Row, key: str, length: int) -> tuple[list[float], list[float]]:
+    """A run's (rounds, distance) padded to `length` points; a diverged run is +inf from its end on."""
+    points = [(r[key], r["dist_x"]) for r in row.result.records]
+    xs = [p[0] for p in points]
+    ys = [p[1] if math.isfinite(p[1]) else math.inf for p in points]
+    if row.result.status == "diverged" and ys:
+        ys[-1] = math.inf
+    return xs, ys + [math.inf if row.result.status == "diverged" else ys[-1]] * (length - len(ys))
+
+
 def figure_curves(
-    path: Path,
-    best: dict[tuple[str, float], Best],
-    algorithms: Sequence[str],
-    s_values: Sequence[float],
-    convention: str,
+    path: Path, best: dict[tuple[str, float], Best], algorithms: Sequence[str], s_values: Sequence[float], grid: Grid
 ) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = "rounds" if convention == "exchanges" else "paper_rounds"
-    fig, axes = plt.subplots(1, len(s_values), figsize=(5 * len(s_values), 4.2), dpi=110, sharey=True)
+    key = "rounds" if grid.convention == "exchanges" else "paper_rounds"
+    fig, axes = plt.subplots(1, len(s_values), figsize=(4.2 * len(s_values), 4.0), dpi=110, sharey=True)
+    lines = {}
     for ax, s in zip(np.atleast_1d(axes), s_values, strict=True):
+        chosen = []
         for algorithm in algorithms:
             b = best[(algorithm, s)]
-            curves = [[(r[key], r["dist_x"]) for r in row.result.records] for row in b.rows]
-            length = min(len(c) for c in curves)
-            if length == 0:
-                continue
-            xs = [p[0] for p in curves[0][:length]]
-            ys = np.maximum(np.array([[p[1] for p in c[:length]] for c in curves]), PLOT_FLOOR)
+            length = max(len(r.result.records) for r in b.rows)
+            longest = max(b.rows, key=lambda r: len(r.result.records))
+            xs = _curve(longest, key, length)[0]
+            ys = np.array([_curve(r, key, length)[1] for r in b.rows])
+            q1, median, q3 = np.percentile(ys, [25, 50, 75], axis=0, method="median_unbiased")
+            finite = np.isfinite(median)
             style = "--" if algorithm == "catalyst_ours" else "-"
-            ax.semilogy(xs, np.median(ys, axis=0), style, label=f"{LABELS[algorithm]} ({b.step_scale:g}/max(s,1))")
-            ax.fill_between(xs, ys.min(axis=0), ys.max(axis=0), alpha=0.15)
-        ax.set_title(f"s = {s:g}")
-        ax.set_xlabel(axis_label(convention))
+            (line,) = ax.semilogy(
+                np.array(xs)[finite],
+                np.maximum(median[finite], PLOT_FLOOR),
+                style,
+                marker=MARKERS.get(algorithm),
+                markevery=max(1, int(finite.sum()) // 6),
+                ms=4,
+            )
+            lines[algorithm] = line
+            band = finite & np.isfinite(q3)
+            ax.fill_between(
+                np.array(xs)[band],
+                np.maximum(q1[band], PLOT_FLOOR),
+                np.maximum(q3[band], PLOT_FLOOR),
+                color=line.get_color(),
+                alpha=0.15,
+            )
+            if not finite.all():  # the median run diverged: marked where, not drawn off the scale
+                at = np.array(xs)[~finite][0] if (~finite).any() else xs[-1]
+                ax.plot([at], [1e2], "x", color=line.get_color(), ms=8, clip_on=False)
+            chosen.append(f"{_name(algorithm)}: {b.step_scale:g}{', ' + b.variant if b.variant else ''}")
+        ax.text(
+            0.98,
+            0.98,
+            "steps (x 1/max(s,1)):\n" + "\n".join(chosen),
+            transform=ax.transAxes,
+            fontsize=6,
+            va="top",
+            ha="right",
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.8"},
+        )
+        ax.set_title(f"$s = {s:g}$")
+        ax.set_xlabel(axis_label(grid.convention))
+        ax.set_ylim(PLOT_FLOOR / 10, 1e3)
         ax.grid(True, which="both", alpha=0.3)
-    np.atleast_1d(axes)[0].set_ylabel(f"||x - x*||  (median over seeds, band: min-max; floor {PLOT_FLOOR:g})")
-    np.atleast_1d(axes)[0].legend(fontsize=7, loc="lower left")
-    fig.suptitle(convention_note(convention), fontsize=9)
-    fig.tight_layout()
+    np.atleast_1d(axes)[0].set_ylabel(f"{DIST_LABEL}, median over seeds (band: interquartile range)")
+    fig.legend(
+        [lines[a] for a in algorithms],
+        [_name(a) for a in algorithms],
+        loc="lower center",
+        ncol=min(4, len(algorithms)),
+        fontsize=8,
+        frameon=False,
+    )
+    fig.suptitle(
+        f"{grid.describe()}; x: a diverged median run. {convention_note(grid.convention)}", fontsize=8, wrap=True
+    )
+    fig.tight_layout(rect=(0, 0.1, 1, 0.93))
     fig.savefig(path)
     plt.close(fig)
 
 
-def figure_final_vs_s(
-    path: Path, best: dict[tuple[str, float], Best], algorithms: Sequence[str], budget: int, convention: str
-) -> None:
+def figure_final_vs_s(path: Path, best: dict[tuple[str, float], Best], algorithms: Sequence[str], grid: Grid) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     s_values = sorted({s for _, s in best})
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(8.5, 4.8), dpi=110)
     for algorithm in algorithms:
-        means, lows, highs = [], [], []
-        for s in s_values:
-            finals = [max(f, PLOT_FLOOR) if math.isfinite(f) else np.nan for f in best[(algorithm, s)].finals]
-            means.append(max(best[(algorithm, s)].geometric_mean, PLOT_FLOOR))
-            lows.append(np.nanmin(finals) if not all(np.isnan(finals)) else np.nan)
-            highs.append(np.nanmax(finals) if not all(np.isnan(finals)) else np.nan)
-        m = np.array(means, dtype=float)
-        m[~np.isfinite(m)] = np.nan
-        err = np.array([m - np.array(lows), np.array(highs) - m])
-        style = "--o" if algorithm == "catalyst_ours" else "-o"
-        ax.errorbar(s_values, m, yerr=np.maximum(err, 0), fmt=style, ms=3, capsize=2, label=LABELS[algorithm])
+        stats = [quartiles(best[(algorithm, s)].finals) for s in s_values]
+        median = np.array([m for _, m, _ in stats])
+        finite = np.isfinite(median)
+        low = np.array([max(q1, PLOT_FLOOR) for q1, _, _ in stats])
+        high = np.array([q3 if math.isfinite(q3) else 1e3 for _, _, q3 in stats])
+        shown = np.maximum(median, PLOT_FLOOR)
+        style = "--" if algorithm == "catalyst_ours" else "-"
+        bars = ax.errorbar(
+            np.array(s_values)[finite],
+            shown[finite],
+            yerr=np.maximum([shown[finite] - low[finite], high[finite] - shown[finite]], 0),
+            fmt=style,
+            marker=MARKERS.get(algorithm),
+            ms=4,
+            capsize=2,
+            label=_name(algorithm),
+        )
+        if not finite.all():
+            color = bars.lines[0].get_color()
+            ax.plot(np.array(s_values)[~finite], [1e2] * int((~finite).sum()), "x", color=color, ms=8)
     ax.set_yscale("log")
-    ax.set_xlabel("s (heterogeneity and ill-conditioning)")
-    ax.set_ylabel(f"||x - x*|| after {budget} rounds\nfloor {PLOT_FLOOR:g}; bars: min-max over seeds")
-    ax.set_title(convention_note(convention), fontsize=7, wrap=True)
+    ax.set_ylim(PLOT_FLOOR / 10, 1e3)
+    ax.set_xlabel("$s$ (heterogeneity and ill-conditioning)")
+    ax.set_ylabel(f"final {DIST_LABEL} after {grid.rounds} rounds\n(median, bars: interquartile range)")
+    ax.set_title(
+        f"{grid.describe()}; best step of each method's grid per $s$; x: diverged median. "
+        f"{convention_note(grid.convention)}",
+        fontsize=7,
+        wrap=True,
+    )
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -182,14 +284,21 @@ def write_report(out: Path, grid: Grid, rows: Sequence[Row], command: str) -> di
     write_csv(out / "runs.csv", rows)
     best = best_steps(rows)
     algorithms = [a for a in grid.algorithms if any(k[0] == a for k in best)]
-    curve_s = [s for s in (0.0, 5.0, 10.0) if s in grid.s_values] or list(grid.s_values[:3])
-    figure_curves(out / "figure1_curves.png", best, algorithms, curve_s, grid.convention)
-    figure_final_vs_s(out / "figure2_final_vs_s.png", best, algorithms, grid.rounds, grid.convention)
+    curve_s = [s for s in (0.0, 5.0, 10.0, 15.0) if s in grid.s_values] or list(grid.s_values[:4])
+    figure_curves(out / "figure1_curves.png", best, algorithms, curve_s, grid)
+    figure_final_vs_s(out / "figure2_final_vs_s.png", best, algorithms, grid)
+    edges = sorted(f"{_name(a)} at s = {s:g}" for (a, s), b in best.items() if b.edge)
     tables = [
         f"# Paper experiment ({grid.convention} convention)\n",
-        f"Made by `{command}`.\n",
-        final_table(best, algorithms, grid.convention),
-        *(accuracy_table(rows, algorithms, a) for a in ACCURACIES),
+        f"Made by `{command}`. {grid.describe()}. Names: "
+        + ", ".join(f"{_name(a)} = `{a}`" for a in algorithms)
+        + " (the keys of runs.csv).\n",
+        "Best step at its grid's edge: " + ("; ".join(edges) if edges else "nowhere") + ".\n",
+        final_table(best, algorithms, grid),
+        *(accuracy_table(rows, algorithms, a, grid) for a in ACCURACIES),
     ]
+    sensitivity = stop_threshold_table(rows)
+    if sensitivity is not None:
+        tables.append(sensitivity)
     (out / "table.md").write_text("\n".join(tables))
     return best

@@ -52,19 +52,28 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
 
     key = "rounds" if config.round_convention == "exchanges" else "paper_rounds"
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    finite = [r["dist_x"] for result in results for r in result.records if math.isfinite(r.get("dist_x", math.nan))]
+    starts = [result.records[0]["dist_x"] for result in results if result.records and "dist_x" in result.records[0]]
+    # A diverged run is drawn up to where it leaves the scale, and marked there: the axis stays readable.
+    ceiling = 100 * max([*starts, 1e-300]) if starts else (max(finite) if finite else 1.0)
     for result in results:
         points = [(r[key], r["dist_x"]) for r in result.records if "dist_x" in r and r["dist_x"] > 0]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            label = result.name + (" (diverged)" if result.status != "ok" else "")
-            ax.semilogy(xs, ys, label=label)
+        shown = [(x, y) for x, y in points if math.isfinite(y) and y <= ceiling]
+        if shown:
+            xs, ys = zip(*shown, strict=True)
+            label = result.name + (" (diverged)" if result.status == "diverged" else "")
+            (line,) = ax.semilogy(xs, ys, label=label)
+            if result.status == "diverged":
+                ax.plot([xs[-1]], [ys[-1]], "x", color=line.get_color(), ms=9)
+    if finite:
+        ax.set_ylim(max(min(finite), 1e-300) / 10, ceiling * 10)
     axis = (
         "communication rounds (every exchange counted)"
         if key == "rounds"
         else "communication rounds (paper's convention)"
     )
     ax.set_xlabel(axis)
-    ax.set_ylabel("||x - x*||")
+    ax.set_ylabel(r"$\|x - x^\star\|$")
     dim_x, dim_y = make_problem(config.problem).dims()
     ax.set_title(f"{config.name}: {config.problem.name}, n={config.problem.num_clients}, dim x={dim_x}, y={dim_y}")
     ax.grid(True, which="both", alpha=0.3)

@@ -15,7 +15,7 @@ from conftest import CLIENT_ENV, config
 from fedsaddle.common.worker import ShardCache
 from fedsaddle.experiments.batch import BatchRun, run_batch, run_batches
 from fedsaddle.experiments.datasets import split
-from fedsaddle.experiments.grid import Grid, best_steps, run_grid
+from fedsaddle.experiments.grid import Grid, best_steps, quartiles, run_grid
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 
@@ -108,18 +108,28 @@ def test_a_batch_refuses_runs_that_cannot_share_a_worker() -> None:
 
 
 def test_the_grid_keeps_the_best_step_per_algorithm_and_s() -> None:
-    grid = Grid(s_values=(0.0, 6.0), seeds=(0, 1), rounds=40, algorithms=("minibatch_md", "scaffold_s"))
+    grid = Grid(s_values=(0.0, 6.0), seeds=(0, 1), rounds=40, algorithms=("minibatch_md", "scaffold_catalyst_s"))
     rows = run_grid(grid)
-    assert len(rows) == 2 * 2 * 3 * 2
+    assert len(rows) == 2 * 2 * (len(grid.scales("minibatch_md")) + 4 * len(grid.scales("scaffold_catalyst_s")))
     best = best_steps(rows)
     for (algorithm, s), chosen in best.items():
         others = [r for r in rows if r.key["algorithm"] == algorithm and r.key["s"] == s]
-        assert chosen.geometric_mean == pytest.approx(
-            min(
-                best_steps([r for r in others if r.key["step_scale"] == scale])[(algorithm, s)].geometric_mean
-                for scale in grid.step_scales
-            )
-        )
+        options = {(r.key["step_scale"], r.key["variant"]) for r in others}
+        scores = [
+            best_steps([r for r in others if (r.key["step_scale"], r.key["variant"]) == option])[(algorithm, s)].score()
+            for option in options
+        ]
+        assert chosen.score() == min(scores)  # the best (step, variant) of the grid
+        assert len(chosen.rows) == 2  # one per seed
+        scales = grid.scales(algorithm)
+        assert chosen.edge == (chosen.step_scale in (min(scales), max(scales)))
+
+
+def test_quartiles_count_a_diverged_run_as_worse_than_any() -> None:
+    q1, median, q3 = quartiles([1.0, 2.0, 3.0])
+    assert median == 2.0 and 1.0 <= q1 < 2.0 < q3 <= 3.0
+    q1, median, q3 = quartiles([1e-3, 1e-2, float("nan"), float("inf")])
+    assert median == float("inf") and q3 == float("inf") and 1e-3 <= q1 <= 1e-2
 
 
 def test_paper_experiment_over_grpc_matches_the_in_process_batch(tmp_path: Path) -> None:
@@ -147,10 +157,10 @@ def test_paper_experiment_over_grpc_matches_the_in_process_batch(tmp_path: Path)
         env=CLIENT_ENV,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "gRPC (10 client processes) vs in-process batch: 36/36 runs identical bit for bit" in done.stdout
+    assert "gRPC (10 client processes) vs in-process batch: 42/42 runs identical bit for bit" in done.stdout
     with open(out / "runs.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * 3 * 6
+    assert len(rows) == 2 * 3 * 7  # the paper's three steps, every variant
     assert {r["algorithm"] for r in rows} >= {"minibatch_md", "scaffold_catalyst_s", "catalyst_ours"}
     for name in ("figure1_curves.png", "figure2_final_vs_s.png", "table.md"):
         assert (out / name).stat().st_size > 0
