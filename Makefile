@@ -7,14 +7,14 @@ STAMP := $(VENV)/.installed-stamp
 # package through a tree of links named as installed (fedsaddle.server -> server/).
 TYPECHECK := .typecheck
 
-.PHONY: all install run test lint typecheck unit proto bench certs clean
+.PHONY: all install run test lint typecheck unit proto bench certs clean compose-test
 
 all: test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,data]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,data,plot]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -44,8 +44,16 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/round_latency.py
+	$(BIN)/python bench/startup.py
+	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/paper_sweep.py
 	$(BIN)/python bench/soak.py
+
+# The multi-container federation for real: podman builds the images, docker-compose runs
+# docker-compose.yml through podman's Docker API, the result must equal `fedsaddle simulate`.
+compose-test: $(STAMP)
+	bash scripts/compose-test.sh
 
 # A development CA, a coordinator certificate and client certificates in certs/.
 certs:

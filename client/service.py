@@ -34,6 +34,9 @@ log = logging.getLogger("fedsaddle.client")
 # The most a coordinator may ask one chunk to be; the receive limit follows from it.
 MAX_CHUNK_BYTES = 64 << 20
 GOODBYE_WAIT_S = 5.0  # after a goodbye, how long to wait for the coordinator to end the call
+# A name that does not resolve is retried this long: container networks register a
+# service's name a moment after it starts, and again after it restarts.
+DNS_GRACE_S = 5.0
 
 __all__ = ["ClientError", "ClientOptions", "run_client", "serve"]
 
@@ -72,6 +75,10 @@ class Fatal(ClientError):
     """A fault that retrying cannot fix."""
 
 
+class UnknownHost(Fatal):
+    """The coordinator's host name does not resolve: fatal, unless it did before or may yet (see run_client)."""
+
+
 def diagnose(error: grpc.aio.AioRpcError, options: ClientOptions) -> tuple[bool, str]:
     """(fatal, the cause in words a person can act on) for a failed session attempt."""
     code, details = error.code(), error.details() or ""
@@ -84,7 +91,7 @@ def diagnose(error: grpc.aio.AioRpcError, options: ClientOptions) -> tuple[bool,
         return False, f"the coordinator at {where} still holds these indices: {details}"
     text = details.lower()
     if "resolv" in text or "domain name not found" in text or "dns" in text:
-        return True, f"cannot find the host of {where}: {details}"
+        raise UnknownHost(f"cannot find the host of {where}: {details}")
     if "hostname verification" in text or "peer name" in text or "no match found for server name" in text:
         return True, (
             f"the certificate of the coordinator at {where} is not for this name (give --server-name "
@@ -147,6 +154,7 @@ async def run_client(options: ClientOptions) -> None:
     """Serve sessions until the run is over: returns after a DONE goodbye, raises ClientError otherwise."""
     shards = ShardCache(size=2, data=options.data, trusted=options.trusted)
     delay, closed_at_once = 0.1, 0
+    joined_once, unresolved_since = False, 0.0
     deadline = time.monotonic() + options.connect_timeout_s
     async with _channel(options) as channel:
         while True:
@@ -155,8 +163,22 @@ async def run_client(options: ClientOptions) -> None:
                 return
             except RunFailed:
                 raise
+            except UnknownHost as unknown:
+                now = time.monotonic()
+                unresolved_since = unresolved_since or now
+                if not joined_once and now - unresolved_since >= DNS_GRACE_S:
+                    raise
+                lost = _Lost(str(unknown), False)
+                if now >= deadline:
+                    raise ClientError(
+                        f"cannot reach the coordinator at {options.coordinator} within "
+                        f"{options.connect_timeout_s:g} s: {lost}"
+                    ) from None
+                await asyncio.sleep(min(0.5, max(0.0, deadline - now)))
+                continue
             except _Lost as lost:
                 if lost.joined:  # a session was up: the link dropped or the coordinator went away
+                    joined_once, unresolved_since = True, 0.0
                     delay, closed_at_once = 0.1, 0
                     deadline = time.monotonic() + options.connect_timeout_s
                     log.warning(

@@ -246,6 +246,10 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     """The paper's Experiments section, its ablations, and gradient noise."""
     from fedsaddle.progress import Progress
 
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("experiments draw figures and need matplotlib: pip install 'fedsaddle[plot]'") from None
     out = Path(args.out) if args.out else Path("runs") / f"experiment-{args.which}-{time.strftime('%Y%m%d-%H%M%S')}"
     command = "fedsaddle " + " ".join(sys.argv[1:])
     progress = Progress(unit="run")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -12,6 +13,8 @@ from typing import Any
 from fedsaddle.common.problems import make_problem
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.driver import AlgorithmResult
+
+log = logging.getLogger("fedsaddle.coordinator")
 
 
 def make_run_dir(config: RunConfig) -> Path:
@@ -41,7 +44,10 @@ def write_summary(
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if config.output.plot:
-        plot_distances(run_dir / "distance.png", config, results)
+        try:
+            plot_distances(run_dir / "distance.png", config, results)
+        except ImportError:
+            log.warning("no distance.png: matplotlib is not installed (pip install 'fedsaddle[plot]')")
 
 
 def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmResult]) -> None:

@@ -451,6 +451,9 @@ class GrpcPool(ClientPool):
         if self._closed:
             return
         self._closed = True
+        service = getattr(self, "service", None)  # None if the pool failed while starting
+        if service is not None:
+            service.shutting_down = True
         reason, outcome = ("the run is over", pb.DONE) if self.failure is None else (self.failure, pb.FAILED)
         with contextlib.suppress(Exception):
             if self._health is not None:

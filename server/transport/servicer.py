@@ -82,6 +82,7 @@ class SessionService:
         self.chunk_bytes = welcome.chunk_bytes
         self.authenticator = authenticator
         self.limits = limits or Limits()
+        self.shutting_down = False  # set by the pool when it says goodbye and stops the server
         self.hello_timeout_s = self.limits.hello_timeout_s
         self.admission = Admission(self.limits.max_streams_per_peer, self.limits.max_pending_hellos)
         self.refusals = RefusalLog(log)
@@ -142,8 +143,10 @@ class SessionService:
                 await asyncio.wait({reader}, timeout=GOODBYE_GRACE_S)
             failure = reader.result() if reader.done() else None
         except asyncio.CancelledError:  # dropped (see drop), the server stopping, or the client gone
-            if session.dropped is not None or not session.closing:
-                failure = session.dropped or Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
+            if session.dropped is not None:
+                failure = session.dropped
+            elif self.shutting_down and not session.closing:
+                failure = Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
         finally:
             reader.cancel()
             self._close(session, "ended its session" if session.closing else "disconnected")
