@@ -12,10 +12,10 @@ grid, wide enough that its best step lies inside it (the reports flag any best
 at an edge), and the paper's Catalyst is also tuned over its stop threshold
 rtol in {1e-1, ..., 1e-4}, so that every method is compared at its best.
 
-For each (algorithm, s) the (step, variant) with the smallest median final
-||x - x*|| over seeds is kept, distances below FLOOR counting as equal (ties
-there go to the fewest median rounds to 1e-10); reports give the median and
-the interquartile range over seeds.
+For each (algorithm, s) the (step, variant) with no diverged seed and the
+smallest median final ||x - x*|| over seeds is kept, distances below FLOOR
+counting as equal (ties there go to the fewest median rounds to 1e-10);
+reports give the median and the interquartile range over seeds.
 """
 
 from __future__ import annotations
@@ -282,11 +282,13 @@ class Best:
         value = log_mean(self.finals)
         return 10**value if math.isfinite(value) else math.inf
 
-    def score(self) -> tuple[float, float]:
-        """What choosing minimizes: the median final distance (round-off counts as equal), then rounds to 1e-10."""
+    def score(self) -> tuple[bool, float, float]:
+        """What choosing minimizes: any seed diverged (a step that diverges on some data is not a
+        choice), the median final distance (round-off counting as equal), then rounds to 1e-10."""
         reached = [r.rounds_to(1e-10) for r in self.rows]
         rounds = quartiles([math.inf if x is None else float(x) for x in reached])[1]
-        return max(quartiles([max(f, FLOOR) if math.isfinite(f) else math.inf for f in self.finals])[1], FLOOR), rounds
+        median = quartiles([max(f, FLOOR) if math.isfinite(f) else math.inf for f in self.finals])[1]
+        return self.diverged > 0, max(median, FLOOR), rounds
 
 
 def best_steps(rows: Sequence[Row]) -> dict[tuple[str, float], Best]:

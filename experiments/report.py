@@ -70,13 +70,17 @@ def final_table(best: dict[tuple[str, float], Best], algorithms: Sequence[str], 
 def accuracy_table(rows: Sequence[Row], algorithms: Sequence[str], accuracy: float, grid: Grid) -> str:
     """Rounds until ||x - x*|| <= accuracy: median [IQR] over seeds, at the (step, variant) that gets there fastest."""
     groups: dict[tuple[str, float, float, str], list[float]] = defaultdict(list)
+    diverged: set[tuple[str, float, float, str]] = set()
     for row in rows:
         reached = row.rounds_to(accuracy)
         key = (row.key["algorithm"], row.key["s"], row.key["step_scale"], row.key.get("variant", ""))
         groups[key].append(math.inf if reached is None else float(reached))
+        if row.result.status == "diverged":
+            diverged.add(key)
     fastest: dict[tuple[str, float], tuple[float, list[float], float, str]] = {}
     for (algorithm, s, scale, variant), values in groups.items():
-        median = quartiles(values)[1]
+        # A step that diverges on some seeds is no choice, as for the final distance.
+        median = math.inf if (algorithm, s, scale, variant) in diverged else quartiles(values)[1]
         if (algorithm, s) not in fastest or median < fastest[(algorithm, s)][0]:
             fastest[(algorithm, s)] = (median, values, scale, variant)
 
@@ -90,7 +94,8 @@ def accuracy_table(rows: Sequence[Row], algorithms: Sequence[str], accuracy: flo
     counted = "every exchange counted" if grid.convention == "exchanges" else "the paper's convention"
     return markdown(
         f"Rounds until ||x - x*|| <= {accuracy:g} ({counted}): median over seeds [interquartile range], at the step "
-        "of the grid that gets there fastest (in parentheses); 'not reached' = not within the run's budget.",
+        "of the grid that gets there fastest with no seed diverging (in parentheses); 'not reached' = not within "
+        "the run's budget.",
         "s",
         [_name(a) for a in algorithms],
         ((f"{s:g}", [cell(*fastest[(a, s)]) for a in algorithms]) for s in sorted({s for _, s in fastest})),
