@@ -52,6 +52,15 @@ class Worker:
         self.batched = not isinstance(seed, int)
         self.seeds: tuple[int, ...] = tuple(seed) if not isinstance(seed, int) else (seed,)
         self.noise_scale = gradient_noise / np.sqrt(shards.dimension)
+        self._buffers: dict[tuple[int, ...], tuple[Array, Array, Array, Array]] = {}
+
+    def _work_buffers(self, shape: tuple[int, ...]) -> tuple[Array, Array, Array, Array]:
+        """Four arrays for the local steps, kept from task to task: at a million entries, fresh
+        ones would cost a page fault per 4 KiB every round (the answer itself is always fresh)."""
+        buffers = self._buffers.get(shape)
+        if buffers is None:
+            buffers = self._buffers[shape] = (np.empty(shape), np.empty(shape), np.empty(shape), np.empty(shape))
+        return buffers
 
     @property
     def indices(self) -> tuple[int, ...]:
@@ -141,16 +150,16 @@ class Worker:
     def _local_steps(self, task: LocalStepsTask, round_id: int) -> Array:
         z_start = self._per_client(task.z_start)
         gamma_local, theta = self._per_run(task.gamma_local), self._per_run(task.theta)
-        z = z_start.copy()
+        # Buffers reused every step and every task: fresh temporaries of this size cost more
+        # in page faults than the arithmetic. The operations are those of the formulas.
+        z, g, scratch, start_buffer = self._work_buffers(z_start.shape)
+        np.copyto(z, z_start)
         direction_sum = np.zeros_like(z)
         noisy = self.noise_scale > 0
         streams = self._streams(round_id) if noisy else []
         control = None if task.control is None else task.control.T[:, None]
-        grad_start = self.shards.gradient(z_start) if control is not None else None
+        grad_start = self.shards.gradient(z_start, out=start_buffer) if control is not None else None
         regularized = np.ndim(theta) > 0 or theta != 0
-        # Buffers reused every step: fresh temporaries of this size cost more in
-        # page faults than the arithmetic. The operations are those of the formulas.
-        g, scratch = np.empty_like(z), np.empty_like(z)
         for step in range(task.steps):
             weight = step_weight(task.decay, task.step_offset + step)
             self.shards.gradient(z, out=g)

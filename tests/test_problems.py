@@ -16,7 +16,7 @@ from fedsaddle.common.problems import (
     parse_spec,
     solution,
 )
-from fedsaddle.common.problems.registry import registered
+from fedsaddle.common.problems.registry import registered, rescan
 
 SPECS = [
     PaperRegressionSpec(num_clients=4, dim=3, lam=0.1, s=2.0),
@@ -84,10 +84,18 @@ def test_an_installed_plugin_is_found_by_its_entry_point_and_trusted_by_clients(
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fedsaddle-fake\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[fedsaddle.problems]\ntarget_shift = fedsaddle_target_shift:TargetShift\n")
+    rescan()
+    assert "target_shift" not in registered()
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert registered()["target_shift"] == "fedsaddle_target_shift:TargetShift"
-    spec = parse_spec({"name": "target_shift", "features": 3}, trusted=())  # no plugin path, nothing trusted
-    assert make_problem(spec, trusted=()).dims() == (3, 1)
+    assert "target_shift" not in registered()  # read once per process: a new package needs a new one ...
+    rescan()  # ... or this
+    try:
+        assert registered()["target_shift"] == "fedsaddle_target_shift:TargetShift"
+        spec = parse_spec({"name": "target_shift", "features": 3}, trusted=())  # no plugin path, nothing trusted
+        assert make_problem(spec, trusted=()).dims() == (3, 1)
+    finally:
+        monkeypatch.undo()
+        rescan()
 
 
 def test_a_plugin_path_loads_only_where_it_is_trusted() -> None:

@@ -12,6 +12,7 @@ coordinator asked: it loads built-in problems, registered entry points, and the
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Collection, Mapping, Sequence
 from importlib.metadata import entry_points
@@ -54,14 +55,28 @@ def load_path(path: str) -> type[Problem]:
 
 def registered() -> dict[str, str]:
     """name -> 'module:Class' of every problem this process can find without a plugin path."""
-    found = dict(BUILT_IN)
+    return {**_entry_points(), **BUILT_IN}
+
+
+@functools.cache
+def _entry_points() -> dict[str, str]:
+    """The installed packages' problems, read once per process (scanning every package's metadata
+    on each call cost more than the paper sweep's arithmetic)."""
+    found: dict[str, str] = {}
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(entry.name, entry.value)
     return found
 
 
+def rescan() -> None:
+    """Read the installed packages' problems again (after installing a plug-in in a running process)."""
+    _entry_points.cache_clear()
+
+
 def problem_class(name: str, plugin: str | None = None, trusted: Collection[str] | None = None) -> type[Problem]:
     """The class of problem `name`. `trusted`: the plugin paths this process may import (None: any)."""
+    if name in BUILT_IN and plugin in (None, BUILT_IN[name]):
+        return load_path(BUILT_IN[name])
     known = registered()
     if name in known and plugin in (None, known[name]):
         return load_path(known[name])
