@@ -73,6 +73,7 @@ class Worker:
         selected.batched = True
         selected.seeds = tuple(self.seeds[r] for r in runs)
         selected.noise_scale = self.noise_scale
+        selected._buffers = {}
         return selected
 
     def execute(self, task: Task, round_id: int, clients: tuple[int, ...] | None = None) -> Answer:
