@@ -658,7 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True
+    )
     from fedsaddle.server.config import ConfigError
     from fedsaddle.server.coordinator import Stopped
 

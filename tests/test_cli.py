@@ -84,6 +84,7 @@ def test_local_runs_a_federation_of_processes_on_loopback(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr
     assert "started 4 client processes for 4 clients" in done.stderr
     assert "WARNING" not in done.stderr  # a clean run ends every session without a complaint
+    assert "fedsaddle.client INFO" not in done.stderr  # --quiet-clients, forked clients included
     assert re.search(r"first round done \d+\.\d\d s after the command started", done.stderr)
     summary = summary_of(tmp_path / "runs")
     assert summary["transport"]["client_processes"] == 4
