@@ -289,7 +289,7 @@ def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progres
     default_s = (0.0, 5.0, 10.0) if grpc else tuple(float(s) for s in range(16))
     grid = Grid(
         s_values=tuple(args.s) if args.s else default_s,
-        seeds=tuple(range(args.seeds if args.seeds else (1 if grpc else 3))),
+        seeds=tuple(range(args.seeds if args.seeds else (1 if grpc else 5))),
         rounds=args.rounds or 500,
         convention=args.convention,
         tau=args.tau,
@@ -598,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the paper's sweep, ablations of its open choices, stochastic gradients, or the real problems",
     )
     p.add_argument(
-        "--seeds", type=positive_int, help="seeds per setting (default 3; 1 with --transport grpc; the docs use 20)"
+        "--seeds", type=positive_int, help="seeds per setting (default 5; 1 with --transport grpc; the docs use 20)"
     )
     p.add_argument(
         "--s", type=non_negative_float, nargs="+", help="values of s (default 0..15; 0 5 10 with --transport grpc)"
