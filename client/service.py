@@ -79,29 +79,30 @@ class UnknownHost(Fatal):
     """The coordinator's host name does not resolve: fatal, unless it did before or may yet (see run_client)."""
 
 
-def diagnose(error: grpc.aio.AioRpcError, options: ClientOptions) -> tuple[bool, str]:
-    """(fatal, the cause in words a person can act on) for a failed session attempt."""
+def diagnose(error: grpc.aio.AioRpcError, options: ClientOptions) -> tuple[type[Fatal] | None, str]:
+    """(the Fatal kind it is, or None if retrying may help; the cause in words a person can act on)
+    for a failed session attempt."""
     code, details = error.code(), error.details() or ""
     where = options.coordinator
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return True, f"the coordinator at {where} refused this client's credentials: {code.name}: {details}"
+        return Fatal, f"the coordinator at {where} refused this client's credentials: {code.name}: {details}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return True, f"the coordinator at {where} refused this client: {details}"
+        return Fatal, f"the coordinator at {where} refused this client: {details}"
     if code == grpc.StatusCode.ALREADY_EXISTS:  # the old session may not be gone yet after a restart
-        return False, f"the coordinator at {where} still holds these indices: {details}"
+        return None, f"the coordinator at {where} still holds these indices: {details}"
     text = details.lower()
     if "resolv" in text or "domain name not found" in text or "dns" in text:
-        raise UnknownHost(f"cannot find the host of {where}: {details}")
+        return UnknownHost, f"cannot find the host of {where}: {details}"
     if "hostname verification" in text or "peer name" in text or "no match found for server name" in text:
-        return True, (
+        return Fatal, (
             f"the certificate of the coordinator at {where} is not for this name (give --server-name "
             f"with a name in its certificate): {details}"
         )
     if "handshake failed" in text or "certificate_verify_failed" in text or "ssl_error" in text:
         plain = "wrong_version_number" in text
         hint = "the coordinator does not serve TLS (drop --ca)" if plain else "is --ca the CA that signed it?"
-        return True, f"TLS handshake with the coordinator at {where} failed: {hint}: {details}"
-    return False, f"{code.name}: {details}"
+        return Fatal, f"TLS handshake with the coordinator at {where} failed: {hint}: {details}"
+    return None, f"{code.name}: {details}"
 
 
 def _channel(options: ClientOptions) -> grpc.aio.Channel:
@@ -140,8 +141,8 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
                 return
     except grpc.aio.AioRpcError as exc:
         fatal, cause = diagnose(exc, options)
-        if fatal:
-            raise Fatal(cause) from None
+        if fatal is not None:
+            raise fatal(cause) from None
         raise _Lost(cause, joined) from None
     except wire.WireError as exc:
         raise Fatal(f"malformed instruction from the coordinator: {exc}") from None

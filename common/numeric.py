@@ -12,6 +12,7 @@ rests on every sum being taken in the same order. These helpers fix that order:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -31,8 +32,14 @@ def ordered_sum(vectors: Array) -> Array:
     if vectors[0].size <= _SMALL:
         result: Array = np.cumsum(vectors, axis=0)[-1]
         return result
-    total = np.array(vectors[0], copy=True)
-    for vector in vectors[1:]:
+    return running_sum(vectors)
+
+
+def running_sum(vectors: Iterable[Array]) -> Array:
+    """v_0 + v_1 + ... one vector at a time, in order, into a copy of v_0 (nothing stacked)."""
+    each = iter(vectors)
+    total = np.array(next(each), copy=True)
+    for vector in each:
         total += vector
     return total
 

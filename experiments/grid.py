@@ -209,11 +209,12 @@ def run_grid(grid: Grid, progress: Callable[[int], None] | None = None, workers:
     """Every (algorithm, s, step, seed) of the grid: one batch per algorithm, spread over
     `workers` processes (default: one per core); `progress(runs done)`."""
     # One batch per (algorithm, variant): batches of similar size keep the worker processes busy alike.
-    members = [
-        [m for m in grid.members(algorithm) if m[0]["variant"] == variant]
-        for algorithm in grid.algorithms
-        for variant in grid.variants_of(algorithm)
-    ]
+    members: list[list[tuple[dict[str, Any], BatchRun]]] = []
+    for algorithm in grid.algorithms:
+        by_variant: dict[str, list[tuple[dict[str, Any], BatchRun]]] = defaultdict(list)
+        for member in grid.members(algorithm):
+            by_variant[member[0]["variant"]].append(member)
+        members.extend(by_variant.values())
     hook = None if progress is None else (lambda done, _total: progress(done))
     results = run_batches([[m for _, m in batch] for batch in members], workers, hook)
     return [

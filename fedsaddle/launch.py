@@ -36,9 +36,15 @@ def client_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def client_command(address: str, indices: str, *extra: str, quiet: bool = True) -> list[str]:
-    """The command line of a client process hosting `indices` (e.g. '0-4')."""
+def client_command(
+    address: str, indices: str, *extra: str, quiet: bool = True, data: Mapping[int, str] | None = None
+) -> list[str]:
+    """The command line of a client process hosting `indices` (e.g. '0-4').
+
+    `data`: the clients' data files by index; the process is given only its own clients' files.
+    """
     quiet_flag = ["--quiet"] if quiet else []
+    files = [arg for index in parse_indices(indices) if data for arg in ("--data", data[index])]
     return [
         sys.executable,
         "-m",
@@ -50,6 +56,7 @@ def client_command(address: str, indices: str, *extra: str, quiet: bool = True) 
         "--clients",
         indices,
         *extra,
+        *files,
     ]
 
 
@@ -69,11 +76,7 @@ def start_clients(
     output: int | IO[bytes] | None = subprocess.PIPE if capture else None
     processes = []
     for spec in groups:
-        files: list[str] = []
-        if data:
-            for index in parse_indices(spec):
-                files += ["--data", data[index]]
-        command = client_command(address, spec, *extra, *files, quiet=quiet)
+        command = client_command(address, spec, *extra, quiet=quiet, data=data)
         processes.append(subprocess.Popen(command, env=client_env(), stdout=output, stderr=output))
     return processes
 
@@ -159,7 +162,6 @@ def fork_clients(
 
     children: list[ForkedClient] = []
     for spec in groups:
-        files = [arg for index in parse_indices(spec) if data for arg in ("--data", data[index])]
         read_end, write_end = os.pipe()
         sys.stdout.flush(), sys.stderr.flush()
         pid = os.fork()
@@ -173,7 +175,7 @@ def fork_clients(
                     sibling.release()  # the parent's ends of the siblings' pipes are not this child's
                 address = os.read(read_end, 4096).decode()
                 if address:  # nothing: the coordinator did not start
-                    command = client_command(address, spec, *extra, *files, quiet=quiet)
+                    command = client_command(address, spec, *extra, quiet=quiet, data=data)
                     code = main(command[3:])  # after `python -m fedsaddle`
             except BaseException:  # print whatever ended it, then exit
                 traceback.print_exc()

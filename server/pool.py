@@ -28,10 +28,10 @@ import numpy as np
 
 from fedsaddle.common import seeding
 from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE as LARGE
-from fedsaddle.common.numeric import Array, ordered_sum
+from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
-from fedsaddle.server.algorithms.base import Answers
+from fedsaddle.server.algorithms.base import Answers, aggregate_rows
 
 # algorithm: the algorithm's own exchanges (the documented formulas); evaluation: held-out metrics;
 # retransmission: what was sent again to clients that rejoined (never in the formulas).
@@ -258,8 +258,11 @@ class ClientPool(abc.ABC):
         return Answers(vectors, objective, weights, None if everyone else tuple(answered))
 
     def _streamed(self, answers: list[Answer], answered: list[int], want_objective: bool, everyone: bool) -> Answers:
-        """Answers whose mean is summed from each client's row in place (see `aggregate`)."""
-        rows = sorted((index, answer.vectors[k]) for answer in answers for k, index in enumerate(answer.indices))
+        """Answers whose mean is summed from each client's row in place (`aggregate_rows`)."""
+        rows = sorted(
+            ((index, answer.vectors[k]) for answer in answers for k, index in enumerate(answer.indices)),
+            key=lambda row: row[0],
+        )
         weights = self.weights if everyone or self.weights is None else self.weights[answered]
         objective = np.empty(len(answered)) if want_objective else None
         if objective is not None:
@@ -267,17 +270,7 @@ class ClientPool(abc.ABC):
             for answer in answers:
                 if answer.objective is not None:
                     objective[[row_of[i] for i in answer.indices]] = answer.objective
-        if weights is None:
-            total = np.array(rows[0][1], copy=True)
-            for _, vector in rows[1:]:
-                total += vector
-            mean = total / len(rows)
-        else:
-            total = weights[0] * rows[0][1]
-            for weight, (_, vector) in zip(weights[1:], rows[1:], strict=True):
-                total += weight * vector
-            weight_sum = float(ordered_sum(weights[:, None])[0])
-            mean = total / weight_sum if weight_sum != 0 else np.full(total.shape, np.nan)
+        mean = aggregate_rows([vector for _, vector in rows], weights)
         return Answers(None, objective, weights, None if everyone else tuple(answered), aggregated=(mean, None))
 
     def restore(self, round_id: int, traffic: dict[str, dict[str, object]]) -> None:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import abc
 import json
 import typing
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
-from fedsaddle.common.numeric import Array, ordered_sum
+from fedsaddle.common.numeric import Array, ordered_sum, running_sum
 from fedsaddle.common.tasks import Task
 
 State = TypeVar("State")
@@ -86,11 +86,30 @@ def aggregate(rows: Array, weights: Array | None = None) -> Array:
         result: Array = ordered_sum(rows.swapaxes(0, 1)) / rows.shape[1]
         return result
     column = weights[None, :, None]
-    total = float(ordered_sum(weights[:, None])[0])
+    total = weight_total(weights)
     if total == 0:  # nobody had anything to weigh in (e.g. no client has held-out rows)
         return np.full((rows.shape[0], rows.shape[2]), np.nan)
     weighted: Array = ordered_sum((column * rows).swapaxes(0, 1)) / total
     return weighted
+
+
+def aggregate_rows(rows: Sequence[Array], weights: Array | None = None) -> Array:
+    """The same rule for one run whose client rows are separate long vectors (more than
+    SUMMED_BY_LOOP_ABOVE entries, where `aggregate` adds them one by one too): the same
+    additions in the same order, without stacking the rows into one array first."""
+    if weights is None:
+        mean: Array = running_sum(rows) / len(rows)
+        return mean
+    total = weight_total(weights)
+    if total == 0:
+        return np.full(rows[0].shape, np.nan)
+    weighted: Array = running_sum(w * v for w, v in zip(weights, rows, strict=True)) / total
+    return weighted
+
+
+def weight_total(weights: Array) -> float:
+    """sum_i m_i, added in client-index order."""
+    return float(ordered_sum(weights[:, None])[0])
 
 
 # What `init` and `step` are: generators of exchanges that return a value.
