@@ -30,6 +30,7 @@ import time
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from procfs import rss_mib  # bench/procfs.py
 
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.launch import reap, start_clients
@@ -39,14 +40,6 @@ from fedsaddle.server.transport.grpc_pool import GrpcPool
 from fedsaddle.server.transport.sessions import Limits
 
 SESSION = "/fedsaddle.v2.Coordinator/Session"
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 # -- the attackers (each in its own process) ------------------------------------------------

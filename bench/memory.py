@@ -21,22 +21,12 @@ import time
 from pathlib import Path
 
 import yaml
+from procfs import field_mib  # bench/procfs.py
 
 
 def _children(pid: int) -> list[int]:
     found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in found.split()]
-
-
-def _field(path: str, name: str) -> int | None:
-    """A `Name:  N kB` line of a /proc file, in MiB; None if the process is gone."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(name + ":"):
-                return int(line.split()[1]) // 1024
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def main() -> None:
@@ -66,11 +56,11 @@ def main() -> None:
             rss = pss = 0
             for pid in tree:
                 roles.setdefault(pid, "client")
-                hwm = _field(f"/proc/{pid}/status", "VmHWM")
+                hwm = field_mib(f"/proc/{pid}/status", "VmHWM")
                 if hwm is not None:
                     peaks[pid] = hwm
-                    rss += _field(f"/proc/{pid}/status", "VmRSS") or 0
-                    pss += _field(f"/proc/{pid}/smaps_rollup", "Pss") or 0
+                    rss += field_mib(f"/proc/{pid}/status", "VmRSS") or 0
+                    pss += field_mib(f"/proc/{pid}/smaps_rollup", "Pss") or 0
             peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
             time.sleep(0.05)
         err = local.stderr.read() if local.stderr else ""

@@ -19,19 +19,12 @@ import threading
 import time
 
 import numpy as np
+from procfs import rss_mib  # bench/procfs.py
 
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.launch import index_groups, reap, start_clients
 from fedsaddle.server.pool import RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def open_fds() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -10,9 +11,16 @@ from typing import Any
 import pytest
 
 from fedsaddle import launch
-from fedsaddle.launch import CLIENT_ENV  # noqa: F401 - shared with the tests
+from fedsaddle.launch import CLIENT_ENV
 from fedsaddle.server.config import RunConfig, parse_config
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+
+def fedsaddle(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`fedsaddle ARGS` in a fresh process, to its end: exit code and text output."""
+    return subprocess.run(
+        [sys.executable, "-m", "fedsaddle", *args], capture_output=True, text=True, timeout=timeout, env=CLIENT_ENV
+    )
 
 
 def start_clients(address: str, groups: Sequence[str]) -> list[subprocess.Popen[bytes]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CLIENT_ENV, start_clients
+from conftest import CLIENT_ENV, fedsaddle, start_clients
 from test_failures import Coordinator
 
 SMALL: dict[str, Any] = {
@@ -28,12 +28,6 @@ SMALL: dict[str, Any] = {
         {"name": "scaffold_catalyst_s", "gamma_local": 0.03},
     ],
 }
-
-
-def fedsaddle(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fedsaddle", *args], capture_output=True, text=True, timeout=timeout, env=CLIENT_ENV
-    )
 
 
 def summary_of(out: Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from conftest import CLIENT_ENV, config
 from test_bad_answers import HandClient, raw_stream
 from test_failures import Coordinator, write_config
 
-from fedsaddle.launch import open_federation_warning
+from fedsaddle.launch import client_command, open_federation_warning
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.driver import RunStopped, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
@@ -215,41 +215,17 @@ def test_the_readmes_two_site_example_runs_token_and_certificate_identities_toge
     listening = coordinator.wait_for(r"listening on (\S+); token identities on 127\.0\.0\.1:(\d+);", 30)
     address, token_port = listening.group(1), int(listening.group(2))
     ca = ["--ca", str(certs / "ca.pem")]
+    site_a = ["--token-file", str(tmp_path / "site-a.token")]
+    site_b = ["--cert", str(certs / "site-b.pem"), "--key", str(certs / "site-b.key")]
     clients = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fedsaddle",
-                "client",
-                "--coordinator",
-                f"127.0.0.1:{token_port}",
-                "--clients",
-                "0-4",
-                *ca,
-                "--token-file",
-                str(tmp_path / "site-a.token"),
-            ],
+            client_command(f"127.0.0.1:{token_port}", "0-4", *ca, *site_a, quiet=False),
             env=CLIENT_ENV,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         ),
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fedsaddle",
-                "client",
-                "--coordinator",
-                address,
-                "--clients",
-                "5-9",
-                *ca,
-                "--cert",
-                str(certs / "site-b.pem"),
-                "--key",
-                str(certs / "site-b.key"),
-            ],
+            client_command(address, "5-9", *ca, *site_b, quiet=False),
             env=CLIENT_ENV,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

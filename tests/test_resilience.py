@@ -7,13 +7,12 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CLIENT_ENV, config, stop_processes
+from conftest import CLIENT_ENV, config, fedsaddle, stop_processes
 from formulas import expected_traffic
 from test_failures import Coordinator, write_config
 
@@ -111,13 +110,7 @@ def test_clients_started_before_the_coordinator_wait_for_it(tmp_path: Path) -> N
 
 def fails_fast(args: list[str], cause: str, limit: float = 10) -> None:
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "fedsaddle", "client", "--clients", "0", "--connect-timeout", "60", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=CLIENT_ENV,
-    )
+    done = fedsaddle("client", "--clients", "0", "--connect-timeout", "60", *args, timeout=60)
     assert done.returncode == 1, done.stderr
     assert cause in done.stderr, done.stderr
     assert time.monotonic() - started < limit  # not the 60 s connect timeout

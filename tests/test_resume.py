@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CLIENT_ENV, stop_processes
+from conftest import CLIENT_ENV, fedsaddle, stop_processes
 from test_failures import Coordinator, write_config
 
 from fedsaddle.launch import client_command
@@ -58,13 +58,7 @@ def without_time(path: Path) -> list[dict[str, Any]]:
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     folder = tmp_path_factory.mktemp("uninterrupted")
     path = write_config(folder / "run.yaml", **CONFIG)
-    done = subprocess.run(
-        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path), "--out", str(folder / "runs")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=CLIENT_ENV,
-    )
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(folder / "runs"), timeout=300)
     assert done.returncode == 0, done.stderr
     (run_dir,) = (folder / "runs").iterdir()
     return json.loads((run_dir / "summary.json").read_text()), without_time(run_dir / "metrics.jsonl")
@@ -176,13 +170,7 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_and_nothing_changes(tmp_p
 
     def refused(expected: str) -> None:
         before = digest(run_dir)
-        done = subprocess.run(
-            [sys.executable, "-m", "fedsaddle", "coordinator", "--resume", str(run_dir), "--listen", address],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=CLIENT_ENV,
-        )
+        done = fedsaddle("coordinator", "--resume", str(run_dir), "--listen", address, timeout=60)
         assert done.returncode == 2, done.stderr
         assert expected in done.stderr, done.stderr
         assert digest(run_dir) == before  # nothing was touched

@@ -1,0 +1,27 @@
+"""What the benchmarks read of a Linux process from /proc (MiB)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def field_mib(path: str, name: str) -> int | None:
+    """A `Name:  N kB` line of a /proc file, in MiB; None if the process (or the line) is gone."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def rss_mib() -> float:
+    """This process's resident set (float, with the kB precision of /proc)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return float("nan")
