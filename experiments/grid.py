@@ -300,13 +300,15 @@ def best_steps(rows: Sequence[Row]) -> dict[tuple[str, float], Best]:
         key = row.key
         groups[(key["algorithm"], key["s"], key["step_scale"], key.get("variant", ""))].append(row)
         scales[key["algorithm"]].add(key["step_scale"])
-    best: dict[tuple[str, float], Best] = {}
+    best: dict[tuple[str, float], tuple[tuple[bool, float, float], Best]] = {}
     for (algorithm, s, scale, variant), members in groups.items():
         candidate = Best(algorithm, s, scale, members, variant)
+        score = candidate.score()  # once per candidate: it scans every run's records
         current = best.get((algorithm, s))
-        if current is None or candidate.score() < current.score():
-            best[(algorithm, s)] = candidate
-    for chosen in best.values():
+        if current is None or score < current[0]:
+            best[(algorithm, s)] = (score, candidate)
+    picked = {key: chosen for key, (_, chosen) in best.items()}
+    for chosen in picked.values():
         grid = scales[chosen.algorithm]
         chosen.edge = len(grid) > 1 and chosen.step_scale in (min(grid), max(grid))
-    return best
+    return picked
