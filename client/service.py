@@ -25,7 +25,7 @@ import grpc
 
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import wire
-from fedsaddle.common.memory import keep_memory_returnable
+from fedsaddle.common.memory import keep_heaps_few, return_freed_memory
 from fedsaddle.common.worker import ShardCache
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
 
@@ -202,15 +202,18 @@ async def run_client(options: ClientOptions) -> None:
 def serve(options: ClientOptions) -> None:
     """Run the client; SIGTERM ends it cleanly (the stream closes, the coordinator is told)."""
 
-    keep_memory_returnable()  # a task's and an answer's buffers go back to the OS between rounds
+    keep_heaps_few()
 
     async def session() -> None:
         task = asyncio.current_task()
         assert task is not None
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        trimmer = asyncio.ensure_future(return_freed_memory())
         try:
             await run_client(options)
         except asyncio.CancelledError:
             log.info("stopped by SIGTERM; session closed")
+        finally:
+            trimmer.cancel()
 
     asyncio.run(session())

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import gc
 import logging
 import secrets
 import threading
@@ -29,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
-from fedsaddle.common.memory import keep_memory_returnable
+from fedsaddle.common.memory import keep_heaps_few, return_freed_memory
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo, round_traffic
@@ -97,20 +95,6 @@ class Reply:
         return self._value
 
 
-async def _return_freed_memory(every_s: float = 15.0) -> None:
-    """Every few seconds, free what only reference cycles still hold (an idle process rarely
-    runs the cyclic collector) and hand free heap pages back to the OS (glibc's malloc_trim)."""
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        trim = None
-    while True:
-        await asyncio.sleep(every_s)
-        gc.collect()
-        if trim is not None:
-            trim(0)
-
-
 class GrpcPool(ClientPool):
     """A ClientPool whose clients are processes connected over gRPC."""
 
@@ -131,7 +115,7 @@ class GrpcPool(ClientPool):
         token_credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         super().__init__()
-        keep_memory_returnable()
+        keep_heaps_few()
         self.federation_size = num_clients
         self.chunk_bytes = chunk_bytes
         self.round_timeout_s = round_timeout_s
@@ -205,7 +189,7 @@ class GrpcPool(ClientPool):
         for service in ("", SERVICE):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
-        self._trimmer = asyncio.ensure_future(_return_freed_memory())
+        self._trimmer = asyncio.ensure_future(return_freed_memory())
         return port
 
     @staticmethod
