@@ -8,7 +8,7 @@ same arithmetic on the same data.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,22 +45,30 @@ class Worker:
     answers are turned back to rows, one per client.
     """
 
-    def __init__(self, shards: Shards, seed: int | Sequence[int], gradient_noise: float = 0.0) -> None:
+    def __init__(
+        self, shards: Shards, seed: int | Sequence[int], gradient_noise: float = 0.0, reuse_answers: bool = False
+    ) -> None:
         if gradient_noise < 0:
             raise ValueError(f"gradient_noise must be >= 0, got {gradient_noise}")
         self.shards = shards
         self.batched = not isinstance(seed, int)
         self.seeds: tuple[int, ...] = tuple(seed) if not isinstance(seed, int) else (seed,)
         self.noise_scale = gradient_noise / np.sqrt(shards.dimension)
-        self._buffers: dict[tuple[int, ...], tuple[Array, Array, Array, Array]] = {}
+        # A client process sends each answer before it takes the next task, so its answers may
+        # share one buffer; in-process callers keep the answers, and get fresh ones.
+        self.reuse_answers = reuse_answers
+        self._buffers: dict[tuple[str, tuple[int, ...]], Array] = {}
 
-    def _work_buffers(self, shape: tuple[int, ...]) -> tuple[Array, Array, Array, Array]:
-        """Four arrays for the local steps, kept from task to task: at a million entries, fresh
-        ones would cost a page fault per 4 KiB every round (the answer itself is always fresh)."""
-        buffers = self._buffers.get(shape)
-        if buffers is None:
-            buffers = self._buffers[shape] = (np.empty(shape), np.empty(shape), np.empty(shape), np.empty(shape))
-        return buffers
+    def _buffer(self, name: str, shape: tuple[int, ...]) -> Array:
+        """An array kept from task to task: at a million entries, a fresh one would cost a page
+        fault per 4 KiB every round, more than the arithmetic."""
+        buffer = self._buffers.get((name, shape))
+        if buffer is None:
+            buffer = self._buffers[name, shape] = np.empty(shape)
+        return buffer
+
+    def _answer_buffer(self, shape: tuple[int, ...]) -> Array | None:
+        return self._buffer("answer", shape) if self.reuse_answers else None
 
     @property
     def indices(self) -> tuple[int, ...]:
@@ -73,6 +81,7 @@ class Worker:
         selected.batched = True
         selected.seeds = tuple(self.seeds[r] for r in runs)
         selected.noise_scale = self.noise_scale
+        selected.reuse_answers = False
         selected._buffers = {}
         return selected
 
@@ -142,7 +151,7 @@ class Worker:
 
     def _gradient(self, task: GradientTask, round_id: int) -> tuple[Array, Array | None]:
         z = np.ascontiguousarray(self._per_client(task.z))
-        g = self.shards.gradient(z)
+        g = self.shards.gradient(z, out=self._answer_buffer(z.shape))
         if self.noise_scale > 0 and not task.exact:
             g += self._noise(self._streams(round_id), task.batch)
         objective = self.shards.objective(z) if task.want_objective else None
@@ -150,17 +159,22 @@ class Worker:
 
     def _local_steps(self, task: LocalStepsTask, round_id: int) -> Array:
         z_start = self._per_client(task.z_start)
+        shape = z_start.shape
         gamma_local, theta = self._per_run(task.gamma_local), self._per_run(task.theta)
-        # Buffers reused every step and every task: fresh temporaries of this size cost more
-        # in page faults than the arithmetic. The operations are those of the formulas.
-        z, g, scratch, start_buffer = self._work_buffers(z_start.shape)
+        # Buffers reused every step and every task; the operations are those of the formulas.
+        z, g = self._buffer("z", shape), self._buffer("g", shape)
         np.copyto(z, z_start)
-        direction_sum = np.zeros_like(z)
+        direction_sum = self._answer_buffer(shape)
+        if direction_sum is None:
+            direction_sum = np.zeros(shape)
+        else:
+            direction_sum.fill(0.0)
         noisy = self.noise_scale > 0
         streams = self._streams(round_id) if noisy else []
         control = None if task.control is None else task.control.T[:, None]
-        grad_start = self.shards.gradient(z_start, out=start_buffer) if control is not None else None
+        grad_start = self.shards.gradient(z_start, out=self._buffer("start", shape)) if control is not None else None
         regularized = np.ndim(theta) > 0 or theta != 0
+        scratch = self._buffer("scratch", (min(BLOCK, shape[0]), *shape[1:]))
         for step in range(task.steps):
             weight = step_weight(task.decay, task.step_offset + step)
             self.shards.gradient(z, out=g)
@@ -171,15 +185,27 @@ class Worker:
                 # regularizer theta (z - z_bar) cancels in the difference.
                 g -= grad_start + self._noise(streams) if noisy else grad_start
                 if regularized:
-                    g += np.multiply(theta, np.subtract(z, z_start, out=scratch), out=scratch)
+                    for rows in _blocks(shape[0]):
+                        part = scratch[: rows.stop - rows.start]
+                        g[rows] += np.multiply(theta, np.subtract(z[rows], z_start[rows], out=part), out=part)
                 g += control
-            if weight == 1.0:
-                direction_sum += g
-                z -= np.multiply(gamma_local, g, out=scratch)
-            else:
-                direction_sum += np.multiply(weight, g, out=scratch)
-                z -= np.multiply(gamma_local * weight, g, out=scratch)
+            # Elementwise, block by block: the same operations as on whole vectors, with a
+            # scratch block that stays in cache instead of a scratch vector as long as z.
+            for rows in _blocks(shape[0]):
+                part = scratch[: rows.stop - rows.start]
+                if weight == 1.0:
+                    direction_sum[rows] += g[rows]
+                else:
+                    direction_sum[rows] += np.multiply(weight, g[rows], out=part)
+                z[rows] -= np.multiply(gamma_local * weight, g[rows], out=part)
         return direction_sum
+
+
+BLOCK = 1 << 14  # rows per block of the local steps' elementwise updates (128 KiB of float64)
+
+
+def _blocks(rows: int) -> Iterator[slice]:
+    return (slice(start, min(start + BLOCK, rows)) for start in range(0, rows, BLOCK))
 
 
 class ShardCache:
