@@ -4,7 +4,9 @@ In one run: the anchor (bench/anchor.py: raw bytes through grpc.aio bidi
 streams, nothing computed), fedsaddle's gradient round with a client process
 per client, and the same round in-process. fedsaddle's transport cost is its
 gRPC round minus the in-process round (the gradient work); the ratio to the
-anchor is what fedsaddle adds to moving the same bytes.
+anchor is what fedsaddle adds to moving the same bytes. The anchor's server runs in
+this process, so it shares the coordinator's malloc settings (and GLIBC_TUNABLES,
+if set).
 
     python bench/round_latency.py                      # d = 10 and d = 1e6, 10 processes
     python bench/round_latency.py --dims 10 --rounds 500

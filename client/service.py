@@ -27,12 +27,13 @@ from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import wire
 from fedsaddle.common.memory import keep_heaps_few, return_freed_memory
 from fedsaddle.common.worker import ShardCache
-from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
+from fedsaddle.proto import fedsaddle_pb2 as pb
 
 log = logging.getLogger("fedsaddle.client")
 
 # The most a coordinator may ask one chunk to be; the receive limit follows from it.
 MAX_CHUNK_BYTES = 64 << 20
+SESSION_METHOD = "/fedsaddle.v2.Coordinator/Session"
 GOODBYE_WAIT_S = 5.0  # after a goodbye, how long to wait for the coordinator to end the call
 # A name that does not resolve is retried this long: container networks register a
 # service's name a moment after it starts, and again after it restarts.
@@ -122,11 +123,22 @@ class _Lost(Exception):
         self.joined = joined
 
 
+def _serialize(message: pb.ClientMessage | bytes) -> bytes:
+    """Answers and chunks come serialized already (common/wire.py); pass them through."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _parse(data: bytes) -> pb.Instruction | wire.RawChunk:
+    """A Chunk is read by hand, as a view into the message (no copy); anything else by protobuf."""
+    chunk = wire.read_chunk(data)
+    return chunk if chunk is not None else pb.Instruction.FromString(data)
+
+
 async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: ShardCache) -> None:
     """One session, until a DONE goodbye (return), a FAILED one (RunFailed) or a lost stream (_Lost)."""
-    stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
     session = ClientSession(options.indices, shards)
-    call = stub.Session(metadata=options.metadata or None)
+    open_session = channel.stream_stream(SESSION_METHOD, request_serializer=_serialize, response_deserializer=_parse)
+    call = open_session(None, metadata=options.metadata or None)
     joined = False
     try:
         await call.write(session.hello(options.name or f"{socket.gethostname()}:{os.getpid()}"))

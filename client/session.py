@@ -42,6 +42,7 @@ class ClientSession:
         self.goodbye: pb.Goodbye | None = None
         self._task: pb.Task | None = None
         self._assembler: wire.Assembler | None = None
+        self._payload = bytearray()  # chunked payloads are assembled here, task after task
 
     @property
     def over(self) -> bool:
@@ -52,8 +53,11 @@ class ClientSession:
             hello=pb.Hello(protocol_version=pb.PROTOCOL_VERSION_2, client_indices=list(self.indices), client_name=name)
         )
 
-    def handle(self, instruction: pb.Instruction) -> Iterable[pb.ClientMessage]:
-        """Act on one instruction; the messages to send in reply."""
+    def handle(self, instruction: pb.Instruction | wire.RawChunk) -> Iterable[pb.ClientMessage | bytes]:
+        """Act on one instruction (a Chunk may come read by hand: wire.read_chunk); the messages to send
+        in reply, as protobuf messages or already serialized."""
+        if isinstance(instruction, wire.RawChunk):
+            return self._chunk(instruction)
         kind = instruction.WhichOneof("body")
         if kind == "welcome":
             self.chunk_bytes = instruction.welcome.chunk_bytes
@@ -65,17 +69,21 @@ class ClientSession:
             task = instruction.task
             if task.payload or task.payload_length == 0:
                 return self._execute(task, task.payload)
-            self._task, self._assembler = task, wire.Assembler(8 * task.payload_length)
+            self._check_run(task)
+            assert self.run is not None
+            limit = 2 * self.run.dimension  # z and a control at most
+            if task.payload_length > limit:
+                raise ClientError(
+                    f"the coordinator sent a task of {task.payload_length} float64 entries; "
+                    f"run {task.run_id!r} allows at most {limit}"
+                )
+            size = 8 * task.payload_length
+            if len(self._payload) < size:
+                self._payload = bytearray(size)
+            self._task, self._assembler = task, wire.Assembler(size, into=self._payload)
             return []
         if kind == "chunk":
-            if self._task is None or self._assembler is None:
-                raise ClientError("the coordinator sent a chunk outside a task")
-            self._assembler.add(instruction.chunk)
-            if not self._assembler.done:
-                return []
-            task, payload = self._task, self._assembler.payload()
-            self._task = self._assembler = None
-            return self._execute(task, payload)
+            return self._chunk(instruction.chunk)
         if kind == "rejected":
             rejected = instruction.rejected
             code = pb.RejectCode.Name(rejected.code) if rejected.code in pb.RejectCode.values() else rejected.code
@@ -88,6 +96,16 @@ class ClientSession:
             log.info("coordinator says goodbye: %s", instruction.goodbye.reason)
             return []
         raise ClientError(f"unknown instruction {kind!r}")
+
+    def _chunk(self, chunk: pb.Chunk | wire.RawChunk) -> Iterable[pb.ClientMessage | bytes]:
+        if self._task is None or self._assembler is None:
+            raise ClientError("the coordinator sent a chunk outside a task")
+        self._assembler.add(chunk)
+        if not self._assembler.done:
+            return []
+        task, payload = self._task, self._assembler.payload()
+        self._task = self._assembler = None
+        return self._execute(task, payload)
 
     def _start_run(self, run: pb.RunSpec) -> pb.Ready:
         """Load this process's clients' data for the run; Ready says what it gives, or why it cannot."""
@@ -106,7 +124,7 @@ class ClientSession:
             return self._cannot(run, f"the coordinator's problem does not validate here: {exc.errors()[0]['msg']}")
         except (ProblemNotFound, DataError, ValueError) as exc:
             return self._cannot(run, str(exc))
-        self.worker = Worker(shards, run.noise_seed, run.gradient_noise)
+        self.worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True)
         log.info("run %s: clients %s ready (dimension %d)", run.run_id, list(self.indices), shards.dimension)
         return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts)
 
@@ -114,11 +132,16 @@ class ClientSession:
         log.error("cannot serve run %s: %s", run.run_id, reason)
         return pb.Ready(run_id=run.run_id, error=reason)
 
-    def _execute(self, message: pb.Task, payload: bytes | bytearray) -> Iterable[pb.ClientMessage]:
+    def _check_run(self, message: pb.Task) -> None:
+        """ClientError unless the task belongs to the run this process announced itself Ready for."""
         if self.run is None or message.run_id != self.run.run_id:
             raise ClientError(f"task for run {message.run_id!r} before its RunSpec")
         if self.worker is None:
             raise ClientError(f"task for run {message.run_id!r}, which this process could not start")
+
+    def _execute(self, message: pb.Task, payload: bytes | bytearray | memoryview) -> Iterable[bytes]:
+        self._check_run(message)
+        assert self.run is not None and self.worker is not None
         task = wire.decode_task(message, payload, int(self.run.dimension))
         # Only the clients the task names take part, when it names some (a sampled round).
         clients = tuple(message.client_indices) or None

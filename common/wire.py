@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def _contiguous(vectors: Sequence[Array]) -> memoryview:
     return memoryview(values.reshape(-1)).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
-def from_bytes(data: bytes | bytearray, length: int) -> Array:
+def from_bytes(data: bytes | bytearray | memoryview, length: int) -> Array:
     """A read-only float64 view of the bytes (no copy), of exactly `length` entries."""
     if len(data) != 8 * length:
         raise WireError(f"payload has {len(data)} bytes, expected {8 * length} ({length} float64 entries)")
@@ -84,35 +85,105 @@ def from_bytes(data: bytes | bytearray, length: int) -> Array:
     return values
 
 
-def chunks(data: bytes | memoryview, chunk_bytes: int) -> Iterator[pb.Chunk]:
-    """The payload in Chunks of at most `chunk_bytes`, each made when it is asked for."""
+# -- Chunks, by hand ----------------------------------------------------------------------
+#
+# A Chunk is field 4 of both Instruction and ClientMessage, and carries nearly all the
+# bytes of a large payload. Through protobuf, a chunk's data is copied three times on the
+# way out (numpy to bytes, bytes into the message, the message to its serialized form)
+# and twice on the way in. The two functions below write and read exactly the bytes
+# protobuf does (tests/test_wire.py compares them) with one copy out and none in.
+
+CHUNK_TAG = 0x22  # field 4, length-delimited (Instruction.chunk and ClientMessage.chunk)
+_OFFSET_TAG, _DATA_TAG = 0x08, 0x12  # Chunk.offset (varint), Chunk.data (length-delimited)
+
+
+class RawChunk(NamedTuple):
+    """A Chunk read by hand: `data` is a view into the received message, not a copy."""
+
+    offset: int
+    data: memoryview
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(0x80 | (value & 0x7F))
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at `pos` and the position after it; IndexError or ValueError if malformed."""
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift >= 64:
+            raise ValueError("varint too long")
+
+
+def chunk_message(offset: int, data: memoryview) -> bytes:
+    """A serialized Instruction (or ClientMessage) holding one Chunk: what protobuf writes, with one copy."""
+    inner = (bytes((_OFFSET_TAG,)) + _varint(offset) if offset else b"") + bytes((_DATA_TAG,)) + _varint(len(data))
+    return b"".join((bytes((CHUNK_TAG,)), _varint(len(inner) + len(data)), inner, data))
+
+
+def read_chunk(message: bytes) -> RawChunk | None:
+    """The Chunk of a serialized Instruction or ClientMessage that is only a Chunk, as written by
+    protobuf (offset, then data); None for any other message, which protobuf then parses."""
+    try:
+        if not message or message[0] != CHUNK_TAG:
+            return None
+        size, pos = _read_varint(message, 1)
+        if pos + size != len(message):
+            return None
+        offset = 0
+        if message[pos] == _OFFSET_TAG:
+            offset, pos = _read_varint(message, pos + 1)
+        if message[pos] != _DATA_TAG:
+            return None
+        length, pos = _read_varint(message, pos + 1)
+        if pos + length != len(message):
+            return None
+        return RawChunk(offset, memoryview(message)[pos:])
+    except (IndexError, ValueError):
+        return None
+
+
+def chunks(data: bytes | memoryview, chunk_bytes: int) -> Iterator[bytes]:
+    """The payload as serialized Chunk messages of at most `chunk_bytes` data, each made when asked for."""
     view = memoryview(data)
     for offset in range(0, len(data), chunk_bytes):
-        yield pb.Chunk(offset=offset, data=view[offset : offset + chunk_bytes].tobytes())
+        yield chunk_message(offset, view[offset : offset + chunk_bytes])
 
 
 class Assembler:
     """Collects a chunked payload of known size, refusing gaps, overlaps and overruns.
 
-    Memory grows with the chunks that arrived, never ahead of them: a peer that
-    announces a large payload and sends nothing costs nothing.
+    The payload's buffer is taken at the first chunk, at its full size but untouched:
+    memory pages are committed as chunks fill them, so a peer that announces a large
+    payload and sends little costs little. One buffer of the final size, instead of one
+    grown chunk by chunk, leaves no holes of every intermediate size in the heap. A client
+    process may pass its own buffer (`into`) and reuse it from task to task.
     """
 
-    def __init__(self, total_bytes: int) -> None:
+    def __init__(self, total_bytes: int, into: bytearray | None = None) -> None:
+        if into is not None and len(into) < total_bytes:
+            raise ValueError(f"a buffer of {len(into)} bytes cannot hold {total_bytes}")
         self.total = total_bytes
         self.filled = 0
-        self._data = bytearray()  # grown in place: the payload is never held twice
+        self._into = None if into is None else memoryview(into)[:total_bytes]
 
     @property
     def done(self) -> bool:
         return self.filled == self.total
 
-    @property
-    def held_bytes(self) -> int:
-        """Memory the payload holds so far."""
-        return len(self._data)
-
-    def add(self, chunk: pb.Chunk) -> None:
+    def add(self, chunk: pb.Chunk | RawChunk) -> None:
         if chunk.offset != self.filled:
             raise WireError(f"chunk at byte {chunk.offset}, expected byte {self.filled}")
         end = self.filled + len(chunk.data)
@@ -120,12 +191,18 @@ class Assembler:
             raise WireError(f"chunks overrun the payload: {end} bytes of {self.total}")
         if not chunk.data:
             raise WireError("empty chunk")
-        self._data += chunk.data
+        if self._into is None:
+            try:
+                self._into = memoryview(np.empty(self.total, dtype=np.uint8))  # type: ignore[arg-type]
+            except MemoryError:
+                raise WireError(f"no memory for a payload of {self.total} bytes") from None
+        self._into[self.filled : end] = chunk.data
         self.filled = end
 
-    def payload(self) -> bytearray:
+    def payload(self) -> memoryview:
         """The whole payload (call when done)."""
-        return self._data
+        assert self._into is not None  # a payload of 0 bytes travels inline, never in chunks
+        return self._into
 
 
 # -- tasks: coordinator -> client ------------------------------------------------------
@@ -170,12 +247,10 @@ def encode_task(
     if len(payload) <= chunk_bytes:
         message.payload = payload.tobytes()
         return [pb.Instruction(task=message).SerializeToString()]
-    pieces = [pb.Instruction(task=message).SerializeToString()]
-    pieces.extend(pb.Instruction(chunk=c).SerializeToString() for c in chunks(payload, chunk_bytes))
-    return pieces
+    return [pb.Instruction(task=message).SerializeToString(), *chunks(payload, chunk_bytes)]
 
 
-def decode_task(message: pb.Task, payload: bytes | bytearray, dimension: int) -> Task:
+def decode_task(message: pb.Task, payload: bytes | bytearray | memoryview, dimension: int) -> Task:
     """The task a Task message (with its assembled payload) describes."""
     if message.kind == pb.EVALUATE:
         return EvaluateTask(from_bytes(payload, dimension), tuple(message.metric_names))
@@ -208,15 +283,15 @@ def decode_task(message: pb.Task, payload: bytes | bytearray, dimension: int) ->
 # -- answers: client -> coordinator ----------------------------------------------------
 
 
-def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) -> Iterator[pb.ClientMessage]:
-    """The Answer message, followed by Chunks if the payload is larger than one chunk.
+def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) -> Iterator[bytes]:
+    """The serialized Answer message, followed by serialized Chunks if the payload is larger than one chunk.
 
     The chunks are cut from the answer's vectors as they are sent: a large answer is
     never copied whole.
     """
     header = pb.Answer(run_id=run_id, round_id=round_id, client_indices=list(answer.indices), diverged=answer.diverged)
     if answer.diverged:
-        return iter([pb.ClientMessage(answer=header)])
+        return iter([pb.ClientMessage(answer=header).SerializeToString()])
     payload = _contiguous([answer.vectors])
     header.payload_length = len(payload) // 8
     if answer.objective is not None:
@@ -225,14 +300,12 @@ def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) 
         header.sample_counts.extend(int(c) for c in answer.counts)
     if len(payload) <= chunk_bytes:
         header.payload = payload.tobytes()
-        return iter([pb.ClientMessage(answer=header)])
-    return itertools.chain(
-        [pb.ClientMessage(answer=header)], (pb.ClientMessage(chunk=c) for c in chunks(payload, chunk_bytes))
-    )
+        return iter([pb.ClientMessage(answer=header).SerializeToString()])
+    return itertools.chain([pb.ClientMessage(answer=header).SerializeToString()], chunks(payload, chunk_bytes))
 
 
 def decode_answer(
-    header: pb.Answer, payload: bytes | bytearray, dimension: int, want_objective: bool, want_counts: bool = False
+    header: pb.Answer, payload: bytes | memoryview, dimension: int, want_objective: bool, want_counts: bool = False
 ) -> Answer:
     """Check an answer's vectors (length, finiteness) and return them; WireError if bad.
 

@@ -63,8 +63,9 @@ class HandClient:
             self.inbox.put(error)
         self.inbox.put(None)
 
-    def send(self, message: pb.ClientMessage) -> None:
-        self.requests.put(message)
+    def send(self, message: pb.ClientMessage | bytes) -> None:
+        """Send a message (ClientSession hands answers over serialized)."""
+        self.requests.put(pb.ClientMessage.FromString(message) if isinstance(message, bytes) else message)
 
     def close(self) -> None:
         self.requests.put(None)
@@ -88,7 +89,8 @@ class HandClient:
 
     def good(self, task: pb.Task) -> pb.Answer:
         (message,) = self.state.handle(pb.Instruction(task=task))
-        return message.answer
+        assert isinstance(message, bytes)
+        return pb.ClientMessage.FromString(message).answer
 
     def refused_with(self, message: pb.ClientMessage) -> str:
         """Send a bad message; the code of the Rejected instruction that must come back."""

@@ -57,11 +57,44 @@ def test_gradient_task_and_answer_round_trip() -> None:
     assert isinstance(decoded, GradientTask)
     assert decoded.z.tobytes() == z.tobytes() and decoded.batch == 3 and decoded.want_objective
     answer = Answer((2, 5), np.arange(8.0).reshape(2, 4), np.array([0.5, -1.0]))
-    (part,) = wire.encode_answer("r", 1, answer, 1 << 20)
+    (part,) = (pb.ClientMessage.FromString(m) for m in wire.encode_answer("r", 1, answer, 1 << 20))
     back = wire.decode_answer(part.answer, part.answer.payload, 4, want_objective=True)
     assert back.indices == (2, 5)
     assert np.array_equal(back.vectors, answer.vectors)
     assert back.objective is not None and np.array_equal(back.objective, answer.objective)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 127, 128, 300, 4 << 20, 1 << 40])
+@pytest.mark.parametrize("size", [1, 127, 128, 20_000])
+def test_chunks_written_and_read_by_hand_are_protobufs_bytes(offset: int, size: int) -> None:
+    data = np.random.default_rng(size).bytes(size)
+    made = wire.chunk_message(offset, memoryview(data))
+    for kind in (pb.Instruction, pb.ClientMessage):
+        assert made == kind(chunk=pb.Chunk(offset=offset, data=data)).SerializeToString()
+        parsed = kind.FromString(made).chunk
+        assert (parsed.offset, parsed.data) == (offset, data)
+    read = wire.read_chunk(made)
+    assert read is not None and read.offset == offset and bytes(read.data) == data
+
+
+def test_anything_but_a_plain_chunk_is_left_to_protobuf() -> None:
+    chunk = pb.Chunk(offset=8, data=b"abc").SerializeToString()
+    reordered = bytes([0x12, 3]) + b"abc" + bytes([0x08, 8])  # valid protobuf, fields in another order
+    others = [
+        pb.ClientMessage(answer=pb.Answer(run_id="r", payload=b"x" * 64)).SerializeToString(),
+        pb.Instruction(task=pb.Task(run_id="r")).SerializeToString(),
+        bytes([wire.CHUNK_TAG, len(reordered)]) + reordered,
+        bytes([wire.CHUNK_TAG, len(chunk) + 2]) + chunk + bytes([0x18, 1]),  # an unknown field inside
+        bytes([wire.CHUNK_TAG, len(chunk)]) + chunk + bytes([0x0A, 0]),  # another field after the chunk
+        pb.Instruction(chunk=pb.Chunk(offset=8)).SerializeToString(),  # empty data: no data field at all
+        bytes([wire.CHUNK_TAG, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0x01]),
+        bytes([wire.CHUNK_TAG]),
+        b"",
+    ]
+    for message in others:
+        assert wire.read_chunk(message) is None, message[:16]
+    # Protobuf reads the reordered one as the same chunk: nothing is lost by leaving it to it.
+    assert pb.Instruction.FromString(others[2]).chunk == pb.Chunk(offset=8, data=b"abc")
 
 
 def test_answers_with_bad_vectors_are_refused_with_the_reason() -> None:
@@ -91,12 +124,18 @@ def test_the_assembler_refuses_gaps_and_overruns() -> None:
 
 
 def test_the_assembler_holds_only_what_arrived() -> None:
-    # A peer announcing a huge payload and sending little costs the coordinator little.
-    assembler = wire.Assembler(8 << 30)
-    assembler.add(pb.Chunk(offset=0, data=b"z" * 1024))
-    assert assembler.held_bytes == 1024
-    assembler.add(pb.Chunk(offset=1024, data=b"y" * 1024))
-    assert assembler.held_bytes == 2048 and assembler.filled == 2048
+    # A peer announcing a large payload and sending little costs the process little:
+    # the buffer's pages are committed only as chunks fill them.
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+    before = rss()
+    assembler = wire.Assembler(1 << 30)
+    assembler.add(pb.Chunk(offset=0, data=b"z" * 4096))
+    assembler.add(wire.RawChunk(4096, memoryview(b"y" * 4096)))
+    assert assembler.filled == 8192 and not assembler.done
+    assert rss() - before < 64 << 20  # far from the announced GiB
+    assert bytes(assembler.payload()[4090:4100]) == b"zzzzzzyyyy"
 
 
 def test_message_limit_is_raised_only_as_far_as_one_chunk_needs() -> None:

@@ -88,7 +88,7 @@ def answer_header(
     return 8 * entries
 
 
-def answer(header: pb.Answer, payload: bytes | bytearray, expected: Expectation) -> Answer:
+def answer(header: pb.Answer, payload: bytes | memoryview, expected: Expectation) -> Answer:
     """The answer's vectors, checked (length, finiteness, objective); Refusal(INVALID_ARGUMENT) if bad."""
     try:
         return wire.decode_answer(header, payload, expected.entries, expected.want_objective, expected.want_counts)

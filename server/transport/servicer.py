@@ -34,13 +34,20 @@ GOODBYE_GRACE_S = 2.0  # how long a told-goodbye session may take to close its s
 
 
 class Received(NamedTuple):
-    """A message as it came off the wire: parsed (None if the bytes are not a ClientMessage) and its size."""
+    """A message as it came off the wire: parsed (None if the bytes are not a ClientMessage) and its size.
+
+    A message that is only a Chunk is read by hand (wire.read_chunk): then `chunk` holds it
+    and `message` is None."""
 
     message: pb.ClientMessage | None
     size: int
+    chunk: wire.RawChunk | None = None
 
 
 def parse(data: bytes) -> Received:
+    chunk = wire.read_chunk(data)
+    if chunk is not None:
+        return Received(None, len(data), chunk)
     try:
         return Received(pb.ClientMessage.FromString(data), len(data))
     except DecodeError:
@@ -204,6 +211,10 @@ class SessionService:
         pending: tuple[pb.Answer, wire.Assembler, int] | None = None  # a chunked answer being assembled
         try:
             async for received in incoming:
+                if received.chunk is not None:  # the usual large message, read by hand
+                    pending = self._piece(session, pending, received.chunk, received.size)
+                    del received  # not kept until the next message comes: it may be megabytes
+                    continue
                 message = received.message
                 kind = message.WhichOneof("body") if message is not None else None
                 if message is None or kind is None or kind == "hello":
@@ -217,10 +228,9 @@ class SessionService:
                     if pending is not None:
                         self._reject(session, pending[0].round_id, checks.INVALID, "a new Answer before the chunks")
                     pending = self._answer(session, message.answer, received.size)
-                elif pending is None:
-                    self._reject(session, 0, checks.INVALID, "a Chunk without an Answer before it")
                 else:
-                    pending = self._chunk(session, pending, message.chunk, received.size)
+                    pending = self._piece(session, pending, message.chunk, received.size)
+                del received, message
         except Refusal as refusal:
             session.end()
             return refusal
@@ -246,9 +256,17 @@ class SessionService:
         self._accept(session, round_, expected, header, header.payload, size)
         return None
 
-    def _chunk(
-        self, session: Session, pending: tuple[pb.Answer, wire.Assembler, int], chunk: pb.Chunk, size: int
+    def _piece(
+        self,
+        session: Session,
+        pending: tuple[pb.Answer, wire.Assembler, int] | None,
+        chunk: pb.Chunk | wire.RawChunk,
+        size: int,
     ) -> tuple[pb.Answer, wire.Assembler, int] | None:
+        """A Chunk of the answer being assembled (`pending`); the answer is offered when complete."""
+        if pending is None:
+            self._reject(session, 0, checks.INVALID, "a Chunk without an Answer before it")
+            return None
         header, assembler, total = pending
         try:
             assembler.add(chunk)
@@ -260,7 +278,7 @@ class SessionService:
         self._offer(session, header, assembler.payload(), total + size)
         return None
 
-    def _offer(self, session: Session, header: pb.Answer, payload: bytes | bytearray, size: int) -> None:
+    def _offer(self, session: Session, header: pb.Answer, payload: bytes | memoryview, size: int) -> None:
         """A chunked answer is complete: checked again, as the round may have moved on while the chunks came."""
         round_ = self.barriers.round
         expected = round_.expectation(session) if round_ is not None else None
@@ -278,7 +296,7 @@ class SessionService:
         round_: OpenRound,
         expected: checks.Expectation,
         header: pb.Answer,
-        payload: bytes | bytearray,
+        payload: bytes | memoryview,
         size: int,
     ) -> None:
         """Offer an answer whose header was checked against the open round: its vectors are checked here."""

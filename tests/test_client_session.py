@@ -1,0 +1,67 @@
+"""A client process's side of the protocol (client/session.py), driven without sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedsaddle.client.session import ClientError, ClientSession
+from fedsaddle.common import wire
+from fedsaddle.common.problems import PaperRegressionSpec
+from fedsaddle.common.tasks import LocalStepsTask
+from fedsaddle.proto import fedsaddle_pb2 as pb
+
+DIM = 3000  # z has 6000 entries: 48 kB, chunked at 16 kB
+
+
+def session(indices: tuple[int, ...] = (1, 4)) -> ClientSession:
+    state = ClientSession(indices)
+    state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
+    spec = PaperRegressionSpec(num_clients=5, dim=DIM, s=2.0)
+    run = pb.RunSpec(run_id="r", problem_name=spec.name, problem_json=spec.model_dump_json(), dimension=2 * DIM)
+    run.synthetic_seed = 7
+    (ready,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(ready, pb.ClientMessage) and ready.ready.dimension == 2 * DIM and not ready.ready.error
+    return state
+
+
+def answer_to(state: ClientSession, task: LocalStepsTask, round_id: int, chunk_bytes: int) -> bytes:
+    """The answer's payload, the task sent as the coordinator sends it; chunks parsed as the client runtime does."""
+    replies: list[pb.ClientMessage | bytes] = []
+    for piece in wire.encode_task("r", round_id, task, chunk_bytes):
+        chunk = wire.read_chunk(piece)
+        replies += state.handle(chunk if chunk is not None else pb.Instruction.FromString(piece))
+    messages = [pb.ClientMessage.FromString(r) if isinstance(r, bytes) else r for r in replies]
+    header, chunks = messages[0].answer, [m.chunk for m in messages[1:]]
+    assert header.round_id == round_id and list(header.client_indices) == [1, 4]
+    return header.payload + b"".join(c.data for c in chunks)
+
+
+def test_chunked_tasks_give_the_same_answers_as_inline_ones_task_after_task() -> None:
+    rng = np.random.default_rng(0)
+    chunked = session()
+    for round_id in (1, 2, 3):  # it reuses its task and answer buffers: nothing may leak into the next answer
+        task = LocalStepsTask(
+            rng.standard_normal(2 * DIM),
+            steps=4,
+            gamma_local=0.05,
+            step_offset=0,
+            decay="constant",
+            control=rng.standard_normal(2 * DIM),
+            theta=0.5 * round_id,
+        )
+        by_chunks = answer_to(chunked, task, round_id, 16_000)
+        assert by_chunks == answer_to(session(), task, round_id, 1 << 20)  # inline, into fresh buffers
+        assert len(by_chunks) == 2 * 8 * 2 * DIM
+
+
+def test_a_task_larger_than_the_runs_vectors_is_refused_before_anything_is_allocated() -> None:
+    early = ClientSession((1,))
+    with pytest.raises(ClientError, match="task for run 'r' before its RunSpec"):
+        early.handle(pb.Instruction(task=pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=1 << 40)))
+    state = session()
+    header = pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=1 << 40)
+    with pytest.raises(
+        ClientError, match=f"the coordinator sent a task of {1 << 40} float64 entries; run 'r' allows at most 12000"
+    ):
+        state.handle(pb.Instruction(task=header))
