@@ -217,20 +217,8 @@ def test_the_readmes_two_site_example_runs_token_and_certificate_identities_toge
     ca = ["--ca", str(certs / "ca.pem")]
     site_a = ["--token-file", str(tmp_path / "site-a.token")]
     site_b = ["--cert", str(certs / "site-b.pem"), "--key", str(certs / "site-b.key")]
-    clients = [
-        subprocess.Popen(
-            client_command(f"127.0.0.1:{token_port}", "0-4", *ca, *site_a, quiet=False),
-            env=CLIENT_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        ),
-        subprocess.Popen(
-            client_command(address, "5-9", *ca, *site_b, quiet=False),
-            env=CLIENT_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        ),
-    ]
+    # Asked before any client joins: the coordinator is then surely still up (a run of
+    # 21 rounds can end before a health check started alongside the clients connects).
     health = subprocess.run(
         [
             sys.executable,
@@ -250,6 +238,20 @@ def test_the_readmes_two_site_example_runs_token_and_certificate_identities_toge
         timeout=30,
         env=CLIENT_ENV,
     )
+    clients = [
+        subprocess.Popen(
+            client_command(f"127.0.0.1:{token_port}", "0-4", *ca, *site_a, quiet=False),
+            env=CLIENT_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ),
+        subprocess.Popen(
+            client_command(address, "5-9", *ca, *site_b, quiet=False),
+            env=CLIENT_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ),
+    ]
     code, log, codes = coordinator.finish_with(clients, timeout=120)  # type: ignore[arg-type]
     assert code == 0, log
     assert codes == [0, 0]
