@@ -9,8 +9,8 @@
 #   5. docker-compose.yml brought up through podman's Docker-compatible socket and run
 #      to the end, then again with a client container killed mid-run (it is restarted
 #      and rejoins);
-#   6. each run's summary checked against `fedsaddle simulate` on the same config:
-#      the same z_sha256 and the same counts;
+#   6. each run's summary checked against `fedsaddle simulate` on the same config, run
+#      in the coordinator's image: the same z_sha256 and the same counts;
 #   7. everything torn down: containers, networks, volumes, the socket process.
 #
 # Where podman cannot be had, it says SKIPPED and why (exit 0), never silently.
@@ -100,9 +100,14 @@ federation() {  # label, compose file, config for simulate, service to SIGKILL m
   local label=$1 kill=$4
   COMPOSE_FILE=$2
   rm -rf "$WORK/simulated" "$WORK/runs-$label"
-  # shellcheck disable=SC2086  # the extra arguments are words
-  "$PY" -m fedsaddle --quiet simulate --config "$3" --out "$WORK/simulated" ${5:-} >"$WORK/simulate.log" 2>&1 \
-    || { tail -5 "$WORK/simulate.log" >&2; exit 1; }
+  # The reference runs in the coordinator's image: bit identity holds on one numeric stack, and
+  # OpenBLAS picks its kernels per environment (OPENBLAS_CORETYPE on the host may name another
+  # than the container detects), so a simulate on the host could sum in another order.
+  mkdir -p "$WORK/simulated/reference"
+  podman run --rm -v "$ROOT/$3:/config/run.yaml:ro" ${FEDSADDLE_DATA:+-v "$FEDSADDLE_DATA:$FEDSADDLE_DATA:ro"} \
+    --entrypoint sh fedsaddle:latest -c "fedsaddle --quiet simulate --config /config/run.yaml --out /tmp/simulated \
+      ${5:-} >/tmp/simulate.log 2>&1 || { tail -5 /tmp/simulate.log >&2; exit 1; }; cat /tmp/simulated/*/summary.json" \
+    >"$WORK/simulated/reference/summary.json" || exit 1
   compose down -v --remove-orphans >/dev/null 2>&1 || true
   compose up --no-build -d >/dev/null 2>&1
   local coordinator restarts=0
