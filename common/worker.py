@@ -128,6 +128,8 @@ class Worker:
     def _per_client(self, vector: Array) -> Array:
         """([B,] D) -> (D, k[, B]): every hosted client starts from the same vector."""
         columns = vector.T[:, None]
+        if len(self.indices) == 1:  # (D, 1[, B]) already: a view, no broadcast machinery
+            return columns
         return np.broadcast_to(columns, (columns.shape[0], len(self.indices), *columns.shape[2:]))
 
     @staticmethod
