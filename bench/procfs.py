@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -25,3 +26,15 @@ def rss_mib() -> float:
     except (OSError, ValueError):
         pass
     return float("nan")
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User plus system CPU time a process has used so far, in seconds (nan if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from anchor import Floor
+from procfs import cpu_seconds
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import PaperRegressionSpec
@@ -63,6 +64,7 @@ def main() -> None:
     processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False)
     local = LocalPool()
     rows = []
+    cpu_rows: list[tuple[int, dict[str, list[float]]]] = []
     try:
         pool.wait_for_clients(120)
         for d in dims:
@@ -78,12 +80,16 @@ def main() -> None:
             in_process: list[float] = []
             bare: list[float] = []
             per_block = max(1, args.rounds // args.blocks)
+            cpu = {"fedsaddle": [0.0, 0.0], "bare": [0.0, 0.0]}  # server, clients: seconds
             for _ in range(args.blocks):  # alternate, so that the three see the same machine
-                bare += floor.rounds(size, per_block)
-                remote += time_rounds(pool, z, per_block)
+                with CpuTime(cpu["bare"], [p.pid for p in floor.processes]):
+                    bare += floor.rounds(size, per_block)
+                with CpuTime(cpu["fedsaddle"], [p.pid for p in processes]):
+                    remote += time_rounds(pool, z, per_block)
                 in_process += time_rounds(local, z, per_block)
             moved = (_moved(pool) - moved_before) / (pool.round_id - start_round)
             rows.append((d, remote, in_process, bare, moved))
+            cpu_rows.append((d, {k: [v / len(bare) for v in pair] for k, pair in cpu.items()}))
     finally:
         pool.close()
         reap(processes)
@@ -103,6 +109,28 @@ def main() -> None:
             f"{quartiles(bare):>24} {ratio:>6.2f} {moved / 1e6:>9.2f}",
             flush=True,
         )
+    # On a machine with fewer cores than processes, a round's wall time follows the CPU all
+    # processes spend on it: this says on which side fedsaddle's overhead lies.
+    print("\nCPU per round, ms (all threads; the clients summed over their processes)")
+    print(f"{'d':>9} {'coordinator':>12} {'clients':>9} {'bare server':>12} {'bare clients':>13}")
+    for d, cpu in cpu_rows:
+        (ours, theirs), (bare_server, bare_clients) = cpu["fedsaddle"], cpu["bare"]
+        print(f"{d:>9} {1e3 * ours:>12.3f} {1e3 * theirs:>9.3f} {1e3 * bare_server:>12.3f} {1e3 * bare_clients:>13.3f}")
+
+
+class CpuTime:
+    """Adds the CPU seconds this process (the server side) and the client processes use within
+    the block to `into` = [server, clients]."""
+
+    def __init__(self, into: list[float], clients: list[int]) -> None:
+        self.into, self.clients = into, clients
+
+    def __enter__(self) -> None:
+        self.server, self.others = cpu_seconds(), sum(cpu_seconds(pid) for pid in self.clients)
+
+    def __exit__(self, *exc: object) -> None:
+        self.into[0] += cpu_seconds() - self.server
+        self.into[1] += sum(cpu_seconds(pid) for pid in self.clients) - self.others
 
 
 def _moved(pool: GrpcPool) -> int:
