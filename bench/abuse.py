@@ -32,6 +32,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from procfs import rss_mib  # bench/procfs.py
 
+from fedsaddle.common import wire
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.launch import reap, start_clients
 from fedsaddle.proto import fedsaddle_pb2 as pb
@@ -39,7 +40,7 @@ from fedsaddle.server.pool import RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 from fedsaddle.server.transport.sessions import Limits
 
-SESSION = "/fedsaddle.v2.Coordinator/Session"
+SESSION = wire.SESSION_METHOD
 
 
 # -- the attackers (each in its own process) ------------------------------------------------

@@ -1,9 +1,11 @@
-"""What the benchmarks read of a Linux process from /proc (MiB)."""
+"""What the benchmarks read of a Linux process from /proc: memory (MiB) and CPU time (s)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def field_mib(path: str, name: str) -> int | None:
@@ -35,6 +37,3 @@ def cpu_seconds(pid: int | str = "self") -> float:
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
     except (OSError, ValueError, IndexError):
         return float("nan")
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -33,7 +33,6 @@ log = logging.getLogger("fedsaddle.client")
 
 # The most a coordinator may ask one chunk to be; the receive limit follows from it.
 MAX_CHUNK_BYTES = 64 << 20
-SESSION_METHOD = "/fedsaddle.v2.Coordinator/Session"
 GOODBYE_WAIT_S = 5.0  # after a goodbye, how long to wait for the coordinator to end the call
 # A name that does not resolve is retried this long: container networks register a
 # service's name a moment after it starts, and again after it restarts.
@@ -123,11 +122,6 @@ class _Lost(Exception):
         self.joined = joined
 
 
-def _serialize(message: pb.ClientMessage | bytes) -> bytes:
-    """Answers and chunks come serialized already (common/wire.py); pass them through."""
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
 def _parse(data: bytes) -> pb.Instruction | wire.RawChunk:
     """A Chunk is read by hand, as a view into the message (no copy); anything else by protobuf."""
     chunk = wire.read_chunk(data)
@@ -137,7 +131,9 @@ def _parse(data: bytes) -> pb.Instruction | wire.RawChunk:
 async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: ShardCache) -> None:
     """One session, until a DONE goodbye (return), a FAILED one (RunFailed) or a lost stream (_Lost)."""
     session = ClientSession(options.indices, shards)
-    open_session = channel.stream_stream(SESSION_METHOD, request_serializer=_serialize, response_deserializer=_parse)
+    open_session = channel.stream_stream(
+        wire.SESSION_METHOD, request_serializer=wire.serialized, response_deserializer=_parse
+    )
     call = open_session(None, metadata=options.metadata or None)
     joined = False
     try:

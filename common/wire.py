@@ -16,11 +16,15 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from google.protobuf.message import Message
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.tasks import Answer, Decay, EvaluateTask, GradientTask, LocalStepsTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
+# The gRPC names both sides use, as the generated descriptor spells them.
+SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # fedsaddle.v2.Coordinator
+SESSION_METHOD = f"/{SERVICE}/Session"
 FLOAT64 = np.dtype("<f8")
 MESSAGE_OVERHEAD = 1 << 20  # room for headers beside a full chunk
 _DECAY: dict[Decay, pb.StepDecay] = {"constant": pb.CONSTANT, "inverse_sqrt": pb.INVERSE_SQRT}
@@ -29,6 +33,12 @@ _DECAY_NAME: dict[pb.StepDecay, Decay] = {v: k for k, v in _DECAY.items()}
 
 class WireError(ValueError):
     """A message that does not decode to a valid task or answer."""
+
+
+def serialized(message: Message | bytes) -> bytes:
+    """gRPC's serializer on both sides: messages queued already serialized (tasks, answers,
+    chunks: see below) pass through; any other is serialized by protobuf."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def message_limit(chunk_bytes: int) -> int:

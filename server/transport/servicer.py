@@ -29,7 +29,7 @@ from fedsaddle.server.transport.sessions import Admission, Limits, Overflow, Reg
 
 log = logging.getLogger("fedsaddle.coordinator")
 
-SERVICE = "fedsaddle.v2.Coordinator"
+SERVICE = wire.SERVICE
 GOODBYE_GRACE_S = 2.0  # how long a told-goodbye session may take to close its side
 
 
@@ -52,11 +52,6 @@ def parse(data: bytes) -> Received:
         return Received(pb.ClientMessage.FromString(data), len(data))
     except DecodeError:
         return Received(None, len(data))
-
-
-def serialize(message: bytes | pb.Instruction) -> bytes:
-    """Instructions are queued already serialized; pass them through."""
-    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 async def _end(context: grpc.aio.ServicerContext[Any, Any], refusal: Refusal) -> NoReturn:
@@ -98,7 +93,7 @@ class SessionService:
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         session = grpc.stream_stream_rpc_method_handler(
-            self.session, request_deserializer=parse, response_serializer=serialize
+            self.session, request_deserializer=parse, response_serializer=wire.serialized
         )
         return grpc.method_handlers_generic_handler(SERVICE, {"Session": session})
 
