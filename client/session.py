@@ -59,29 +59,14 @@ class ClientSession:
         if isinstance(instruction, wire.RawChunk):
             return self._chunk(instruction)
         kind = instruction.WhichOneof("body")
+        if kind == "task":
+            return self._task_header(instruction.task)
         if kind == "welcome":
             self.chunk_bytes = instruction.welcome.chunk_bytes
             log.info("joined federation %s as clients %s", instruction.welcome.federation_id, list(self.indices))
             return []
         if kind == "run":
             return [pb.ClientMessage(ready=self._start_run(instruction.run))]
-        if kind == "task":
-            task = instruction.task
-            if task.payload or task.payload_length == 0:
-                return self._execute(task, task.payload)
-            self._check_run(task)
-            assert self.run is not None
-            limit = 2 * self.run.dimension  # z and a control at most
-            if task.payload_length > limit:
-                raise ClientError(
-                    f"the coordinator sent a task of {task.payload_length} float64 entries; "
-                    f"run {task.run_id!r} allows at most {limit}"
-                )
-            size = 8 * task.payload_length
-            if len(self._payload) < size:
-                self._payload = bytearray(size)
-            self._task, self._assembler = task, wire.Assembler(size, into=self._payload)
-            return []
         if kind == "chunk":
             return self._chunk(instruction.chunk)
         if kind == "rejected":
@@ -96,6 +81,24 @@ class ClientSession:
             log.info("coordinator says goodbye: %s", instruction.goodbye.reason)
             return []
         raise ClientError(f"unknown instruction {kind!r}")
+
+    def _task_header(self, task: pb.Task) -> Iterable[pb.ClientMessage | bytes]:
+        """A task: executed at once when its payload came inline, else its chunks are awaited."""
+        if task.payload or task.payload_length == 0:
+            return self._execute(task, task.payload)
+        self._check_run(task)
+        assert self.run is not None
+        limit = 2 * self.run.dimension  # z and a control at most
+        if task.payload_length > limit:
+            raise ClientError(
+                f"the coordinator sent a task of {task.payload_length} float64 entries; "
+                f"run {task.run_id!r} allows at most {limit}"
+            )
+        size = 8 * task.payload_length
+        if len(self._payload) < size:
+            self._payload = bytearray(size)
+        self._task, self._assembler = task, wire.Assembler(size, into=self._payload)
+        return []
 
     def _chunk(self, chunk: pb.Chunk | wire.RawChunk) -> Iterable[pb.ClientMessage | bytes]:
         if self._task is None or self._assembler is None:

@@ -1,13 +1,12 @@
 """What the coordinator asks of clients in one round, and what they answer.
 
-These are transport-free values (immutable, and NamedTuples because a batch of
-runs makes many of them): the in-process pool hands them straight to a
-worker, the gRPC pool encodes them with `fedsaddle.common.wire`.
+These are transport-free values, immutable NamedTuples (a batch of runs makes
+many of them, and every answer of every round is one): the in-process pool hands
+them straight to a worker, the gRPC pool encodes them with `fedsaddle.common.wire`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -63,8 +62,7 @@ class EvaluateTask(NamedTuple):
 Task = GradientTask | LocalStepsTask | EvaluateTask
 
 
-@dataclass(frozen=True)
-class Answer:
+class Answer(NamedTuple):
     """One process's answer: a vector per hosted client, in the order of its indices."""
 
     indices: tuple[int, ...]

@@ -91,7 +91,8 @@ def from_bytes(data: bytes | bytearray | memoryview, length: int) -> Array:
     if len(data) != 8 * length:
         raise WireError(f"payload has {len(data)} bytes, expected {8 * length} ({length} float64 entries)")
     values = np.frombuffer(data, dtype=FLOAT64)
-    values.flags.writeable = False  # also over an assembled bytearray
+    if not isinstance(data, bytes):  # over bytes it is read-only already
+        values.flags.writeable = False
     return values
 
 
@@ -262,15 +263,17 @@ def encode_task(
 
 def decode_task(message: pb.Task, payload: bytes | bytearray | memoryview, dimension: int) -> Task:
     """The task a Task message (with its assembled payload) describes."""
-    if message.kind == pb.EVALUATE:
-        return EvaluateTask(from_bytes(payload, dimension), tuple(message.metric_names))
-    if message.kind == pb.GRADIENT:
+    kind = message.kind
+    if kind == pb.GRADIENT:
         values = from_bytes(payload, dimension)
         params = message.gradient
-        if params.batch < 1:
-            raise WireError(f"gradient batch must be >= 1, got {params.batch}")
-        return GradientTask(z=values, batch=params.batch, exact=params.exact, want_objective=params.want_objective)
-    if message.kind == pb.LOCAL_STEPS:
+        batch = params.batch
+        if batch < 1:
+            raise WireError(f"gradient batch must be >= 1, got {batch}")
+        return GradientTask(values, batch, params.exact, params.want_objective)
+    if kind == pb.EVALUATE:
+        return EvaluateTask(from_bytes(payload, dimension), tuple(message.metric_names))
+    if kind == pb.LOCAL_STEPS:
         local = message.local
         scaffold = local.correction == pb.SCAFFOLD
         if local.correction not in (pb.NONE, pb.SCAFFOLD):
@@ -287,7 +290,7 @@ def decode_task(message: pb.Task, payload: bytes | bytearray | memoryview, dimen
             control=values[dimension:] if scaffold else None,
             theta=local.theta,
         )
-    raise WireError(f"unknown task kind {message.kind}")
+    raise WireError(f"unknown task kind {kind}")
 
 
 # -- answers: client -> coordinator ----------------------------------------------------
@@ -299,19 +302,24 @@ def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) 
     The chunks are cut from the answer's vectors as they are sent: a large answer is
     never copied whole.
     """
-    header = pb.Answer(run_id=run_id, round_id=round_id, client_indices=list(answer.indices), diverged=answer.diverged)
+    message = pb.ClientMessage()
+    header = message.answer  # filled in place: pb.ClientMessage(answer=header) would copy it
+    header.SetInParent()  # an Answer even if every field is at its default
+    header.run_id, header.round_id = run_id, round_id
+    header.client_indices.extend(answer.indices)
     if answer.diverged:
-        return iter([pb.ClientMessage(answer=header).SerializeToString()])
-    payload = _contiguous([answer.vectors])
-    header.payload_length = len(payload) // 8
+        header.diverged = True
+        return iter([message.SerializeToString()])
+    vectors = answer.vectors
+    header.payload_length = vectors.size
     if answer.objective is not None:
         header.objective = to_bytes([answer.objective])
     if answer.counts is not None:
         header.sample_counts.extend(int(c) for c in answer.counts)
-    if len(payload) <= chunk_bytes:
-        header.payload = payload.tobytes()
-        return iter([pb.ClientMessage(answer=header).SerializeToString()])
-    return itertools.chain([pb.ClientMessage(answer=header).SerializeToString()], chunks(payload, chunk_bytes))
+    if 8 * vectors.size <= chunk_bytes:
+        header.payload = vectors.astype(FLOAT64, copy=False).tobytes()  # C order, contiguous or not
+        return iter([message.SerializeToString()])
+    return itertools.chain([message.SerializeToString()], chunks(_contiguous([vectors]), chunk_bytes))
 
 
 def decode_answer(
@@ -330,6 +338,10 @@ def decode_answer(
     if not finite.all():
         row, col = (int(v) for v in np.argwhere(~finite)[0])
         raise WireError(f"client {indices[row]}: entry {col} is {values[row, col]} (non-finite values are refused)")
+    if not (want_objective or want_counts):  # the usual answer: vectors only
+        if header.objective or header.sample_counts:
+            raise WireError(f"{'objective values' if header.objective else 'row counts'} sent but not asked for")
+        return Answer(indices, values)
     objective = None
     if want_objective:
         if len(header.objective) != 8 * len(indices):

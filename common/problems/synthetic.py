@@ -115,10 +115,11 @@ class PaperRegressionShards:
         if scratch is None:  # reused: a fresh temporary per call costs more than the arithmetic
             scratch = self._scratch[x.shape] = np.empty_like(x)
         # grad_x f_i = lam x - (A_i / 2)^T y;   -grad_y f_i = y - b_i / 2 + (A_i / 2) x
-        np.multiply(self.lam, x, out=out[:d])
-        np.subtract(out[:d], np.multiply(self._half_a, y, out=scratch), out=out[:d])
-        np.subtract(y, self._half_b, out=out[d:])
-        np.add(out[d:], np.multiply(self._half_a, x, out=scratch), out=out[d:])
+        out_x, out_y = out[:d], out[d:]
+        np.multiply(self.lam, x, out=out_x)
+        np.subtract(out_x, np.multiply(self._half_a, y, out=scratch), out=out_x)
+        np.subtract(y, self._half_b, out=out_y)
+        np.add(out_y, np.multiply(self._half_a, x, out=scratch), out=out_y)
         return out
 
     def objective(self, z: Array) -> Array:
