@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -131,27 +131,33 @@ class TrafficCounts:
     floats_up: int = 0
     bytes_down: int = 0  # on the wire (gRPC only; 0 in-process)
     bytes_up: int = 0
-    per_client_floats_down: list[int] = field(default_factory=list)
-    per_client_floats_up: list[int] = field(default_factory=list)
+    # Per client (int64 arrays inside; lists in as_dict): one addition per round, whatever n is.
+    per_client_floats_down: Any = None
+    per_client_floats_up: Any = None
 
     def __post_init__(self) -> None:
-        self.per_client_floats_down = self.per_client_floats_down or [0] * self.num_clients
-        self.per_client_floats_up = self.per_client_floats_up or [0] * self.num_clients
+        for name in ("per_client_floats_down", "per_client_floats_up"):
+            given = getattr(self, name)
+            counts = np.zeros(self.num_clients, dtype=np.int64) if given is None else np.array(given, dtype=np.int64)
+            setattr(self, name, counts)
 
     def add(self, traffic: RoundTraffic, times: int = 1) -> None:
         """Count `times` rounds of the given traffic: only the clients that took part."""
-        everyone = range(traffic.num_clients)
-        sent = everyone if traffic.sent is None else traffic.sent
-        answered = everyone if traffic.answered is None else traffic.answered
+        n = traffic.num_clients
+        sent = n if traffic.sent is None else len(traffic.sent)
+        answered = n if traffic.answered is None else len(traffic.answered)
         self.rounds += times
-        self.messages_down += len(sent) * times
-        self.messages_up += len(answered) * times
-        self.floats_down += len(sent) * traffic.floats_down * times
-        self.floats_up += len(answered) * traffic.floats_up * times
-        for i in sent:
-            self.per_client_floats_down[i] += traffic.floats_down * times
-        for i in answered:
-            self.per_client_floats_up[i] += traffic.floats_up * times
+        self.messages_down += sent * times
+        self.messages_up += answered * times
+        self.floats_down += sent * traffic.floats_down * times
+        self.floats_up += answered * traffic.floats_up * times
+        everyone = slice(None)
+        self.per_client_floats_down[everyone if traffic.sent is None else list(traffic.sent)] += (
+            traffic.floats_down * times
+        )
+        self.per_client_floats_up[everyone if traffic.answered is None else list(traffic.answered)] += (
+            traffic.floats_up * times
+        )
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -162,8 +168,8 @@ class TrafficCounts:
             "floats_up": self.floats_up,
             "bytes_down": self.bytes_down,
             "bytes_up": self.bytes_up,
-            "per_client_floats_down": list(self.per_client_floats_down),
-            "per_client_floats_up": list(self.per_client_floats_up),
+            "per_client_floats_down": self.per_client_floats_down.tolist(),
+            "per_client_floats_up": self.per_client_floats_up.tolist(),
         }
 
 
@@ -228,7 +234,7 @@ class ClientPool(abc.ABC):
         evaluation = isinstance(task, EvaluateTask)
         want_objective = isinstance(task, GradientTask) and task.want_objective
         everyone = participants is None and sum(len(a.indices) for a in answers) == n
-        answered = list(range(n)) if everyone else sorted(i for a in answers for i in a.indices)
+        answered: Sequence[int] = range(n) if everyone else sorted(i for a in answers for i in a.indices)
         if not evaluation and dim > LARGE and not any(a.diverged for a in answers):
             # Large vectors are not stacked into one (clients, D) array: the mean is added up
             # from the answers as they are, in client-index order, with the same arithmetic.
@@ -257,7 +263,9 @@ class ClientPool(abc.ABC):
         weights = counts if evaluation else self.weights if everyone or self.weights is None else self.weights[answered]
         return Answers(vectors, objective, weights, None if everyone else tuple(answered))
 
-    def _streamed(self, answers: list[Answer], answered: list[int], want_objective: bool, everyone: bool) -> Answers:
+    def _streamed(
+        self, answers: list[Answer], answered: Sequence[int], want_objective: bool, everyone: bool
+    ) -> Answers:
         """Answers whose mean is summed from each client's row in place (`aggregate_rows`)."""
         rows = sorted(
             ((index, answer.vectors[k]) for answer in answers for k, index in enumerate(answer.indices)),
