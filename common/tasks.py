@@ -65,7 +65,7 @@ Task = GradientTask | LocalStepsTask | EvaluateTask
 class Answer(NamedTuple):
     """One process's answer: a vector per hosted client, in the order of its indices."""
 
-    indices: tuple[int, ...]
+    indices: tuple[int, ...]  # increasing
     vectors: Array  # shape (len(indices), dimension); for evaluation (len(indices), metrics)
     objective: Array | None = None  # shape (len(indices),), when asked for
     diverged: bool = False

@@ -323,14 +323,21 @@ def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) 
 
 
 def decode_answer(
-    header: pb.Answer, payload: bytes | memoryview, dimension: int, want_objective: bool, want_counts: bool = False
+    header: pb.Answer,
+    payload: bytes | memoryview,
+    dimension: int,
+    want_objective: bool,
+    want_counts: bool = False,
+    indices: tuple[int, ...] | None = None,
 ) -> Answer:
     """Check an answer's vectors (length, finiteness) and return them; WireError if bad.
 
     `dimension` is the entries per client (the metrics' count for an evaluation answer,
-    which must also carry one held-out row count per client: `want_counts`).
+    which must also carry one held-out row count per client: `want_counts`). `indices`:
+    the header's client indices, when the caller has read and checked them already.
     """
-    indices = tuple(header.client_indices)
+    if indices is None:
+        indices = tuple(header.client_indices)
     if header.diverged:
         return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
     values = from_bytes(payload, len(indices) * dimension).reshape(len(indices), dimension)

@@ -96,12 +96,15 @@ class RoundTraffic(NamedTuple):
     answered: tuple[int, ...] | None = None
 
 
-def _rows(indices: tuple[int, ...], position: dict[int, int] | None) -> slice | list[int]:
-    """Where an answer's clients go among the round's rows (a slice when they are consecutive)."""
-    rows = list(indices) if position is None else [position[i] for i in indices]
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return rows
+def _rows(indices: tuple[int, ...], position: dict[int, int] | None) -> slice | Sequence[int]:
+    """Where an answer's clients go among the round's rows (a slice when they are consecutive).
+
+    An answer's indices increase, and so do their rows: they are consecutive exactly
+    when the last is as far from the first as their count says."""
+    rows: Sequence[int] = indices if position is None else [position[i] for i in indices]
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return slice(rows[0], rows[-1] + 1)
+    return list(rows)
 
 
 def round_traffic(

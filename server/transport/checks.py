@@ -89,8 +89,12 @@ def answer_header(
 
 
 def answer(header: pb.Answer, payload: bytes | memoryview, expected: Expectation) -> Answer:
-    """The answer's vectors, checked (length, finiteness, objective); Refusal(INVALID_ARGUMENT) if bad."""
+    """The answer's vectors, checked (length, finiteness, objective); Refusal(INVALID_ARGUMENT) if bad.
+    Call it only on a header that passed `answer_header`."""
     try:
-        return wire.decode_answer(header, payload, expected.entries, expected.want_objective, expected.want_counts)
+        # answer_header found the header's clients to be expected.indices
+        return wire.decode_answer(
+            header, payload, expected.entries, expected.want_objective, expected.want_counts, expected.indices
+        )
     except wire.WireError as exc:
         raise Refusal(INVALID, str(exc)) from None
