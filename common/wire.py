@@ -44,8 +44,8 @@ def serialized(message: Message | bytes) -> bytes:
 def message_limit(chunk_bytes: int) -> int:
     """The gRPC send/receive limit both sides set: a chunk plus headroom.
 
-    gRPC refuses messages over 4 MiB by default; payloads of any size still work
-    because they are chunked, and the limit is raised only as far as one chunk needs.
+    Payloads of any size travel in chunks, so no message needs more: with the default
+    2 MiB chunks the limit is 3 MiB, below gRPC's own 4 MiB, and larger chunks raise it.
     """
     return chunk_bytes + MESSAGE_OVERHEAD
 

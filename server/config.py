@@ -184,7 +184,7 @@ class TransportSpec(_Model):
         description="wait this long for a lost client to come back (same indices and credentials) before "
         "failing the run; 0 fails at once",
     )
-    chunk_bytes: int = Field(4 << 20, ge=1 << 10, le=64 << 20, description="largest payload piece per message")
+    chunk_bytes: int = Field(2 << 20, ge=1 << 10, le=64 << 20, description="largest payload piece per message")
     tls: TlsSpec | None = Field(None, description="serve TLS (and mutual TLS) instead of plaintext")
     credentials: str | None = Field(
         None, description="file of client identities and the indices each may speak for (see server/transport/auth.py)"
