@@ -9,6 +9,7 @@ federation's real footprint).
 
     python bench/memory.py                 # d = 1e6, 10 clients, 10 rounds
     python bench/memory.py --dim 100000
+    python bench/memory.py --chunk-bytes 4194304   # memory against chunk size (README)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--dim", type=float, default=1e6, help="d: x and y each in R^d")
     parser.add_argument("--clients", type=int, default=10, help="clients, one process each")
     parser.add_argument("--rounds", type=int, default=10, help="communication rounds")
+    parser.add_argument("--chunk-bytes", type=int, default=2 << 20, help="transport.chunk_bytes")
     args = parser.parse_args()
     config = {
         "name": "memory",
@@ -42,6 +44,7 @@ def main() -> None:
         "sync": {"kind": "fixed", "tau": 5},
         "rounds": args.rounds,
         "output": {"plot": False},
+        "transport": {"chunk_bytes": args.chunk_bytes},
     }
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "memory.yaml"
@@ -67,7 +70,10 @@ def main() -> None:
     if local.returncode != 0:
         sys.exit(f"fedsaddle local failed ({local.returncode}):\n{err[-2000:]}")
     clients = sorted((peaks[p] for p in peaks if roles[p] == "client"), reverse=True)
-    print(f"memory, fedsaddle local, SCAFFOLD-S, d = {args.dim:g}, {args.clients} client processes, MiB")
+    print(
+        f"memory, fedsaddle local, SCAFFOLD-S, d = {args.dim:g}, {args.clients} client processes, "
+        f"{args.chunk_bytes} B chunks, MiB"
+    )
     print(f"  coordinator peak RSS        {peaks.get(local.pid, 0):>6}")
     print(f"  client peak RSS             {' '.join(str(c) for c in clients)}")
     print(f"  total RSS, peak of the sum  {peak_rss:>6}   (shared pages counted in every process)")

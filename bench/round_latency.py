@@ -10,6 +10,7 @@ if set).
 
     python bench/round_latency.py                      # d = 10 and d = 1e6, 10 processes
     python bench/round_latency.py --dims 10 --rounds 500
+    python bench/round_latency.py --dims 1e6 --rounds 20 --chunk-bytes 4194304
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ def main() -> None:
     parser.add_argument(
         "--blocks", type=int, default=5, help="the rounds alternate between the three in this many blocks"
     )
+    parser.add_argument("--chunk-bytes", type=int, default=2 << 20, help="transport.chunk_bytes")
     args = parser.parse_args()
     n, dims = args.clients, [int(v) for v in args.dims]
     floor = Floor(n)
-    pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600)
+    pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600, chunk_bytes=args.chunk_bytes)
     processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False)
     local = LocalPool()
     rows = []
