@@ -108,7 +108,7 @@ class ClientSession:
             return []
         task, payload = self._task, self._assembler.payload()
         self._task = self._assembler = None
-        return self._execute(task, payload)
+        return self._execute(task, payload, own=True)
 
     def _start_run(self, run: pb.RunSpec) -> pb.Ready:
         """Load this process's clients' data for the run; Ready says what it gives, or why it cannot."""
@@ -127,7 +127,7 @@ class ClientSession:
             return self._cannot(run, f"the coordinator's problem does not validate here: {exc.errors()[0]['msg']}")
         except (ProblemNotFound, DataError, ValueError) as exc:
             return self._cannot(run, str(exc))
-        self.worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True)
+        self.worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
         log.info("run %s: clients %s ready (dimension %d)", run.run_id, list(self.indices), shards.dimension)
         return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts)
 
@@ -142,10 +142,11 @@ class ClientSession:
         if self.worker is None:
             raise ClientError(f"task for run {message.run_id!r}, which this process could not start")
 
-    def _execute(self, message: pb.Task, payload: bytes | bytearray | memoryview) -> Iterable[bytes]:
+    def _execute(self, message: pb.Task, payload: bytes | memoryview, own: bool = False) -> Iterable[bytes]:
+        """Run a task; `own`: its payload is this session's buffer, which the worker may write over."""
         self._check_run(message)
         assert self.run is not None and self.worker is not None
-        task = wire.decode_task(message, payload, int(self.run.dimension))
+        task = wire.decode_task(message, payload, int(self.run.dimension), writable=own)
         # Only the clients the task names take part, when it names some (a sampled round).
         clients = tuple(message.client_indices) or None
         if clients is not None and not set(clients) <= set(self.indices):

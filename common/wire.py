@@ -86,12 +86,13 @@ def _contiguous(vectors: Sequence[Array]) -> memoryview:
     return memoryview(values.reshape(-1)).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
-def from_bytes(data: bytes | bytearray | memoryview, length: int) -> Array:
-    """A read-only float64 view of the bytes (no copy), of exactly `length` entries."""
+def from_bytes(data: bytes | bytearray | memoryview, length: int, writable: bool = False) -> Array:
+    """A float64 view of the bytes (no copy), of exactly `length` entries: read-only, unless
+    `writable` and the bytes are."""
     if len(data) != 8 * length:
         raise WireError(f"payload has {len(data)} bytes, expected {8 * length} ({length} float64 entries)")
     values = np.frombuffer(data, dtype=FLOAT64)
-    if not isinstance(data, bytes):  # over bytes it is read-only already
+    if not writable and not isinstance(data, bytes):  # over bytes it is read-only already
         values.flags.writeable = False
     return values
 
@@ -261,8 +262,11 @@ def encode_task(
     return [pb.Instruction(task=message).SerializeToString(), *chunks(payload, chunk_bytes)]
 
 
-def decode_task(message: pb.Task, payload: bytes | bytearray | memoryview, dimension: int) -> Task:
-    """The task a Task message (with its assembled payload) describes."""
+def decode_task(
+    message: pb.Task, payload: bytes | bytearray | memoryview, dimension: int, writable: bool = False
+) -> Task:
+    """The task a Task message (with its assembled payload) describes; its vectors are views of
+    the payload, writable if `writable` (the caller's own buffer, which the task may use up)."""
     kind = message.kind
     if kind == pb.GRADIENT:
         values = from_bytes(payload, dimension)
@@ -280,7 +284,7 @@ def decode_task(message: pb.Task, payload: bytes | bytearray | memoryview, dimen
             raise WireError(f"unknown correction {local.correction}")
         if local.decay not in _DECAY_NAME:
             raise WireError(f"unknown step decay {local.decay}")
-        values = from_bytes(payload, (2 if scaffold else 1) * dimension)
+        values = from_bytes(payload, (2 if scaffold else 1) * dimension, writable)
         return LocalStepsTask(
             z_start=values[:dimension],
             steps=local.steps,

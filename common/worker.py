@@ -46,7 +46,12 @@ class Worker:
     """
 
     def __init__(
-        self, shards: Shards, seed: int | Sequence[int], gradient_noise: float = 0.0, reuse_answers: bool = False
+        self,
+        shards: Shards,
+        seed: int | Sequence[int],
+        gradient_noise: float = 0.0,
+        reuse_answers: bool = False,
+        scratch_tasks: bool = False,
     ) -> None:
         if gradient_noise < 0:
             raise ValueError(f"gradient_noise must be >= 0, got {gradient_noise}")
@@ -57,6 +62,9 @@ class Worker:
         # A client process sends each answer before it takes the next task, so its answers may
         # share one buffer; in-process callers keep the answers, and get fresh ones.
         self.reuse_answers = reuse_answers
+        # A client process hands over its task's buffer (a writable view): the local steps may run
+        # in it. In-process callers keep their vectors, which are never written.
+        self.scratch_tasks = scratch_tasks
         self._buffers: dict[tuple[str, tuple[int, ...]], Array] = {}
 
     def _buffer(self, name: str, shape: tuple[int, ...]) -> Array:
@@ -81,7 +89,7 @@ class Worker:
         selected.batched = True
         selected.seeds = tuple(self.seeds[r] for r in runs)
         selected.noise_scale = self.noise_scale
-        selected.reuse_answers = False
+        selected.reuse_answers = selected.scratch_tasks = False
         selected._buffers = {}
         return selected
 
@@ -163,9 +171,14 @@ class Worker:
         z_start = self._per_client(task.z_start)
         shape = z_start.shape
         gamma_local, theta = self._per_run(task.gamma_local), self._per_run(task.theta)
+        regularized = np.ndim(theta) > 0 or theta != 0
         # Buffers reused every step and every task; the operations are those of the formulas.
-        z, g = self._buffer("z", shape), self._buffer("g", shape)
-        np.copyto(z, z_start)
+        g = self._buffer("g", shape)
+        if self.scratch_tasks and not regularized and z_start.flags.writeable:
+            z = z_start  # the task's own buffer: z~ is needed only for G(z~), computed below before z moves
+        else:
+            z = self._buffer("z", shape)
+            np.copyto(z, z_start)
         direction_sum = self._answer_buffer(shape)
         if direction_sum is None:
             direction_sum = np.zeros(shape)
@@ -175,7 +188,6 @@ class Worker:
         streams = self._streams(round_id) if noisy else []
         control = None if task.control is None else task.control.T[:, None]
         grad_start = self.shards.gradient(z_start, out=self._buffer("start", shape)) if control is not None else None
-        regularized = np.ndim(theta) > 0 or theta != 0
         scratch = self._buffer("scratch", (min(BLOCK, shape[0]), *shape[1:]))
         for step in range(task.steps):
             weight = step_weight(task.decay, task.step_offset + step)

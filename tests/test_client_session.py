@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from fedsaddle.client.session import ClientError, ClientSession
 from fedsaddle.common import wire
-from fedsaddle.common.problems import PaperRegressionSpec
+from fedsaddle.common.problems import PaperRegressionSpec, parse_spec
 from fedsaddle.common.tasks import LocalStepsTask
+from fedsaddle.common.worker import Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 DIM = 3000  # z has 6000 entries: 48 kB, chunked at 16 kB
@@ -33,7 +36,7 @@ def answer_to(state: ClientSession, task: LocalStepsTask, round_id: int, chunk_b
         replies += state.handle(chunk if chunk is not None else pb.Instruction.FromString(piece))
     messages = [pb.ClientMessage.FromString(r) if isinstance(r, bytes) else r for r in replies]
     header, chunks = messages[0].answer, [m.chunk for m in messages[1:]]
-    assert header.round_id == round_id and list(header.client_indices) == [1, 4]
+    assert header.round_id == round_id and tuple(header.client_indices) == state.indices
     return header.payload + b"".join(c.data for c in chunks)
 
 
@@ -53,6 +56,30 @@ def test_chunked_tasks_give_the_same_answers_as_inline_ones_task_after_task() ->
         by_chunks = answer_to(chunked, task, round_id, 16_000)
         assert by_chunks == answer_to(session(), task, round_id, 1 << 20)  # inline, into fresh buffers
         assert len(by_chunks) == 2 * 8 * 2 * DIM
+
+
+@pytest.mark.parametrize("control", [True, False], ids=["scaffold", "fedavg"])
+def test_one_client_runs_its_local_steps_in_the_task_buffer_with_the_same_bits(control: bool) -> None:
+    """Without a regularizer, one hosted client's local steps run in the chunked task's own
+    buffer instead of a copy: the answers stay those of an in-process worker, task after task."""
+    rng = np.random.default_rng(1)
+    chunked = session((2,))
+    assert chunked.run is not None
+    local = Worker(chunked.shards.get(parse_spec(json.loads(chunked.run.problem_json)), 7, (2,)), seed=0)
+    for round_id in (1, 2, 3):
+        task = LocalStepsTask(
+            rng.standard_normal(2 * DIM),
+            steps=5,
+            gamma_local=0.05,
+            control=rng.standard_normal(2 * DIM) if control else None,
+        )
+        sent = task.z_start.copy()
+        by_chunks = answer_to(chunked, task, round_id, 16_000)
+        assert chunked.worker is not None and "z" not in {name for name, _ in chunked.worker._buffers}
+        expected = local.execute(task, round_id).vectors
+        assert by_chunks == expected.tobytes()
+        assert np.array_equal(task.z_start, sent)  # the coordinator's vector was never written
+    assert by_chunks == answer_to(session((2,)), task, round_id, 1 << 20)  # inline: into a copy
 
 
 def test_a_task_larger_than_the_runs_vectors_is_refused_before_anything_is_allocated() -> None:
