@@ -349,10 +349,6 @@ def decode_answer(
     if not finite.all():
         row, col = (int(v) for v in np.argwhere(~finite)[0])
         raise WireError(f"client {indices[row]}: entry {col} is {values[row, col]} (non-finite values are refused)")
-    if not (want_objective or want_counts):  # the usual answer: vectors only
-        if header.objective or header.sample_counts:
-            raise WireError(f"{'objective values' if header.objective else 'row counts'} sent but not asked for")
-        return Answer(indices, values)
     objective = None
     if want_objective:
         if len(header.objective) != 8 * len(indices):
