@@ -8,14 +8,14 @@ same arithmetic on the same data.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from fedsaddle.common import seeding
 from fedsaddle.common.indices import some
-from fedsaddle.common.numeric import Array
+from fedsaddle.common.numeric import BLOCK, Array, blocks
 from fedsaddle.common.problems import (
     DataError,
     DataProblem,
@@ -199,13 +199,13 @@ class Worker:
                 # regularizer theta (z - z_bar) cancels in the difference.
                 g -= grad_start + self._noise(streams) if noisy else grad_start
                 if regularized:
-                    for rows in _blocks(shape[0]):
+                    for rows in blocks(shape[0]):
                         part = scratch[: rows.stop - rows.start]
                         g[rows] += np.multiply(theta, np.subtract(z[rows], z_start[rows], out=part), out=part)
                 g += control
             # Elementwise, block by block: the same operations as on whole vectors, with a
             # scratch block that stays in cache instead of a scratch vector as long as z.
-            for rows in _blocks(shape[0]):
+            for rows in blocks(shape[0]):
                 part = scratch[: rows.stop - rows.start]
                 if weight == 1.0:
                     direction_sum[rows] += g[rows]
@@ -213,13 +213,6 @@ class Worker:
                     direction_sum[rows] += np.multiply(weight, g[rows], out=part)
                 z[rows] -= np.multiply(gamma_local * weight, g[rows], out=part)
         return direction_sum
-
-
-BLOCK = 1 << 14  # rows per block of the local steps' elementwise updates (128 KiB of float64)
-
-
-def _blocks(rows: int) -> Iterator[slice]:
-    return (slice(start, min(start + BLOCK, rows)) for start in range(0, rows, BLOCK))
 
 
 class ShardCache:

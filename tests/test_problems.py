@@ -71,6 +71,22 @@ def test_a_clients_shard_does_not_depend_on_its_process_mates(spec: PaperRegress
         assert np.array_equal(alone.gradient(z[:, i : i + 1])[:, 0], together.gradient(z)[:, i])
 
 
+def test_a_long_paper_gradient_is_the_whole_vector_formula_bit_for_bit() -> None:
+    # Long enough to be computed block by block, with a short last block, for two
+    # clients and a batch of two runs with their own lambda.
+    specs = [PaperRegressionSpec(num_clients=3, dim=2 * 65536 + 5, lam=lam, s=2.0) for lam in (1e-5, 0.3)]
+    runs = [make_shards(spec, seed=9, indices=[0, 2]) for spec in specs]
+    stacked = type(runs[0]).stack(runs)  # type: ignore[attr-defined]
+    d = specs[0].dim
+    z = np.random.default_rng(4).standard_normal((2 * d, 2, 2))
+    x, y = z[:d], z[d:]
+    half_a, half_b = 0.5 * stacked.a, 0.5 * stacked.b  # exact: the shards keep the halves
+    lam = np.array([1e-5, 0.3])
+    expected = np.concatenate([lam * x - half_a * y, (y - half_b) + half_a * x])
+    assert np.array_equal(stacked.gradient(z), expected)
+    assert np.array_equal(runs[1].gradient(z[..., 1]), expected[..., 1])
+
+
 def test_out_of_range_client_index_is_refused() -> None:
     with pytest.raises(ValueError, match=r"client indices \[4\] are outside \[0, 4\)"):
         make_shards(SPECS[0], seed=0, indices=[4])

@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import Field
 
 from fedsaddle.common import seeding
-from fedsaddle.common.numeric import Array
+from fedsaddle.common.numeric import Array, blocks
 from fedsaddle.common.problems.base import ProblemSpec, SyntheticProblem
 
 # --------------------------------------------------------------------------------------
@@ -42,6 +42,9 @@ class PaperRegressionSpec(ProblemSpec):
     dim: int = Field(10, ge=1, description="d: x and y each live in R^d")
     lam: float = Field(1e-5, gt=0, description="lambda, the L2 weight on x")
     s: float = Field(10.0, ge=0, description="heterogeneity / ill-conditioning")
+
+
+_ROWS = 1 << 16  # the gradient's rows per block: one block up to d = 65536, a 512 KiB scratch per column
 
 
 class PaperRegressionShards:
@@ -109,17 +112,18 @@ class PaperRegressionShards:
 
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         d = self.dim
-        x, y = z[:d], z[d:]
         out = np.empty_like(z) if out is None else out
-        scratch = self._scratch.get(x.shape)
+        rest = z.shape[1:]
+        scratch = self._scratch.get(rest)
         if scratch is None:  # reused: a fresh temporary per call costs more than the arithmetic
-            scratch = self._scratch[x.shape] = np.empty_like(x)
-        # grad_x f_i = lam x - (A_i / 2)^T y;   -grad_y f_i = y - b_i / 2 + (A_i / 2) x
-        out_x, out_y = out[:d], out[d:]
-        np.multiply(self.lam, x, out=out_x)
-        np.subtract(out_x, np.multiply(self._half_a, y, out=scratch), out=out_x)
-        np.subtract(y, self._half_b, out=out_y)
-        np.add(out_y, np.multiply(self._half_a, x, out=scratch), out=out_y)
+            scratch = self._scratch[rest] = np.empty((min(_ROWS, d), *rest))
+        if d <= _ROWS:
+            _gradient_rows(self.lam, z[:d], z[d:], self._half_a, self._half_b, out[:d], out[d:], scratch)
+            return out
+        for rows in blocks(d, _ROWS):  # entry j of the gradient needs only entry j of x, y and the data
+            ys = slice(d + rows.start, d + rows.stop)
+            part = scratch[: rows.stop - rows.start]
+            _gradient_rows(self.lam, z[rows], z[ys], self._half_a[rows], self._half_b[rows], out[rows], out[ys], part)
         return out
 
     def objective(self, z: Array) -> Array:
@@ -128,6 +132,16 @@ class PaperRegressionShards:
         inner = np.sum(y * y, axis=0) - np.sum(self.b * y, axis=0) + np.sum(y * self.a * x, axis=0)
         result: Array = -0.5 * inner + 0.5 * self.lam * np.sum(x * x, axis=0)
         return result
+
+
+def _gradient_rows(
+    lam: float | Array, x: Array, y: Array, half_a: Array, half_b: Array, out_x: Array, out_y: Array, part: Array
+) -> None:
+    """grad_x f_i = lam x - (A_i / 2)^T y;   -grad_y f_i = y - b_i / 2 + (A_i / 2) x, for some rows."""
+    np.multiply(lam, x, out=out_x)
+    np.subtract(out_x, np.multiply(half_a, y, out=part), out=out_x)
+    np.subtract(y, half_b, out=out_y)
+    np.add(out_y, np.multiply(half_a, x, out=part), out=out_y)
 
 
 def _paper_solution(spec: PaperRegressionSpec, seed: int) -> Array:
