@@ -31,8 +31,6 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 
 log = logging.getLogger("fedsaddle.client")
 
-# The most a coordinator may ask one chunk to be; the receive limit follows from it.
-MAX_CHUNK_BYTES = 64 << 20
 GOODBYE_WAIT_S = 5.0  # after a goodbye, how long to wait for the coordinator to end the call
 # A name that does not resolve is retried this long: container networks register a
 # service's name a moment after it starts, and again after it restarts.
@@ -106,7 +104,8 @@ def diagnose(error: grpc.aio.AioRpcError, options: ClientOptions) -> tuple[type[
 
 
 def _channel(options: ClientOptions) -> grpc.aio.Channel:
-    channel_options: list[tuple[str, int | str]] = [*wire.grpc_options(MAX_CHUNK_BYTES)]
+    # Receive what the largest chunk a coordinator may set needs.
+    channel_options: list[tuple[str, int | str]] = [*wire.grpc_options(wire.MAX_CHUNK_BYTES)]
     if options.server_name:
         channel_options.append(("grpc.ssl_target_name_override", options.server_name))
     if options.credentials is not None:

@@ -62,7 +62,10 @@ class ClientSession:
         if kind == "task":
             return self._task_header(instruction.task)
         if kind == "welcome":
-            self.chunk_bytes = instruction.welcome.chunk_bytes
+            try:
+                self.chunk_bytes = wire.check_chunk_bytes(instruction.welcome.chunk_bytes)
+            except ValueError as exc:
+                raise ClientError(f"the coordinator's Welcome is malformed: {exc}") from None
             log.info("joined federation %s as clients %s", instruction.welcome.federation_id, list(self.indices))
             return []
         if kind == "run":

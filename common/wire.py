@@ -41,6 +41,20 @@ def serialized(message: Message | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+# The chunk sizes a coordinator may set (transport.chunk_bytes) and a client accepts in a Welcome.
+MIN_CHUNK_BYTES = 1 << 10
+MAX_CHUNK_BYTES = 64 << 20
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    """`chunk_bytes` if it is an allowed chunk size; ValueError naming the range if not."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(
+            f"chunk_bytes must be between {MIN_CHUNK_BYTES} (1 KiB) and {MAX_CHUNK_BYTES} (64 MiB), got {chunk_bytes}"
+        )
+    return chunk_bytes
+
+
 def message_limit(chunk_bytes: int) -> int:
     """The gRPC send/receive limit both sides set: a chunk plus headroom.
 

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from fedsaddle.common import wire
 from fedsaddle.common.problems import PaperRegressionSpec, ProblemNotFound, ProblemSpec, make_problem, parse_spec
 
 
@@ -184,7 +185,9 @@ class TransportSpec(_Model):
         description="wait this long for a lost client to come back (same indices and credentials) before "
         "failing the run; 0 fails at once",
     )
-    chunk_bytes: int = Field(2 << 20, ge=1 << 10, le=64 << 20, description="largest payload piece per message")
+    chunk_bytes: int = Field(
+        2 << 20, ge=wire.MIN_CHUNK_BYTES, le=wire.MAX_CHUNK_BYTES, description="largest payload piece per message"
+    )
     tls: TlsSpec | None = Field(None, description="serve TLS (and mutual TLS) instead of plaintext")
     credentials: str | None = Field(
         None, description="file of client identities and the indices each may speak for (see server/transport/auth.py)"

@@ -92,3 +92,12 @@ def test_a_task_larger_than_the_runs_vectors_is_refused_before_anything_is_alloc
         ClientError, match=f"the coordinator sent a task of {1 << 40} float64 entries; run 'r' allows at most 12000"
     ):
         state.handle(pb.Instruction(task=header))
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 1023, (64 << 20) + 1])
+def test_a_welcome_with_a_chunk_size_out_of_range_is_refused_and_changes_nothing(chunk_bytes: int) -> None:
+    state = session()
+    welcome = pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=chunk_bytes)
+    with pytest.raises(ClientError, match=f"malformed: chunk_bytes must be between 1024 .* got {chunk_bytes}$"):
+        state.handle(pb.Instruction(welcome=welcome))
+    assert state.chunk_bytes == 16_000

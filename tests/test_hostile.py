@@ -261,3 +261,48 @@ def test_the_readmes_two_site_example_runs_token_and_certificate_identities_toge
     remote = yaml.safe_load((run_dir / "summary.json").read_text())["algorithms"][0]["z_sha256"]
     local_config = config(**{k: v for k, v in run.items() if k not in ("transport", "output")})
     assert remote == run_algorithm(local_config.algorithms[0], local_config, LocalPool()).z_sha256
+
+
+def test_a_welcome_with_a_chunk_size_out_of_range_ends_the_client_with_an_error_naming_it() -> None:
+    # A coordinator written by hand: it answers the Hello with a Welcome that sets chunk_bytes to 0.
+    from concurrent import futures
+
+    from fedsaddle.common import wire
+
+    hellos: list[pb.ClientMessage] = []
+
+    def session(requests: Any, context: grpc.ServicerContext) -> Any:
+        hellos.append(pb.ClientMessage.FromString(next(requests)))
+        yield pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=0)).SerializeToString()
+        for _ in requests:  # until the client closes its side
+            pass
+
+    handler = grpc.stream_stream_rpc_method_handler(session)
+    service, method = wire.SESSION_METHOD.strip("/").split("/")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {method: handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = subprocess.Popen(
+        client_command(f"127.0.0.1:{port}", "0", "--connect-timeout", "10"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=CLIENT_ENV,
+    )
+    try:
+        output, _ = client.communicate(timeout=60)
+    finally:
+        client.kill()
+        server.stop(0)
+    assert hellos and list(hellos[0].hello.client_indices) == [0]
+    assert client.returncode == 1
+    assert "the coordinator's Welcome is malformed: chunk_bytes must be between 1024 (1 KiB)" in output
+    assert "Traceback" not in output
+
+
+def test_a_pool_refuses_a_chunk_size_out_of_range_before_it_starts_anything() -> None:
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=r"chunk_bytes must be between 1024 \(1 KiB\) and 67108864 \(64 MiB\), got 0$"):
+        GrpcPool(2, "127.0.0.1:0", chunk_bytes=0)
+    assert threading.active_count() == threads

@@ -114,10 +114,10 @@ class GrpcPool(ClientPool):
         token_listen: str | None = None,
         token_credentials: grpc.ServerCredentials | None = None,
     ) -> None:
+        self.chunk_bytes = wire.check_chunk_bytes(chunk_bytes)
         super().__init__()
         keep_heaps_few()
         self.federation_size = num_clients
-        self.chunk_bytes = chunk_bytes
         self.round_timeout_s = round_timeout_s
         self.rejoin_timeout_s = rejoin_timeout_s
         self.limits = limits or Limits()
