@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
+from numpy.typing import NDArray
 
 from fedsaddle.common import seeding
 from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE as LARGE
@@ -134,15 +135,24 @@ class TrafficCounts:
     floats_up: int = 0
     bytes_down: int = 0  # on the wire (gRPC only; 0 in-process)
     bytes_up: int = 0
-    # Per client (int64 arrays inside; lists in as_dict): one addition per round, whatever n is.
-    per_client_floats_down: Any = None
-    per_client_floats_up: Any = None
+    # Per client, as arrays (lists in as_dict): one addition per round, whatever n is.
+    per_client_floats_down: NDArray[np.int64] = field(init=False)
+    per_client_floats_up: NDArray[np.int64] = field(init=False)
 
     def __post_init__(self) -> None:
-        for name in ("per_client_floats_down", "per_client_floats_up"):
-            given = getattr(self, name)
-            counts = np.zeros(self.num_clients, dtype=np.int64) if given is None else np.array(given, dtype=np.int64)
-            setattr(self, name, counts)
+        self.per_client_floats_down = np.zeros(self.num_clients, dtype=np.int64)
+        self.per_client_floats_up = np.zeros(self.num_clients, dtype=np.int64)
+
+    @classmethod
+    def from_dict(cls, num_clients: int, counts: dict[str, Any]) -> TrafficCounts:
+        """Counts as `as_dict` wrote them (a checkpoint), for a federation of num_clients."""
+        per_client = {name: counts.pop(name) for name in ("per_client_floats_down", "per_client_floats_up")}
+        restored = cls(num_clients, **counts)
+        for name, values in per_client.items():
+            if len(values) != num_clients:
+                raise ValueError(f"{name} has {len(values)} entries for {num_clients} clients")
+            setattr(restored, name, np.array(values, dtype=np.int64))
+        return restored
 
     def add(self, traffic: RoundTraffic, times: int = 1) -> None:
         """Count `times` rounds of the given traffic: only the clients that took part."""
@@ -289,7 +299,7 @@ class ClientPool(abc.ABC):
         self.round_id = round_id
         for category, counts in traffic.items():
             if category in self.traffic:
-                self.traffic[category] = TrafficCounts(self.traffic[category].num_clients, **counts)  # type: ignore[arg-type]
+                self.traffic[category] = TrafficCounts.from_dict(self.traffic[category].num_clients, dict(counts))
 
     def gradients(self, z: Array, *, exact: bool = False, category: Category = "algorithm") -> Answers:
         """One round of G_i(z) from every client (a convenience over `exchange`)."""

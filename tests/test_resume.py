@@ -105,6 +105,7 @@ def assert_same_as_uninterrupted(run_dir: Path, expected: tuple[dict[str, Any], 
         assert a["name"] == b["name"] and a["status"] == b["status"] == "ok"
         assert a["z_sha256"] == b["z_sha256"]
         logical = ("rounds", "messages_down", "messages_up", "floats_down", "floats_up")
+        logical += ("per_client_floats_down", "per_client_floats_up")
         assert {k: a["traffic"]["algorithm"][k] for k in logical} == {k: b["traffic"]["algorithm"][k] for k in logical}
         assert (
             a["meta_iterations" if "meta_iterations" in a else "syncs"]
