@@ -24,6 +24,8 @@ from pathlib import Path
 import yaml
 from procfs import field_mib  # bench/procfs.py
 
+from fedsaddle.common import wire
+
 
 def _children(pid: int) -> list[int]:
     found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
@@ -35,7 +37,7 @@ def main() -> None:
     parser.add_argument("--dim", type=float, default=1e6, help="d: x and y each in R^d")
     parser.add_argument("--clients", type=int, default=10, help="clients, one process each")
     parser.add_argument("--rounds", type=int, default=10, help="communication rounds")
-    parser.add_argument("--chunk-bytes", type=int, default=2 << 20, help="transport.chunk_bytes")
+    parser.add_argument("--chunk-bytes", type=int, default=wire.DEFAULT_CHUNK_BYTES, help="transport.chunk_bytes")
     args = parser.parse_args()
     config = {
         "name": "memory",

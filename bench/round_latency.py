@@ -22,17 +22,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pydantic import ValidationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from anchor import Floor
 from procfs import cpu_seconds
 
+from fedsaddle.common import wire
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.launch import reap, start_clients
-from fedsaddle.server.config import TransportSpec
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientPool, RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
@@ -60,12 +59,12 @@ def main() -> None:
     parser.add_argument(
         "--blocks", type=int, default=5, help="the rounds alternate between the three in this many blocks"
     )
-    parser.add_argument("--chunk-bytes", type=int, default=2 << 20, help="transport.chunk_bytes")
+    parser.add_argument("--chunk-bytes", type=int, default=wire.DEFAULT_CHUNK_BYTES, help="transport.chunk_bytes")
     args = parser.parse_args()
-    try:  # the bounds a config's transport.chunk_bytes has
-        TransportSpec(chunk_bytes=args.chunk_bytes)
-    except ValidationError as exc:
-        parser.error(f"--chunk-bytes: {exc.errors()[0]['msg']} (got {args.chunk_bytes})")
+    try:  # before any process starts
+        wire.check_chunk_bytes(args.chunk_bytes)
+    except ValueError as exc:
+        parser.error(f"--chunk-bytes: {exc}")
     n, dims = args.clients, [int(v) for v in args.dims]
     floor = Floor(n)
     pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600, chunk_bytes=args.chunk_bytes)

@@ -42,6 +42,7 @@ def serialized(message: Message | bytes) -> bytes:
 
 
 # The chunk sizes a coordinator may set (transport.chunk_bytes) and a client accepts in a Welcome.
+DEFAULT_CHUNK_BYTES = 2 << 20
 MIN_CHUNK_BYTES = 1 << 10
 MAX_CHUNK_BYTES = 64 << 20
 

@@ -186,7 +186,10 @@ class TransportSpec(_Model):
         "failing the run; 0 fails at once",
     )
     chunk_bytes: int = Field(
-        2 << 20, ge=wire.MIN_CHUNK_BYTES, le=wire.MAX_CHUNK_BYTES, description="largest payload piece per message"
+        wire.DEFAULT_CHUNK_BYTES,
+        ge=wire.MIN_CHUNK_BYTES,
+        le=wire.MAX_CHUNK_BYTES,
+        description="largest payload piece per message",
     )
     tls: TlsSpec | None = Field(None, description="serve TLS (and mutual TLS) instead of plaintext")
     credentials: str | None = Field(

@@ -19,7 +19,7 @@ gRPC traffic, in bytes, is counted apart).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, NamedTuple
@@ -144,11 +144,12 @@ class TrafficCounts:
         self.per_client_floats_up = np.zeros(self.num_clients, dtype=np.int64)
 
     @classmethod
-    def from_dict(cls, num_clients: int, counts: dict[str, Any]) -> TrafficCounts:
+    def from_dict(cls, num_clients: int, counts: Mapping[str, Any]) -> TrafficCounts:
         """Counts as `as_dict` wrote them (a checkpoint), for a federation of num_clients."""
-        per_client = {name: counts.pop(name) for name in ("per_client_floats_down", "per_client_floats_up")}
-        restored = cls(num_clients, **counts)
-        for name, values in per_client.items():
+        names = ("per_client_floats_down", "per_client_floats_up")
+        restored = cls(num_clients, **{k: v for k, v in counts.items() if k not in names})
+        for name in names:
+            values = counts[name]
             if len(values) != num_clients:
                 raise ValueError(f"{name} has {len(values)} entries for {num_clients} clients")
             setattr(restored, name, np.array(values, dtype=np.int64))
@@ -299,7 +300,7 @@ class ClientPool(abc.ABC):
         self.round_id = round_id
         for category, counts in traffic.items():
             if category in self.traffic:
-                self.traffic[category] = TrafficCounts.from_dict(self.traffic[category].num_clients, dict(counts))
+                self.traffic[category] = TrafficCounts.from_dict(self.traffic[category].num_clients, counts)
 
     def gradients(self, z: Array, *, exact: bool = False, category: Category = "algorithm") -> Answers:
         """One round of G_i(z) from every client (a convenience over `exchange`)."""

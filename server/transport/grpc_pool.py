@@ -103,7 +103,7 @@ class GrpcPool(ClientPool):
         num_clients: int,
         listen: str = "127.0.0.1:0",
         *,
-        chunk_bytes: int = 2 << 20,
+        chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
         round_timeout_s: float = 60.0,
         server_credentials: grpc.ServerCredentials | None = None,
         authenticator: Authenticator | None = None,
