@@ -29,6 +29,7 @@ import numpy as np
 from fedsaddle.server.algorithms.base import StepCost, _build, _flatten
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.driver import AlgorithmResult, Resume, StepDone
+from fedsaddle.server.pool import TrafficCounts
 
 FORMAT = 1
 NAME = "checkpoint.npz"
@@ -125,6 +126,11 @@ def read(run_dir: Path, config: RunConfig, state_types: list[type]) -> Checkpoin
         state = _build(state_types[index], meta["state"], state_arrays)
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: the algorithm state is incomplete ({exc})") from None
+    try:  # read back as the pool will, so that a damaged count is refused before anything starts
+        for counts in meta["traffic"].values():
+            TrafficCounts.from_dict(config.problem.num_clients, counts)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: the traffic counts are damaged ({exc})") from None
     finished = []
     for i, summary in enumerate(meta["finished"]):
         finished.append(

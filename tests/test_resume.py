@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import CLIENT_ENV, fedsaddle, stop_processes
 from test_failures import Coordinator, write_config
@@ -179,6 +180,13 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_and_nothing_changes(tmp_p
     good = (run_dir / "checkpoint.npz").read_bytes()
     (run_dir / "checkpoint.npz").write_bytes(good[: len(good) // 2])
     refused("is damaged or truncated")
+    (run_dir / "checkpoint.npz").write_bytes(good)
+    with np.load(run_dir / "checkpoint.npz") as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    meta = json.loads(str(arrays["__meta__"]))
+    meta["traffic"]["algorithm"]["per_client_floats_up"].pop()
+    np.savez(run_dir / "checkpoint.npz", **{**arrays, "__meta__": np.array(json.dumps(meta))})
+    refused("the traffic counts are damaged (per_client_floats_up has 2 entries for 3 clients)")
     (run_dir / "checkpoint.npz").write_bytes(good)
     config = json.loads((run_dir / "config.json").read_text())
     (run_dir / "config.json").write_text(json.dumps({**config, "seed": 1}))
