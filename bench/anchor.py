@@ -119,16 +119,25 @@ class Floor:
         return self.loop.run_until_complete(block())
 
     def close(self) -> None:
-        for outbox, _ in self.anchor.streams:
-            outbox.put_nowait(b"")
+        self.loop.run_until_complete(self._goodbye(10))
         for process in self.processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            if process.poll() is None:
                 process.kill()
+                process.wait()
         if self.server is not None:
             self.loop.run_until_complete(self.server.stop(1))
         self.loop.close()
+
+    async def _goodbye(self, timeout_s: float) -> None:
+        """Sends every client the empty goodbye and waits up to `timeout_s` for them to exit.
+
+        The loop must run while they do: the goodbyes are written by the streams' handlers.
+        """
+        for outbox, _ in self.anchor.streams:
+            outbox.put_nowait(b"")
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in self.processes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
 
 def measure(clients: int, sizes: list[int], rounds: int, warmup: int = 3) -> dict[int, list[float]]:
