@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import wire
@@ -210,6 +211,8 @@ def serve(options: ClientOptions) -> None:
     """Run the client; SIGTERM ends it cleanly (the stream closes, the coordinator is told)."""
 
     keep_heaps_few()
+    # A diverging run overflows; its answers say so (Answer.diverged), so numpy need not warn.
+    np.seterr(over="ignore", invalid="ignore")
 
     async def session() -> None:
         task = asyncio.current_task()

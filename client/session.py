@@ -36,7 +36,9 @@ class ClientSession:
     def __init__(self, indices: tuple[int, ...], shards: ShardCache | None = None) -> None:
         self.indices = indices
         self.chunk_bytes = 0
+        self._answers = wire.AnswerWriter(0)  # made anew by the Welcome, with its chunk size
         self.run: pb.RunSpec | None = None
+        self._run_id, self._dimension = "", 0  # the run's, read once (not per task)
         self.worker: Worker | None = None
         self.shards = shards or ShardCache(size=2)  # holds the clients' data files and the trusted plugins
         self.goodbye: pb.Goodbye | None = None
@@ -64,6 +66,7 @@ class ClientSession:
         if kind == "welcome":
             try:
                 self.chunk_bytes = wire.check_chunk_bytes(instruction.welcome.chunk_bytes)
+                self._answers = wire.AnswerWriter(self.chunk_bytes)
             except ValueError as exc:
                 raise ClientError(f"the coordinator's Welcome is malformed: {exc}") from None
             log.info("joined federation %s as clients %s", instruction.welcome.federation_id, list(self.indices))
@@ -87,11 +90,12 @@ class ClientSession:
 
     def _task_header(self, task: pb.Task) -> Iterable[pb.ClientMessage | bytes]:
         """A task: executed at once when its payload came inline, else its chunks are awaited."""
-        if task.payload or task.payload_length == 0:
-            return self._execute(task, task.payload)
-        self._check_run(task)
+        payload = task.payload  # (each read of a bytes field is a copy)
+        if payload or task.payload_length == 0:
+            return self._execute(task, payload)
+        self._check_run(task.run_id)
         assert self.run is not None
-        limit = 2 * self.run.dimension  # z and a control at most
+        limit = 2 * self._dimension  # z and a control at most
         if task.payload_length > limit:
             raise ClientError(
                 f"the coordinator sent a task of {task.payload_length} float64 entries; "
@@ -116,6 +120,7 @@ class ClientSession:
     def _start_run(self, run: pb.RunSpec) -> pb.Ready:
         """Load this process's clients' data for the run; Ready says what it gives, or why it cannot."""
         self.run, self.worker = run, None
+        self._run_id, self._dimension = run.run_id, int(run.dimension)
         try:
             spec = parse_spec(json.loads(run.problem_json), self.shards.trusted)
             seed = run.synthetic_seed if run.HasField("synthetic_seed") else None
@@ -138,21 +143,22 @@ class ClientSession:
         log.error("cannot serve run %s: %s", run.run_id, reason)
         return pb.Ready(run_id=run.run_id, error=reason)
 
-    def _check_run(self, message: pb.Task) -> None:
-        """ClientError unless the task belongs to the run this process announced itself Ready for."""
-        if self.run is None or message.run_id != self.run.run_id:
-            raise ClientError(f"task for run {message.run_id!r} before its RunSpec")
+    def _check_run(self, run_id: str) -> None:
+        """ClientError unless a task of run `run_id` belongs to the run this process announced itself Ready for."""
+        if self.run is None or run_id != self._run_id:
+            raise ClientError(f"task for run {run_id!r} before its RunSpec")
         if self.worker is None:
-            raise ClientError(f"task for run {message.run_id!r}, which this process could not start")
+            raise ClientError(f"task for run {run_id!r}, which this process could not start")
 
     def _execute(self, message: pb.Task, payload: bytes | memoryview, own: bool = False) -> Iterable[bytes]:
         """Run a task; `own`: its payload is this session's buffer, which the worker may write over."""
-        self._check_run(message)
-        assert self.run is not None and self.worker is not None
-        task = wire.decode_task(message, payload, int(self.run.dimension), writable=own)
+        run_id = message.run_id
+        self._check_run(run_id)
+        assert self.worker is not None
+        task = wire.decode_task(message, payload, self._dimension, writable=own)
         # Only the clients the task names take part, when it names some (a sampled round).
         clients = tuple(message.client_indices) or None
         if clients is not None and not set(clients) <= set(self.indices):
             raise ClientError(f"the task names clients {list(clients)[:8]}, not all hosted here")
-        answer = self.worker.execute(task, message.round_id, clients)
-        return wire.encode_answer(message.run_id, message.round_id, answer, self.chunk_bytes)
+        round_id = message.round_id
+        return self._answers.encode(run_id, round_id, self.worker.execute(task, round_id, clients))

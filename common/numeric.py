@@ -53,6 +53,11 @@ def running_sum(vectors: Iterable[Array]) -> Array:
     return total
 
 
+def all_finite(values: Array) -> bool:
+    """Whether no entry is inf or nan (one ufunc reduction: no Python between it and the answer)."""
+    return bool(np.logical_and.reduce(np.isfinite(values), axis=None))
+
+
 def norm(v: Array) -> float:
     """The Euclidean norm of one vector."""
     return float(np.sqrt(np.sum(v * v)))

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 from google.protobuf.message import Message
 
-from fedsaddle.common.numeric import Array
+from fedsaddle.common.numeric import Array, all_finite
 from fedsaddle.common.tasks import Answer, Decay, EvaluateTask, GradientTask, LocalStepsTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -321,24 +321,46 @@ def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) 
     The chunks are cut from the answer's vectors as they are sent: a large answer is
     never copied whole.
     """
-    message = pb.ClientMessage()
-    header = message.answer  # filled in place: pb.ClientMessage(answer=header) would copy it
-    header.SetInParent()  # an Answer even if every field is at its default
-    header.run_id, header.round_id = run_id, round_id
-    header.client_indices.extend(answer.indices)
-    if answer.diverged:
-        header.diverged = True
-        return iter([message.SerializeToString()])
-    vectors = answer.vectors
-    header.payload_length = vectors.size
-    if answer.objective is not None:
-        header.objective = to_bytes([answer.objective])
-    if answer.counts is not None:
-        header.sample_counts.extend(int(c) for c in answer.counts)
-    if 8 * vectors.size <= chunk_bytes:
-        header.payload = vectors.astype(FLOAT64, copy=False).tobytes()  # C order, contiguous or not
-        return iter([message.SerializeToString()])
-    return itertools.chain([message.SerializeToString()], chunks(_contiguous([vectors]), chunk_bytes))
+    return AnswerWriter(chunk_bytes).encode(run_id, round_id, answer)
+
+
+class AnswerWriter:
+    """Serializes answers as `encode_answer` does, from a header kept while its fixed fields stay
+    the same: a client process answers every round of a run with the same run id, clients and
+    length, and building the protobuf message anew cost more than the rest of a small answer."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._fixed: tuple[object, ...] | None = None
+        self._message = pb.ClientMessage()
+
+    def encode(self, run_id: str, round_id: int, answer: Answer) -> Iterator[bytes]:
+        vectors = answer.vectors
+        fixed = (run_id, answer.indices, answer.diverged, vectors.size, answer.objective is None, answer.counts is None)
+        if fixed != self._fixed:
+            self._message = pb.ClientMessage()
+            header = self._message.answer  # filled in place: pb.ClientMessage(answer=header) would copy it
+            header.SetInParent()  # an Answer even if every field is at its default
+            header.run_id = run_id
+            header.client_indices.extend(answer.indices)
+            if answer.diverged:
+                header.diverged = True
+            else:
+                header.payload_length = vectors.size
+            self._fixed = fixed
+        header = self._message.answer
+        header.round_id = round_id
+        if answer.diverged:
+            return iter([self._message.SerializeToString()])
+        if answer.objective is not None:
+            header.objective = to_bytes([answer.objective])
+        if answer.counts is not None:
+            del header.sample_counts[:]
+            header.sample_counts.extend(int(c) for c in answer.counts)
+        if 8 * vectors.size <= self.chunk_bytes:
+            header.payload = vectors.astype(FLOAT64, copy=False).tobytes()  # C order, contiguous or not
+            return iter([self._message.SerializeToString()])
+        return itertools.chain([self._message.SerializeToString()], chunks(_contiguous([vectors]), self.chunk_bytes))
 
 
 def decode_answer(
@@ -360,16 +382,15 @@ def decode_answer(
     if header.diverged:
         return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
     values = from_bytes(payload, len(indices) * dimension).reshape(len(indices), dimension)
-    finite = np.isfinite(values)
-    if not finite.all():
-        row, col = (int(v) for v in np.argwhere(~finite)[0])
+    if not all_finite(values):
+        row, col = (int(v) for v in np.argwhere(~np.isfinite(values))[0])
         raise WireError(f"client {indices[row]}: entry {col} is {values[row, col]} (non-finite values are refused)")
     objective = None
     if want_objective:
         if len(header.objective) != 8 * len(indices):
             raise WireError(f"objective has {len(header.objective)} bytes, expected {8 * len(indices)}")
         objective = from_bytes(header.objective, len(indices))
-        if not np.isfinite(objective).all():
+        if not all_finite(objective):
             raise WireError("objective values must be finite")
     elif header.objective:
         raise WireError("objective values sent but not asked for")

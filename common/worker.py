@@ -15,7 +15,7 @@ import numpy as np
 
 from fedsaddle.common import seeding
 from fedsaddle.common.indices import some
-from fedsaddle.common.numeric import BLOCK, Array, blocks
+from fedsaddle.common.numeric import BLOCK, Array, all_finite, blocks
 from fedsaddle.common.problems import (
     DataError,
     DataProblem,
@@ -98,14 +98,15 @@ class Worker:
 
         Every hosted client computes (a client's result depends only on its own
         data and streams); only the answering ones' results are checked and kept.
+        A run that diverges overflows: numpy's float warnings are the caller's to
+        silence (the driver, batch runs and client processes do), once, not per task.
         """
         if isinstance(task, EvaluateTask):
             return self._evaluate(task)
-        with np.errstate(over="ignore", invalid="ignore"):
-            if isinstance(task, GradientTask):
-                vectors, objective = self._gradient(task, round_id)
-            else:
-                vectors, objective = self._local_steps(task, round_id), None
+        if isinstance(task, GradientTask):
+            vectors, objective = self._gradient(task, round_id)
+        else:
+            vectors, objective = self._local_steps(task, round_id), None
         vectors = vectors.T  # columns (D, k[, B]) -> rows ([B,] k, D)
         if objective is not None:
             objective = objective.T
@@ -116,8 +117,7 @@ class Worker:
             objective = None if objective is None else objective[rows]
         if self.batched:
             return Answer(indices, vectors, objective)
-        finite = bool(np.isfinite(vectors).all()) and (objective is None or bool(np.isfinite(objective).all()))
-        if not finite:
+        if not all_finite(vectors) or (objective is not None and not all_finite(objective)):
             return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
         return Answer(indices, vectors, objective)
 

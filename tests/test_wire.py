@@ -64,6 +64,46 @@ def test_gradient_task_and_answer_round_trip() -> None:
     assert back.objective is not None and np.array_equal(back.objective, answer.objective)
 
 
+def _built_anew(run_id: str, round_id: int, answer: Answer) -> bytes:
+    """The answer's header as protobuf writes it from scratch: the reference for AnswerWriter."""
+    header = pb.Answer(run_id=run_id, round_id=round_id, client_indices=answer.indices, diverged=answer.diverged)
+    if not answer.diverged:
+        header.payload_length = answer.vectors.size
+        if answer.objective is not None:
+            header.objective = answer.objective.tobytes()
+        if answer.counts is not None:
+            header.sample_counts.extend(int(c) for c in answer.counts)
+        if 8 * answer.vectors.size <= 1024:
+            header.payload = answer.vectors.tobytes()
+    return pb.ClientMessage(answer=header).SerializeToString()
+
+
+def test_an_answer_writer_keeps_nothing_of_one_answer_in_the_next() -> None:
+    # One writer, as in a client process: the header it keeps must not carry a field over.
+    rng = np.random.default_rng(3)
+    small, large = rng.standard_normal((1, 20)), rng.standard_normal((2, 100))  # 160 B inline; 1600 B in chunks
+    answers = [
+        ("r", 1, Answer((4,), small)),
+        ("r", 2, Answer((4,), small + 1)),
+        ("r", 3, Answer((4,), small, np.array([2.5]))),
+        ("r", 4, Answer((4,), small)),  # the objective of round 3 is gone
+        ("r", 5, Answer((4,), np.empty((1, 0)), diverged=True)),
+        ("r", 6, Answer((4,), small)),
+        ("s", 1, Answer((4, 7), large)),  # another run, chunked
+        ("s", 2, Answer((7,), small)),  # a sampled round: one client of two
+        ("s", 3, Answer((4, 7), np.ones((2, 3)), counts=np.array([5.0, 9.0]))),
+        ("s", 4, Answer((4, 7), np.ones((2, 3)), counts=np.array([6.0, 2.0]))),
+        ("s", 5, Answer((4, 7), large)),
+    ]
+    writer = wire.AnswerWriter(1024)
+    for run_id, round_id, answer in answers:
+        pieces = list(writer.encode(run_id, round_id, answer))
+        assert pieces[0] == _built_anew(run_id, round_id, answer), (run_id, round_id)
+        assert pieces == list(wire.encode_answer(run_id, round_id, answer, 1024))
+        if len(pieces) > 1:  # the chunks carry the vectors
+            assert b"".join(bytes(wire.read_chunk(p).data) for p in pieces[1:]) == answer.vectors.tobytes()  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("offset", [0, 1, 127, 128, 300, 4 << 20, 1 << 40])
 @pytest.mark.parametrize("size", [1, 127, 128, 20_000])
 def test_chunks_written_and_read_by_hand_are_protobufs_bytes(offset: int, size: int) -> None:
