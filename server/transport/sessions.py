@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -61,6 +62,33 @@ class Admission:
             del self.per_peer[host]
 
 
+class Outbox:
+    """A session's instructions waiting for its stream's writer, in order.
+
+    A deque and one waiting writer: an asyncio.Queue would make a future for
+    every item and keep counts no one reads, and a round queues one item per
+    session."""
+
+    def __init__(self) -> None:
+        self._items: deque[bytes | None] = deque()
+        self._writer: asyncio.Future[None] | None = None
+
+    def put(self, item: bytes | None) -> None:
+        self._items.append(item)
+        writer = self._writer
+        if writer is not None and not writer.done():
+            writer.set_result(None)
+
+    async def get(self) -> bytes | None:
+        while not self._items:
+            self._writer = asyncio.get_running_loop().create_future()
+            try:
+                await self._writer
+            finally:
+                self._writer = None
+        return self._items.popleft()
+
+
 class Overflow(Exception):
     """A session's undelivered messages exceeded their bound: it stopped reading its stream."""
 
@@ -74,7 +102,7 @@ class Session:
     name: str
     identity: Identity | None = None
     id: str = field(default_factory=lambda: secrets.token_hex(8))
-    outbox: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
+    outbox: Outbox = field(default_factory=Outbox)
     queued_bytes: int = 0
     max_queued_bytes: int = 1 << 62
     alive: bool = True
@@ -93,11 +121,11 @@ class Session:
         if self.queued_bytes + len(data) > self.max_queued_bytes:
             raise Overflow(f"{self.describe()} stopped reading its stream ({self.queued_bytes} bytes undelivered)")
         self.queued_bytes += len(data)
-        self.outbox.put_nowait(data)
+        self.outbox.put(data)
 
     def end(self) -> None:
         """Close the stream after what is queued."""
-        self.outbox.put_nowait(None)
+        self.outbox.put(None)
 
 
 class Registry:
