@@ -89,6 +89,23 @@ def test_local_runs_a_federation_of_processes_on_loopback(tmp_path: Path) -> Non
     assert hashes == [a["z_sha256"] for a in summary_of(tmp_path / "sim")["algorithms"]]
 
 
+def test_a_run_that_overflows_in_the_clients_is_reported_as_diverged_without_numpy_warnings(tmp_path: Path) -> None:
+    # 60 local steps of size 1e100 overflow inside the client processes in the first round.
+    path = tmp_path / "run.yaml"
+    run = {
+        "problem": {"name": "quadratic_game", "num_clients": 2, "dim": 4, "heterogeneity": 0.5},
+        "sync": {"kind": "fixed", "tau": 60},
+        "rounds": 5,
+        "algorithms": [{"name": "fedavg_s", "gamma_local": 1e100, "decay": "constant"}],
+    }
+    path.write_text(yaml.safe_dump(run))
+    done = fedsaddle("local", "--config", str(path), "--out", str(tmp_path / "runs"))
+    assert done.returncode == 0, done.stderr
+    (result,) = summary_of(tmp_path / "runs")["algorithms"]
+    assert result["status"] == "diverged" and result["rounds"] == 1
+    assert "RuntimeWarning" not in done.stderr + done.stdout  # the answers say so; numpy need not
+
+
 def _children(pid: int) -> set[int]:
     found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return {int(p) for p in found.split()}
