@@ -70,6 +70,11 @@ class HandClient:
     def close(self) -> None:
         self.requests.put(None)
 
+    def ended(self, timeout: float = 10) -> None:
+        """Wait until the coordinator has ended the stream (after `close`): the session is gone there too."""
+        while (item := self.inbox.get(timeout=timeout)) is not None and not isinstance(item, grpc.RpcError):
+            pass
+
     def next(self, timeout: float = 10) -> pb.Instruction:
         item = self.inbox.get(timeout=timeout)
         if isinstance(item, grpc.RpcError):

@@ -189,6 +189,7 @@ def test_a_session_lost_mid_round_is_replaced_and_sent_the_task_again() -> None:
         assert leaving.next_task().round_id == task.round_id == 1
         steady.send(pb.ClientMessage(answer=steady.good(task)))
         leaving.close()  # gone without answering round 1
+        leaving.ended()  # (a real client would retry a Hello refused while its old session lingers)
         with grpc.insecure_channel(pool.address) as second:
             back = HandClient(second, [1])  # the same index, a new session
             back.welcome()
