@@ -1,13 +1,15 @@
 """The gRPC transport: client processes dial in; each round is a real exchange.
 
-The coordinator is the gRPC server (grpc.aio, on its own event-loop thread). The
-driver's thread hands each exchange to the loop and waits for its answers. Each
-round's Task is serialized once and the same bytes go to every session; answers
-come back in client-index order whatever order they arrived in.
+The coordinator is the gRPC server (grpc.aio). Its event loop runs in the
+driver's thread for as long as an exchange lasts, and in a keeper thread between
+exchanges (loop.py): a round crosses no thread. Each round's Task is serialized
+once and the same bytes go to every session; answers come back in client-index
+order whatever order they arrived in.
 
 The parts: checks.py (pure checks of what clients send), sessions.py (the
 registry of sessions), rounds.py (the barriers a run's start and a round wait
-on), servicer.py (the Session stream), auth.py (TLS and client identities).
+on), servicer.py (the Session stream), auth.py (TLS and client identities),
+loop.py (who runs the event loop when).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo, round_traffic
 from fedsaddle.server.transport.auth import Authenticator
 from fedsaddle.server.transport.checks import Expectation
+from fedsaddle.server.transport.loop import LoopRunner
 from fedsaddle.server.transport.refusal import printable
 from fedsaddle.server.transport.rounds import Barriers, OpenRound, RunStart
 from fedsaddle.server.transport.servicer import SERVICE, SessionService
@@ -67,34 +69,6 @@ class Round:
 RoundOutcome = tuple[list[Answer], int, int]  # the answers in client order, bytes sent, bytes received
 
 
-class Reply:
-    """A round's outcome, handed from the event loop to the thread that waits for it.
-
-    Cheaper than a concurrent Future: one lock, released once. The first result
-    set wins (a round that completes wakes its waiter at once; the coroutine that
-    ran it finishes after)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._value: RoundOutcome = ([], 0, 0)
-        self._error: BaseException | None = None
-        self._set = False
-
-    def set(self, value: RoundOutcome = ([], 0, 0), error: BaseException | None = None) -> None:
-        """On the loop: hand over the outcome (ignored after the first)."""
-        if not self._set:
-            self._set, self._value, self._error = True, value, error
-            self._lock.release()
-
-    def get(self) -> RoundOutcome:
-        """In the waiting thread: the outcome, or its error raised here."""
-        self._lock.acquire()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 class GrpcPool(ClientPool):
     """A ClientPool whose clients are processes connected over gRPC."""
 
@@ -126,19 +100,16 @@ class GrpcPool(ClientPool):
         self._counts: list[int] | None = None  # the clients' sample counts in this run (weighting: samples)
         self._resent = [0, 0, 0]  # messages, float64 entries and bytes sent again to rejoining sessions
         self.federation_id = secrets.token_hex(8)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fedsaddle-grpc", daemon=True)
-        self._thread.start()
+        self._runner = LoopRunner()  # the loop runs in the thread that calls (see loop.py)
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._closed = False
-        self._round_task: asyncio.Task[None] | None = None
         self.token_port: int | None = None  # the second port, for token identities under mutual TLS
         try:
             self.registry, self.barriers, self.service = self._call(self._make_state(authenticator))
             self.port = self._call(self._start_server(listen, server_credentials, token_listen, token_credentials))
         except BaseException:
-            self._stop_loop()
+            self._runner.close()
             raise
         host = listen.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
@@ -146,8 +117,8 @@ class GrpcPool(ClientPool):
     # -- plumbing ---------------------------------------------------------------------------
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run a coroutine on the server's loop and wait for its result in this thread."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+        """Run a coroutine on the server's loop, in this thread, to its result."""
+        return self._runner.run(coroutine, timeout)
 
     async def _make_state(self, authenticator: Authenticator | None) -> tuple[Registry, Barriers, SessionService]:
         registry, barriers = Registry(self.federation_size), Barriers()
@@ -356,10 +327,8 @@ class GrpcPool(ClientPool):
             return wire.encode_task(self.run.run_id, round_id, task, self.chunk_bytes, indices)  # type: ignore[union-attr]
 
         round_ = Round(pieces, round_id, entries, want_objective, evaluation, traffic.floats_down, subset, pieces_for)
-        reply = Reply()
-        self._loop.call_soon_threadsafe(self._start_round, round_, reply)
         try:
-            answers, bytes_down, bytes_up = reply.get()
+            answers, bytes_down, bytes_up = self._call(self._round(round_))
         finally:
             self._count_resent()
         counts = self.traffic[category]
@@ -377,21 +346,9 @@ class GrpcPool(ClientPool):
             counts.floats_down += floats
             counts.bytes_down += size
 
-    def _start_round(self, round_: Round, reply: Reply) -> None:
-        self._round_task = self._loop.create_task(self._round(round_, reply))
-
-    async def _round(self, round_: Round, reply: Reply) -> None:
-        """Send one round's task to the participating sessions; the reply gets their answers, the bytes
-        sent and received (or the error that ended the round)."""
-        try:
-            await self._run_round(round_, reply)
-        except Exception as exc:
-            reply.set(error=exc)
-        except asyncio.CancelledError:
-            reply.set(error=PoolError("the coordinator is shutting down"))
-            raise
-
-    async def _run_round(self, round_: Round, reply: Reply) -> None:
+    async def _round(self, round_: Round) -> RoundOutcome:
+        """Send one round's task to the participating sessions: their answers in client order, the bytes
+        sent and the bytes received."""
         assert self.run is not None
         run_id, round_id = self.run.run_id, round_.round_id
         everyone = await self._present(f"before round {round_id}", run_id)
@@ -421,12 +378,9 @@ class GrpcPool(ClientPool):
                 pieces = round_.pieces if mine == session.indices else round_.pieces_for(mine)
                 session.max_queued_bytes = bound  # a few rounds' worth: more means it stopped reading
                 sent += self._deliver(session, pieces)
-            # The last answer wakes the waiting thread directly, without a trip through this coroutine.
-            barrier.on_done = lambda: reply.set((barrier.in_order(), sent, barrier.bytes_up))
             await barrier.wait(self.round_timeout_s)
-            reply.set((barrier.in_order(), sent, barrier.bytes_up))  # closed by the straggler deadline
+            return barrier.in_order(), sent, barrier.bytes_up
         finally:
-            barrier.on_done = None  # it refers to the barrier: without this, a cycle keeps the answers alive
             if self.barriers.round is barrier:  # the next round may be open already
                 self.barriers.round = None
 
@@ -445,9 +399,13 @@ class GrpcPool(ClientPool):
             self._call(self._goodbye(reason, outcome), timeout=5)
         if self._server is not None:
             with contextlib.suppress(Exception):
-                self._call(self._server.stop(grace=2.0), timeout=10)
-            self._loop.call_soon_threadsafe(self._trimmer.cancel)
-        self._stop_loop()
+                self._call(self._stop_server(), timeout=10)
+        self._runner.close()
+
+    async def _stop_server(self) -> None:
+        assert self._server is not None
+        self._trimmer.cancel()
+        await self._server.stop(grace=2.0)
 
     async def _goodbye(self, reason: str, outcome: pb.Outcome) -> None:
         goodbye = pb.Instruction(goodbye=pb.Goodbye(reason=reason, outcome=outcome)).SerializeToString()
@@ -456,10 +414,6 @@ class GrpcPool(ClientPool):
             with contextlib.suppress(Exception):
                 session.send(goodbye)
             session.end()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
 
     def __enter__(self) -> GrpcPool:
         return self

@@ -10,7 +10,6 @@ rejoin timeout for a new session with the same indices to take its place.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fedsaddle.common.tasks import Answer
@@ -43,7 +42,6 @@ class Barrier:
     pending: set[str] = field(init=False)  # ids of the sessions not heard from yet
     done: bool = field(default=False, init=False)
     error: BaseException | None = field(default=None, init=False)
-    on_done: Callable[[], None] | None = field(default=None, init=False)  # called once, when complete
     _wake: asyncio.Future[None] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -64,8 +62,6 @@ class Barrier:
         self.pending.discard(session.id)
         if not self.pending and not self.done:
             self.done = True
-            if self.on_done is not None:
-                self.on_done()
             self._poke()
 
     def fail(self, error: BaseException) -> None:

@@ -1,0 +1,172 @@
+"""The coordinator's event loop, run by the thread that needs it.
+
+The driver calls into the pool once per round and waits for the answers. Had the
+loop a thread of its own, each round would cross between threads twice (the task
+handed to the loop, the answers handed back), each time with a wake-up and the
+GIL passed over: on a small problem about as much CPU as the round's own Python.
+So the thread that calls runs the loop itself, for as long as its call lasts.
+
+Between calls a keeper thread takes the loop over, once the caller has been away
+`idle_s`: joins, health checks, hostile streams and a lost client's return are
+served while the driver computes, and a round that follows the last one at once
+never waits for a hand-over.
+
+A signal handler that raises (SIGTERM's Stopped, Ctrl-C's KeyboardInterrupt) must
+not raise inside the loop, where asyncio would catch it in a callback or pin it on
+whichever task was running. While the main thread runs the loop, SIGTERM and
+SIGINT are held: the loop stops at once, and the handler runs outside it, in the
+caller's frame, as it would have had the loop been elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger("fedsaddle.coordinator")
+HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class LoopRunner:
+    """An event loop run by whichever thread calls `run`, and by a keeper thread in between."""
+
+    def __init__(self, idle_s: float = 0.02) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.idle_s = idle_s
+        self._owner = threading.Lock()  # held by the thread that runs the loop
+        self._state = threading.Lock()  # guards the two fields below
+        self._callers = 0  # threads in run(): they come before the keeper
+        self._left_at = time.monotonic()  # when the last caller left
+        self._wanted = asyncio.Event()  # set on the loop: a caller wants it back from the keeper
+        self._closed = False
+        self._guard = _SignalGuard(self.loop)
+        self._keeper = threading.Thread(target=self._keep, name="fedsaddle-loop-keeper", daemon=True)
+        self._keeper.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run the coroutine to its end on the loop, in this thread: its result, or its exception raised here."""
+        with self._state:
+            self._callers += 1
+        try:
+            if not self._owner.acquire(blocking=False):  # the keeper has it: ask for it back
+                self.loop.call_soon_threadsafe(self._wanted.set)
+                self._owner.acquire()
+        except BaseException:
+            coroutine.close()
+            self._leave()
+            raise
+        task = self.loop.create_task(coroutine if timeout is None else asyncio.wait_for(coroutine, timeout))
+        guard = self._guard if threading.current_thread() is threading.main_thread() else None
+        try:
+            while True:
+                if guard is not None:
+                    guard.enter()
+                try:
+                    return self.loop.run_until_complete(task)
+                except RuntimeError:
+                    if guard is None or not guard.held:  # not stopped by a held signal: a real error
+                        raise
+                finally:
+                    if guard is not None:
+                        guard.leave()  # the held signals' handlers: they may raise (else, go on)
+        finally:
+            if not task.done():  # a signal's handler raised: the call is abandoned
+                task.cancel()  # (it unwinds when the loop next runs)
+            self._owner.release()
+            self._leave()
+
+    def _leave(self) -> None:
+        with self._state:
+            self._callers -= 1
+            self._left_at = time.monotonic()
+
+    def _keep(self) -> None:
+        """The keeper thread: run the loop while no caller has for `idle_s`, until one wants it back."""
+        while not self._closed:
+            time.sleep(self.idle_s)
+            with self._state:
+                idle = not self._callers and time.monotonic() - self._left_at >= self.idle_s
+            if not idle or not self._owner.acquire(blocking=False):
+                continue
+            try:
+                with self._state:
+                    if self._callers or self._closed:  # one came in meanwhile: it is waiting for the lock
+                        continue
+                self._wanted.clear()  # a request made while no one ran the loop is stale
+                self.loop.run_until_complete(self._wanted.wait())
+            except Exception:  # the keeper must outlive anything that goes wrong in one turn
+                log.exception("the event loop's keeper thread")
+            finally:
+                self._owner.release()
+
+    def close(self) -> None:
+        """Stop the keeper and close the loop (call after the last `run`)."""
+        self._closed = True
+        if threading.current_thread() is threading.main_thread():
+            self._guard.restore()
+        if self._keeper.is_alive():
+            with contextlib.suppress(RuntimeError):  # (the loop is closed already)
+                self.loop.call_soon_threadsafe(self._wanted.set)  # if the keeper runs the loop now
+            self._keeper.join(timeout=5)
+        if not self.loop.is_closed() and self._owner.acquire(timeout=5):
+            try:
+                self.loop.close()
+            finally:
+                self._owner.release()
+
+
+class _SignalGuard:
+    """Holds SIGTERM and SIGINT while the main thread runs the loop (see the module's docstring).
+
+    It wraps the handlers once and re-wraps only a handler installed since: a
+    round costs two getsignal calls, not four system calls."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.inside = False  # the main thread runs the loop now
+        self.held: list[int] = []
+        self._generation = 0  # a stop requested in one run must not stop the next
+        self._original: dict[int, Callable[[int, Any], Any]] = {}
+        self._handler = self._handle  # one bound method, so that `is` recognizes it
+
+    def enter(self) -> None:
+        for number in HELD_SIGNALS:
+            current = signal.getsignal(number)
+            if current is not self._handler and callable(current):
+                self._original[number] = current
+                signal.signal(number, self._handler)
+        self.inside = True
+
+    def leave(self) -> None:
+        """Out of the loop: run the handlers of the signals held, which may raise here."""
+        self.inside = False
+        self._generation += 1
+        held, self.held = self.held, []
+        for number in held:
+            self._original[number](number, None)
+
+    def _handle(self, number: int, frame: Any) -> None:
+        if not self.inside:
+            self._original[number](number, frame)
+            return
+        self.held.append(number)
+        generation = self._generation
+
+        def stop() -> None:
+            if self.inside and self._generation == generation:
+                self.loop.stop()
+
+        self.loop.call_soon_threadsafe(stop)  # (wakes the loop if it waits in select)
+
+    def restore(self) -> None:
+        """Put back the handlers it wrapped (main thread only)."""
+        for number, handler in self._original.items():
+            if signal.getsignal(number) is self._handler:
+                signal.signal(number, handler)

@@ -1,0 +1,111 @@
+"""The coordinator's event loop runs in the thread that calls the pool, and in a keeper thread between
+calls (server/transport/loop.py): streams are served while the driver computes, and a signal that
+arrives while the main thread runs the loop is raised after it, not inside it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_bad_answers import HandClient
+
+from fedsaddle.common.problems import PaperRegressionSpec
+from fedsaddle.server.pool import RunInfo
+from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.loop import LoopRunner
+
+
+class Terminated(Exception):
+    """What this test's SIGTERM handler raises (as the CLI's raises Stopped)."""
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_streams_are_served_while_the_driver_calls_nothing() -> None:
+    # The main thread holds the pool and does not call it: the keeper thread must run the loop.
+    with GrpcPool(1, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
+        time.sleep(0.5)
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        hand = HandClient(channel, [0])
+        assert hand.welcome().num_clients == 1  # a Hello answered with no call under way
+        time.sleep(0.2)
+        assert pool.missing() == []
+        hand.close()
+
+
+def test_a_sigterm_during_a_round_is_raised_in_the_callers_frame_at_once() -> None:
+    with sigterm_raises():
+        handler = signal.getsignal(signal.SIGTERM)
+        pool = GrpcPool(1, "127.0.0.1:0", round_timeout_s=60)
+        channel = grpc.insecure_channel(pool.address)
+        try:
+            hand = HandClient(channel, [0])  # says Ready, and never answers a task
+            hand.welcome()
+            pool.wait_for_clients(10)
+            pool.start_run(RunInfo("r", PaperRegressionSpec(num_clients=1, dim=5, s=1.0), 0, 0.0))
+            timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+            started = time.monotonic()
+            timer.start()
+            with pytest.raises(Terminated):
+                pool.gradients(np.ones(10))  # the main thread runs the loop, waiting for the answer
+            assert time.monotonic() - started < 10  # at once, not at the round's 60 s timeout
+            assert hand.next_task().round_id == 1  # the round had started
+            # The loop is intact: the pool still says goodbye and closes.
+            pool.close()
+            goodbye = hand.next()
+            assert goodbye.HasField("goodbye"), goodbye
+        finally:
+            pool.close()
+            channel.close()
+        assert signal.getsignal(signal.SIGTERM) is handler  # the pool's hold on SIGTERM is gone
+
+
+def test_a_signal_that_lands_inside_another_task_reaches_the_caller_and_spares_the_task() -> None:
+    runner = LoopRunner()
+    bystanders: list[asyncio.Task[str]] = []
+
+    async def bystander() -> str:  # e.g. a session's handler, running when the signal comes
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):
+            await asyncio.sleep(0)
+        return "intact"
+
+    async def call() -> str:
+        bystanders.append(asyncio.get_running_loop().create_task(bystander()))
+        await asyncio.sleep(5)
+        return "waited it out"
+
+    async def outcome() -> str:
+        return await bystanders[0]
+
+    try:
+        with sigterm_raises():
+            started = time.monotonic()
+            with pytest.raises(Terminated):
+                runner.run(call())
+            assert time.monotonic() - started < 4
+            assert runner.run(outcome()) == "intact"  # the handler did not raise inside it
+    finally:
+        runner.close()
