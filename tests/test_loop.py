@@ -109,3 +109,18 @@ def test_a_signal_that_lands_inside_another_task_reaches_the_caller_and_spares_t
             assert runner.run(outcome()) == "intact"  # the handler did not raise inside it
     finally:
         runner.close()
+
+
+def test_a_pool_is_usable_from_a_thread_that_runs_an_event_loop_of_its_own() -> None:
+    # A notebook runs its cells inside an event loop: the pool's loop cannot run in that thread too.
+    with GrpcPool(1, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
+
+        async def cell() -> list[int]:
+            hand = HandClient(channel, [0])
+            await asyncio.get_running_loop().run_in_executor(None, hand.welcome)
+            pool.wait_for_clients(10)  # synchronous calls, as a notebook makes them
+            missing = pool.missing()
+            hand.close()
+            return missing
+
+        assert asyncio.run(cell()) == []

@@ -9,7 +9,8 @@ So the thread that calls runs the loop itself, for as long as its call lasts.
 Between calls a keeper thread takes the loop over, once the caller has been away
 `idle_s`: joins, health checks, hostile streams and a lost client's return are
 served while the driver computes, and a round that follows the last one at once
-never waits for a hand-over.
+never waits for a hand-over. A caller whose thread runs an event loop of its own
+(a notebook's cell does) cannot run a second one: its calls go to the keeper.
 
 A signal handler that raises (SIGTERM's Stopped, Ctrl-C's KeyboardInterrupt) must
 not raise inside the loop, where asyncio would catch it in a callback or pin it on
@@ -52,6 +53,8 @@ class LoopRunner:
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run the coroutine to its end on the loop, in this thread: its result, or its exception raised here."""
+        if _has_running_loop():  # e.g. a notebook's cell: this thread runs a loop of its own
+            return self._run_elsewhere(coroutine, timeout)
         with self._state:
             self._callers += 1
         try:
@@ -81,6 +84,15 @@ class LoopRunner:
                 task.cancel()  # (it unwinds when the loop next runs)
             self._owner.release()
             self._leave()
+
+    def _run_elsewhere(self, coroutine: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Hand the coroutine to the keeper, which runs the loop while no thread calls `run` itself."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     def _leave(self) -> None:
         with self._state:
@@ -120,6 +132,14 @@ class LoopRunner:
                 self.loop.close()
             finally:
                 self._owner.release()
+
+
+def _has_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class _SignalGuard:
