@@ -35,7 +35,6 @@ class ClientSession:
 
     def __init__(self, indices: tuple[int, ...], shards: ShardCache | None = None) -> None:
         self.indices = indices
-        self.chunk_bytes = 0
         self._answers = wire.AnswerWriter(0)  # made anew by the Welcome, with its chunk size
         self.run: pb.RunSpec | None = None
         self._run_id, self._dimension = "", 0  # the run's, read once (not per task)
@@ -45,6 +44,11 @@ class ClientSession:
         self._task: pb.Task | None = None
         self._assembler: wire.Assembler | None = None
         self._payload = bytearray()  # chunked payloads are assembled here, task after task
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The Welcome's chunk size (0 before it), with which answers are cut."""
+        return self._answers.chunk_bytes
 
     @property
     def over(self) -> bool:
@@ -65,8 +69,7 @@ class ClientSession:
             return self._task_header(instruction.task)
         if kind == "welcome":
             try:
-                self.chunk_bytes = wire.check_chunk_bytes(instruction.welcome.chunk_bytes)
-                self._answers = wire.AnswerWriter(self.chunk_bytes)
+                self._answers = wire.AnswerWriter(wire.check_chunk_bytes(instruction.welcome.chunk_bytes))
             except ValueError as exc:
                 raise ClientError(f"the coordinator's Welcome is malformed: {exc}") from None
             log.info("joined federation %s as clients %s", instruction.welcome.federation_id, list(self.indices))
