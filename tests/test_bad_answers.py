@@ -182,6 +182,34 @@ def test_bad_answers_are_rejected_and_the_run_ends_as_if_they_never_came() -> No
     assert outcome["r"].traffic["algorithm"]["rounds"] == RUN.rounds
 
 
+def test_a_hello_out_of_index_order_may_be_answered_in_its_order_and_no_other() -> None:
+    run = config(
+        problem={"name": "paper_regression", "num_clients": 4, "dim": 3, "s": 2.0},
+        algorithms=[{"name": "scaffold_s", "gamma_local": 0.05}],
+        rounds=3,
+        sync={"kind": "fixed", "tau": 4},
+    )
+    outcome: dict[str, AlgorithmResult] = {}
+    with GrpcPool(4, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
+        hand = HandClient(channel, [0, 2, 1, 3])  # its answers list the clients as its Hello does
+        hand.welcome()
+        pool.wait_for_clients(10)
+        runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
+        runner.start()
+        for _ in range(run.rounds):
+            good = hand.good(hand.next_task())
+            assert list(good.client_indices) == [0, 2, 1, 3]
+            hand.send(answer(good, client_indices=[3, 2, 1, 0]))  # neither index order nor the Hello's
+            refused = hand.next().rejected
+            assert pb.RejectCode.Name(refused.code) == "INVALID_ARGUMENT"
+            assert "got [3, 2, 1, 0] (or as the Hello listed them: [0, 2, 1, 3])" in refused.details
+            hand.send(pb.ClientMessage(answer=good))
+        runner.join(timeout=30)
+        assert not runner.is_alive()
+    # Its rows were put in index order: the run is the in-process one, bit for bit.
+    assert outcome["r"].z_sha256 == run_algorithm(run.algorithms[0], run, LocalPool()).z_sha256
+
+
 @pytest.mark.parametrize(
     ("indices", "version", "code", "message"),
     [

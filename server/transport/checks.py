@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import grpc
+import numpy as np
 
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
@@ -20,7 +21,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def hello_indices(hello: pb.Hello, num_clients: int) -> tuple[int, ...]:
-    """The indices a Hello asks for, sorted; Refusal(INVALID_ARGUMENT) naming what is wrong."""
+    """The indices a Hello asks for, in its order; Refusal(INVALID_ARGUMENT) naming what is wrong."""
     if hello.protocol_version != pb.PROTOCOL_VERSION_2:
         raise Refusal(
             INVALID, f"protocol version {hello.protocol_version} is not supported (this coordinator speaks 2)"
@@ -34,7 +35,13 @@ def hello_indices(hello: pb.Hello, num_clients: int) -> tuple[int, ...]:
     outside = [i for i in indices if i >= num_clients]
     if outside:
         raise Refusal(INVALID, f"client indices {some(outside)} are outside [0, {num_clients})")
-    return tuple(sorted(indices))
+    return indices
+
+
+def in_order(indices: tuple[int, ...], limit: int = 8) -> str:
+    """Indices as listed (`some` sorts them), bounded: '[3, 1]' or '[9, 8, 7, ... and 97 more]'."""
+    shown = ", ".join(str(i) for i in indices[:limit])
+    return f"[{shown}, ... and {len(indices) - limit} more]" if len(indices) > limit else f"[{shown}]"
 
 
 class Expectation(NamedTuple):
@@ -46,6 +53,9 @@ class Expectation(NamedTuple):
     entries: int  # float64 entries per client in the payload
     want_objective: bool
     want_counts: bool = False  # an evaluation answer: held-out row counts per client
+    # The session's clients in the order its Hello listed them, when that is not index order and
+    # the task names none of them (all take part): an answer may list them so, too.
+    listed: tuple[int, ...] | None = None
 
 
 def answer_header(
@@ -55,6 +65,8 @@ def answer_header(
     byte length if so, else Refusal with the status that says why."""
     claimed = tuple(header.client_indices)
     # The usual case first: exactly the expected clients, which are this session's own.
+    if expected is not None and claimed != expected.indices and claimed == expected.listed:
+        claimed = expected.indices  # the Hello's order: rows are put in index order (`answer`)
     if expected is None or claimed != expected.indices:
         foreign = sorted(set(claimed) - set(session_indices))
         if foreign:
@@ -76,7 +88,8 @@ def answer_header(
         raise Refusal(
             INVALID,
             f"an answer to round {expected.round_id} must list clients {some(expected.indices)} in order, "
-            f"got {some(claimed)}",
+            f"got {in_order(claimed)}"
+            + (f" (or as the Hello listed them: {in_order(expected.listed)})" if expected.listed else ""),
         )
     entries = 0 if header.diverged else len(claimed) * expected.entries
     if header.payload_length != entries:
@@ -91,10 +104,28 @@ def answer_header(
 def answer(header: pb.Answer, payload: bytes | memoryview, expected: Expectation) -> Answer:
     """The answer's vectors, checked (length, finiteness, objective); Refusal(INVALID_ARGUMENT) if bad.
     Call it only on a header that passed `answer_header`."""
+    listed = expected.listed is not None and tuple(header.client_indices) == expected.listed
     try:
-        # answer_header found the header's clients to be expected.indices
-        return wire.decode_answer(
-            header, payload, expected.entries, expected.want_objective, expected.want_counts, expected.indices
+        # answer_header found the header's clients to be expected.indices, or those in the Hello's order
+        answer = wire.decode_answer(
+            header,
+            payload,
+            expected.entries,
+            expected.want_objective,
+            expected.want_counts,
+            expected.listed if listed else expected.indices,
         )
     except wire.WireError as exc:
         raise Refusal(INVALID, str(exc)) from None
+    return in_index_order(answer) if listed else answer
+
+
+def in_index_order(answer: Answer) -> Answer:
+    """An answer whose clients came in another order, its rows (and per-client values) in index order."""
+    order = np.argsort(answer.indices, kind="stable")
+    indices = tuple(answer.indices[k] for k in order)
+    if answer.diverged:
+        return Answer(indices, answer.vectors, None, diverged=True)
+    objective = None if answer.objective is None else answer.objective[order]
+    counts = None if answer.counts is None else answer.counts[order]
+    return Answer(indices, answer.vectors[order], objective, counts=counts)

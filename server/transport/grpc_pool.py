@@ -238,7 +238,7 @@ class GrpcPool(ClientPool):
             if problem is not None:
                 raise PoolError(problem)
             session.ready_run = run.run_id
-            for index, count in zip(session.indices, barrier.ready[session.id].sample_counts, strict=False):
+            for index, count in zip(session.hello_order, barrier.ready[session.id].sample_counts, strict=False):
                 counts[index] = count
         self._counts = counts if run.weighting == "samples" else None
         return self._counts
@@ -256,7 +256,7 @@ class GrpcPool(ClientPool):
         if run.weighting == "samples" and len(reported) != len(session.indices):
             return f"{session.describe()} reported {len(reported)} sample counts for {len(session.indices)} clients"
         if self._counts is not None:  # a rejoining session must bring the same data
-            before = [self._counts[i] for i in session.indices]
+            before = [self._counts[i] for i in session.hello_order]
             if reported != before:
                 return f"{session.describe()} rejoined with sample counts {reported[:8]}, had {before[:8]}"
         return None
@@ -362,7 +362,15 @@ class GrpcPool(ClientPool):
             f"round {round_id}",
             self.rejoin_timeout_s,
             expected={
-                s.id: Expectation(run_id, round_id, mine, round_.entries, round_.want_objective, round_.evaluation)
+                s.id: Expectation(
+                    run_id,
+                    round_id,
+                    mine,
+                    round_.entries,
+                    round_.want_objective,
+                    round_.evaluation,
+                    s.listed if mine == s.indices else None,
+                )
                 for s, mine in taking_part
             },
             pieces=round_.pieces,

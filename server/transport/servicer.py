@@ -183,7 +183,9 @@ class SessionService:
         indices = checks.hello_indices(hello, self.registry.num_clients)
         if identity is not None:
             Authenticator.check_indices(identity, indices)
-        session = Session(indices, peer, printable(hello.client_name, 256), identity)
+        ordered = tuple(sorted(indices))
+        session = Session(ordered, peer, printable(hello.client_name, 256), identity)
+        session.listed = indices if indices != ordered else None
         session.max_queued_bytes = self.limits.max_undelivered_bytes
         return self.registry.open(session)
 

@@ -110,6 +110,12 @@ class Session:
     task: asyncio.Task[None] | None = None  # the stream's handler (to drop a session that stops reading)
     dropped: Refusal | None = None  # why the coordinator ended it
     ready_run: str | None = None  # the run this session's clients are loaded for (it said Ready)
+    listed: tuple[int, ...] | None = None  # the indices in the Hello's order, when that is not index order
+
+    @property
+    def hello_order(self) -> tuple[int, ...]:
+        """The indices as the Hello listed them: the order of Ready.sample_counts."""
+        return self.listed or self.indices
 
     def describe(self) -> str:
         who = f"client {self.indices[0]}" if len(self.indices) == 1 else f"clients {some(self.indices)}"

@@ -1,0 +1,117 @@
+"""The wire contract alone is enough: a client written from proto/fedsaddle.proto, without fedsaddle.
+
+tests/outsider_client.py imports only grpc, numpy and the modules protoc
+generates here from the proto. It serves linear_regression on its own files with
+its own arithmetic, lists its clients out of index order in its Hello, and sends
+chunked answers built with protobuf. A real coordinator runs the five algorithms
+on it; every result equals the in-process run up to rounding (the arithmetic is
+not fedsaddle's, so not bit for bit), and the counts are exactly the same.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import stop_processes
+
+from fedsaddle import api
+from fedsaddle.launch import CLIENT_ENV
+from fedsaddle.server.config import parse_config
+from fedsaddle.server.driver import run_all
+from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+ROOT = Path(__file__).resolve().parent.parent
+FEATURES, CLIENTS = 100, 5  # z has 200 entries, 1600 bytes: more than one 1024-byte chunk
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The protobuf and gRPC modules, generated from the proto as an outsider would."""
+    from grpc_tools import protoc
+
+    out = tmp_path_factory.mktemp("generated")
+    proto = ROOT / "proto" / "fedsaddle.proto"
+    code = protoc.main(["protoc", f"-I{proto.parent}", f"--python_out={out}", f"--grpc_python_out={out}", str(proto)])
+    assert code == 0
+    return out
+
+
+def client_files(folder: Path) -> list[Path]:
+    """Each client's rows: its own number of them, its own true weights (heterogeneous clients)."""
+    rng = np.random.default_rng(3)
+    paths = []
+    for i in range(CLIENTS):
+        rows = 150 + 40 * i
+        held_out = 20 + 10 * i  # the weights of each client's test_mse
+        x, x_test = rng.standard_normal((rows, FEATURES)), rng.standard_normal((held_out, FEATURES))
+        w = rng.standard_normal(FEATURES) + i
+        path = folder / f"client-{i}.npz"
+        np.savez(
+            path,
+            X=x,
+            y=x @ w + rng.standard_normal(rows),
+            X_test=x_test,
+            y_test=x_test @ w + rng.standard_normal(held_out),
+        )
+        paths.append(path)
+    return paths
+
+
+def run_config() -> dict[str, Any]:
+    return {
+        "name": "outsider",
+        "problem": {"name": "linear_regression", "num_clients": CLIENTS, "features": FEATURES, "lam": 0.1},
+        "weighting": "samples",
+        "evaluate_every": 4,
+        "rounds": 24,
+        "sync": {"kind": "fixed", "tau": 3},
+        "algorithms": [
+            {"name": "minibatch_md", "gamma": 0.05},
+            {"name": "mirror_prox", "gamma": 0.05},
+            {"name": "fedavg_s", "gamma_local": 0.02, "decay": "inverse_sqrt"},
+            {"name": "scaffold_s", "gamma_local": 0.02},
+            {"name": "scaffold_catalyst_s", "gamma_local": 0.02},
+        ],
+        "output": {"plot": False},
+        "transport": {"chunk_bytes": 1024},
+    }
+
+
+def test_a_client_written_from_the_proto_alone_runs_every_algorithm(generated: Path, tmp_path: Path) -> None:
+    paths = client_files(tmp_path)
+    config = run_config()
+    expected = api.run(config, data=str(tmp_path / "client-{i}.npz"), out=tmp_path / "in-process").results
+
+    script = str(ROOT / "tests" / "outsider_client.py")
+    groups = [[0, 2, 1, 3], [4]]  # the first Hello lists its clients out of index order
+    logs = [tmp_path / f"outsider-{k}.log" for k in range(len(groups))]
+    with GrpcPool(CLIENTS, "127.0.0.1:0", chunk_bytes=1024, round_timeout_s=30) as pool:
+        processes = []
+        for group, log in zip(groups, logs, strict=True):
+            command = [sys.executable, script, str(generated), pool.address, *(f"{i}={paths[i]}" for i in group)]
+            with log.open("w") as stderr:
+                processes.append(subprocess.Popen(command, env=CLIENT_ENV, stderr=stderr))
+        try:
+            pool.wait_for_clients(60)
+            results = run_all(parse_config(config), pool)
+        finally:
+            pool.close()
+            codes = stop_processes(processes)
+    assert codes == [0, 0], [log.read_text() for log in logs]
+
+    for got, want in zip(results, expected, strict=True):
+        assert got.status == want.status == "ok", (got.name, got.detail)
+        scale = np.abs(want.final_z).max()
+        assert scale > 0.1  # the runs went somewhere
+        np.testing.assert_allclose(got.final_z, want.final_z, rtol=0, atol=1e-10 * scale, err_msg=got.name)
+        mse = [r["test_mse"] for r in got.records if "test_mse" in r]
+        assert len(mse) >= 3
+        np.testing.assert_allclose(mse, [r["test_mse"] for r in want.records if "test_mse" in r], rtol=1e-10)
+        for category in ("algorithm", "evaluation"):
+            for count in ("rounds", "floats_up", "floats_down", "messages_up", "messages_down"):
+                assert got.traffic[category][count] == want.traffic[category][count], (got.name, category, count)
