@@ -4,8 +4,9 @@ tests/outsider_client.py imports only grpc, numpy and the modules protoc
 generates here from the proto. It serves linear_regression on its own files with
 its own arithmetic, lists its clients out of index order in its Hello, and sends
 chunked answers built with protobuf. A real coordinator runs the five algorithms
-on it; every result equals the in-process run up to rounding (the arithmetic is
-not fedsaddle's, so not bit for bit), and the counts are exactly the same.
+on it (Catalyst also with the objective stop rule, whose rounds ask for f_i);
+every result equals the in-process run up to rounding (the arithmetic is not
+fedsaddle's, so not bit for bit), and the counts are exactly the same.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def run_config() -> dict[str, Any]:
             {"name": "fedavg_s", "gamma_local": 0.02, "decay": "inverse_sqrt"},
             {"name": "scaffold_s", "gamma_local": 0.02},
             {"name": "scaffold_catalyst_s", "gamma_local": 0.02},
+            # the paper's inner stop rule: every gradient round also asks for f_i(z)
+            {
+                "name": "scaffold_catalyst_s",
+                "label": "catalyst_objective_stop",
+                "gamma_local": 0.02,
+                "stop": {"rule": "objective", "max_inner_syncs": 3},
+            },
         ],
         "output": {"plot": False},
         "transport": {"chunk_bytes": 1024},
