@@ -207,3 +207,40 @@ def test_a_session_lost_mid_round_is_replaced_and_sent_the_task_again() -> None:
     resent = outcome["r"].traffic["retransmission"]
     assert resent["messages_down"] == 1 and resent["floats_down"] == np.size(local.final_z)
     assert outcome["r"].traffic["algorithm"]["messages_down"] == 2 * run.rounds
+
+
+def test_a_session_that_rejoins_may_list_its_clients_in_another_order() -> None:
+    import threading
+
+    import grpc
+    from test_bad_answers import HandClient
+
+    from fedsaddle.proto import fedsaddle_pb2 as pb
+    from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+    run = config(problem=PROBLEM, algorithms=[{"name": "minibatch_md", "gamma": 0.1}], rounds=4)
+    with GrpcPool(3, "127.0.0.1:0", rejoin_timeout_s=10) as pool, grpc.insecure_channel(pool.address) as channel:
+        steady, leaving = HandClient(channel, [0]), HandClient(channel, [1, 2])
+        steady.welcome(), leaving.welcome()
+        pool.wait_for_clients(10)
+        outcome: dict[str, Any] = {}
+        runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
+        runner.start()
+        steady.send(pb.ClientMessage(answer=steady.good(steady.next_task())))
+        leaving.next_task()
+        leaving.close()  # gone without answering round 1
+        leaving.ended()
+        with grpc.insecure_channel(pool.address) as second:
+            back = HandClient(second, [2, 1])  # the same clients, listed the other way round
+            back.welcome()
+            for _ in range(run.rounds):  # the open round's task again, then the rest of the run
+                answer = back.good(back.next_task())
+                assert list(answer.client_indices) == [2, 1]  # as its Hello lists them
+                back.send(pb.ClientMessage(answer=answer))
+                if _ < run.rounds - 1:
+                    steady.send(pb.ClientMessage(answer=steady.good(steady.next_task())))
+            runner.join(timeout=30)
+            assert not runner.is_alive()
+            back.close()
+        steady.close()
+    assert outcome["r"].z_sha256 == run_algorithm(run.algorithms[0], run, LocalPool()).z_sha256

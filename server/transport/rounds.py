@@ -166,7 +166,10 @@ class OpenRound(Barrier):
     def replace(self, new: Session) -> Session | None:
         old = super().replace(new)
         if old is not None:
-            self.expected[new.id] = self.expected.pop(old.id)
+            expected = self.expected.pop(old.id)
+            # The new stream's Hello may list its clients in another order than the lost one's.
+            listed = new.listed if expected.indices == new.indices else None
+            self.expected[new.id] = expected._replace(listed=listed)
         return old
 
     def accept(self, session: Session, answer: Answer, size: int) -> None:
