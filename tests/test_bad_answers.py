@@ -287,29 +287,31 @@ def test_a_client_gone_between_rounds_is_named_at_the_next_round() -> None:
         pool.close()
 
 
-def test_a_ready_with_an_error_or_the_wrong_dimension_stops_the_run_before_round_one() -> None:
+def test_a_ready_with_an_error_the_wrong_dimension_or_no_samples_stops_the_run_before_round_one() -> None:
     with GrpcPool(2, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
         honest, broken = HandClient(channel, [0], auto_ready=False), HandClient(channel, [1], auto_ready=False)
         honest.welcome(), broken.welcome()
         pool.wait_for_clients(10)
         failures: list[BaseException] = []
 
-        def start(run_id: str) -> None:
+        def start(run_id: str, weighting: str) -> None:
             try:
-                pool.start_run(RunInfo(run_id, RUN.problem, RUN.seed, 0.0))
+                pool.start_run(RunInfo(run_id, RUN.problem, RUN.seed, 0.0, weighting))  # type: ignore[arg-type]
             except Exception as exc:
                 failures.append(exc)
 
-        for run_id, reply in (
-            ("r1", pb.Ready(run_id="r1", error="data/client-1.npz: row 5 holds NaN")),
-            ("r2", pb.Ready(run_id="r2", dimension=8)),
+        for run_id, reply, weighting in (
+            ("r1", pb.Ready(run_id="r1", error="data/client-1.npz: row 5 holds NaN"), "uniform"),
+            ("r2", pb.Ready(run_id="r2", dimension=8), "uniform"),
+            ("r3", pb.Ready(run_id="r3", dimension=6, sample_counts=[0]), "samples"),
         ):
-            starter = threading.Thread(target=start, args=(run_id,))
+            starter = threading.Thread(target=start, args=(run_id, weighting))
             starter.start()
             for hand in (honest, broken):
                 instruction = hand.next()
                 assert instruction.HasField("run")
-                replies = hand.state.handle(instruction)
+                good = pb.ClientMessage(ready=pb.Ready(run_id=run_id, dimension=6, sample_counts=[40]))
+                replies = hand.state.handle(instruction) if weighting == "uniform" else [good]
                 hand.send(pb.ClientMessage(ready=reply) if hand is broken else replies[0])
             starter.join(timeout=10)
         assert [str(f) for f in failures] == [
@@ -317,5 +319,7 @@ def test_a_ready_with_an_error_or_the_wrong_dimension_stops_the_run_before_round
             "cannot serve run r1: data/client-1.npz: row 5 holds NaN",
             "client 1 (hand at ipv4:127.0.0.1:" + str(failures[1]).split("127.0.0.1:")[1].split(")")[0] + ") "
             "has data of dimension 8, but run r2 expects 6",
+            "client 1 (hand at ipv4:127.0.0.1:" + str(failures[2]).split("127.0.0.1:")[1].split(")")[0] + ") "
+            "reported 0 training samples for client 1: weighted by samples, every client must bring some",
         ]
         honest.close(), broken.close()

@@ -255,6 +255,12 @@ class GrpcPool(ClientPool):
         reported = list(ready.sample_counts)
         if run.weighting == "samples" and len(reported) != len(session.indices):
             return f"{session.describe()} reported {len(reported)} sample counts for {len(session.indices)} clients"
+        if run.weighting == "samples" and 0 in reported:
+            empty = session.hello_order[reported.index(0)]
+            return (
+                f"{session.describe()} reported 0 training samples for client {empty}: weighted by samples, "
+                "every client must bring some"
+            )
         if self._counts is not None:  # a rejoining session must bring the same data
             before = [self._counts[i] for i in session.hello_order]
             if reported != before:
