@@ -12,6 +12,7 @@ rests on every sum being taken in the same order. These helpers fix that order:
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -54,7 +55,17 @@ def running_sum(vectors: Iterable[Array]) -> Array:
 
 
 def all_finite(values: Array) -> bool:
-    """Whether no entry is inf or nan (one ufunc reduction: no Python between it and the answer)."""
+    """Whether no entry is inf or nan.
+
+    The sum of the squares (one BLAS call) is finite only if every entry is, and it
+    is cheaper than a finiteness test of each entry; only when it is not (a non-finite
+    entry, or squares that overflow) is each entry tested.
+    """
+    flags = values.flags
+    if flags.c_contiguous or flags.f_contiguous:
+        flat = values.ravel(order="K")  # a view in memory order
+        if math.isfinite(np.dot(flat, flat)):
+            return True
     return bool(np.logical_and.reduce(np.isfinite(values), axis=None))
 
 

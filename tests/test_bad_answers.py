@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -180,6 +181,32 @@ def test_bad_answers_are_rejected_and_the_run_ends_as_if_they_never_came() -> No
     local = run_algorithm(RUN.algorithms[0], RUN, LocalPool())
     assert outcome["r"].z_sha256 == local.z_sha256
     assert outcome["r"].traffic["algorithm"]["rounds"] == RUN.rounds
+
+
+def test_an_answer_with_huge_finite_entries_is_used_and_numpy_does_not_warn() -> None:
+    # Its squares overflow the fast finiteness test (numeric.all_finite), which then looks entry by entry.
+    run = config(**{**RUN.model_dump(), "rounds": 1, "algorithms": [{"name": "minibatch_md", "gamma": 1e-3}]})
+    outcome: dict[str, AlgorithmResult] = {}
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        GrpcPool(2, "127.0.0.1:0") as pool,
+        grpc.insecure_channel(pool.address) as channel,
+    ):
+        warnings.simplefilter("always")
+        first, second = HandClient(channel, [0]), HandClient(channel, [1])
+        first.welcome(), second.welcome()
+        pool.wait_for_clients(10)
+        runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
+        runner.start()
+        good = first.good(first.next_task())
+        huge = np.full(len(good.payload) // 8, 1e200)
+        first.send(answer(good, huge))
+        second.send(pb.ClientMessage(answer=second.good(second.next_task())))
+        runner.join(timeout=30)
+        assert not runner.is_alive()
+    assert outcome["r"].traffic["algorithm"]["rounds"] == 1  # accepted: the round closed
+    assert np.abs(outcome["r"].final_z).max() > 1e190  # and used
+    assert [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)] == []
 
 
 def test_a_hello_out_of_index_order_may_be_answered_in_its_order_and_no_other() -> None:

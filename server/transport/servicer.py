@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple, NoReturn
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from fedsaddle.common import wire
@@ -102,6 +103,10 @@ class SessionService:
     async def session(
         self, requests: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes]
     ) -> None:
+        # Answers are checked for non-finite entries and refused by name (checks.py); numpy need
+        # not warn about them as well. Set for this stream's tasks alone (numpy's error state is a
+        # context variable, and each task runs in a copy of the context it was created in).
+        np.seterr(over="ignore", invalid="ignore")
         peer = context.peer()
         host = peer.rsplit(":", 1)[0]
         try:
