@@ -57,12 +57,14 @@ def running_sum(vectors: Iterable[Array]) -> Array:
 def all_finite(values: Array) -> bool:
     """Whether no entry is inf or nan.
 
-    The sum of the squares (one BLAS call) is finite only if every entry is, and it
-    is cheaper than a finiteness test of each entry; only when it is not (a non-finite
-    entry, or squares that overflow) is each entry tested.
+    The sum of the squares (one BLAS call) is finite only if every entry is, and for a
+    short vector it is cheaper than a finiteness test of each entry; only when it is not
+    (a non-finite entry, or squares that overflow) is each entry tested. Long vectors
+    are tested entry by entry: BLAS would split their sum over threads that then spin,
+    taking the cores the other processes need (the d = 1e6 round took 1.6x as long).
     """
     flags = values.flags
-    if flags.c_contiguous or flags.f_contiguous:
+    if values.size <= _SMALL and (flags.c_contiguous or flags.f_contiguous):
         flat = values.ravel(order="K")  # a view in memory order
         if math.isfinite(np.dot(flat, flat)):
             return True

@@ -184,16 +184,17 @@ def test_message_limit_is_raised_only_as_far_as_one_chunk_needs() -> None:
     assert options["grpc.max_receive_message_length"] == (4 << 20) + (1 << 20)
 
 
+@pytest.mark.parametrize("rows", [7, 2001])  # short vectors take the sum of squares first, long ones not
 @pytest.mark.parametrize("layout", ["C", "F", "strided"])
-def test_all_finite_finds_any_non_finite_entry_in_any_layout(layout: str) -> None:
-    base = np.random.default_rng(0).standard_normal((7, 5))
+def test_all_finite_finds_any_non_finite_entry_in_any_layout(layout: str, rows: int) -> None:
+    base = np.random.default_rng(0).standard_normal((rows, 5))
     views = {"C": lambda a: a, "F": lambda a: np.asfortranarray(a), "strided": lambda a: a[::2, ::2]}
     view = views[layout]
     assert all_finite(view(base))
     with np.errstate(over="ignore"):  # as the callers have it
         assert all_finite(view(base * 1e200))  # squares overflow: the entries are looked at one by one
     for bad in (np.inf, -np.inf, np.nan):
-        for row, col in ((0, 0), (6, 4), (2, 3)):
+        for row, col in ((0, 0), (rows - 1, 4), (2, 3)):
             values = base.copy()
             values[row, col] = bad
             seen = layout != "strided" or (row % 2 == 0 and col % 2 == 0)  # the view holds the entry
