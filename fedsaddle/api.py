@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from fedsaddle.common import blas
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import DataProblem, data_paths, make_problem
 from fedsaddle.common.worker import ShardCache
@@ -87,6 +88,19 @@ def run(
     if out is not None:
         config = config.model_copy(update={"output": config.output.model_copy(update={"dir": str(out)})})
     paths = data_paths(data, range(config.problem.num_clients))
+    with blas.threads_for_run():  # the count every client process uses (common/blas.py)
+        outcome = _run(config, paths, transport, clients_per_process, reference, progress)
+    return Report(outcome.results, outcome.run_dir, outcome.failure)
+
+
+def _run(
+    config: RunConfig,
+    paths: dict[int, str] | None,
+    transport: Literal["inprocess", "grpc"],
+    clients_per_process: int,
+    reference: Array | None,
+    progress: Callable[[str, int, int, float], None] | None,
+) -> Outcome:
     outcome: Outcome
     if transport == "inprocess":
         from fedsaddle.server.local_pool import LocalPool
@@ -101,4 +115,4 @@ def run(
         with loopback_federation(config, clients_per_process, data=paths) as (pool, processes):
             info = {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
             outcome = run_config(config, pool, info, progress, reference)
-    return Report(outcome.results, outcome.run_dir, outcome.failure)
+    return outcome

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedsaddle import __version__
+from fedsaddle.common import blas
 from fedsaddle.common.indices import parse_indices
 
 if TYPE_CHECKING:
@@ -656,6 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    blas.set_environment()  # before numpy loads (common/blas.py)
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(

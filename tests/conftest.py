@@ -10,10 +10,14 @@ from typing import Any
 
 import pytest
 
-from fedsaddle import launch
-from fedsaddle.launch import CLIENT_ENV
-from fedsaddle.server.config import RunConfig, parse_config
-from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.common import blas
+
+blas.set_environment()  # as every fedsaddle process does, before numpy loads (common/blas.py)
+
+from fedsaddle import launch  # noqa: E402
+from fedsaddle.launch import CLIENT_ENV  # noqa: E402
+from fedsaddle.server.config import RunConfig, parse_config  # noqa: E402
+from fedsaddle.server.transport.grpc_pool import GrpcPool  # noqa: E402
 
 
 def fedsaddle(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -228,3 +228,42 @@ def test_stopped_clients_print_the_reason(tmp_path: Path, cancer: tuple[Path, di
     assert code == 1
     assert f"client {CLIENTS - 1}: {tmp_path / 'missing.npz'}: no such file" in log
     assert "no such file" in messages and "the coordinator ended the run as failed" in messages
+
+
+BLAS_SCRIPT = """
+import json, sys
+import numpy as np  # loaded first, as in a notebook: BLAS starts with a thread per core
+from fedsaddle import api
+config, pattern = json.loads(sys.argv[1]), sys.argv[2]
+local = api.run(config, data=pattern, out=sys.argv[3] + "/local")
+remote = api.run(config, data=pattern, transport="grpc", out=sys.argv[3] + "/grpc")
+print(json.dumps([[r.z_sha256 for r in local.results], [r.z_sha256 for r in remote.results]]))
+"""
+
+
+def test_a_notebook_with_multithreaded_blas_gets_the_same_bits_in_process_as_over_grpc(tmp_path: Path) -> None:
+    # XᵀX of 6000 rows has other bits on two BLAS threads than on one: the in-process run must
+    # use the count the client processes use (common/blas.py), whatever the caller's numpy had.
+    rng = np.random.default_rng(4)
+    for i in range(2):
+        x = rng.standard_normal((6000, 100))
+        np.savez(tmp_path / f"c{i}.npz", X=x, y=x @ rng.standard_normal(100) + rng.standard_normal(6000))
+    config = {
+        "problem": {"name": "linear_regression", "num_clients": 2, "features": 100, "lam": 0.1},
+        "rounds": 5,
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.1}],
+        "output": {"plot": False},
+    }
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", BLAS_SCRIPT, json.dumps(config), str(tmp_path / "c{i}.npz"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    local, remote = json.loads(done.stdout.splitlines()[-1])
+    assert local == remote
