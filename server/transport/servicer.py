@@ -252,10 +252,11 @@ class SessionService:
         except Refusal as refusal:
             self._reject(session, header.round_id, refusal.code, refusal.details)
             return None
-        if length and not header.payload:
+        payload = header.payload  # (each read of a bytes field is a copy)
+        if length and not payload:
             return header, wire.Assembler(length), size  # chunks follow
         assert round_ is not None and expected is not None
-        self._accept(session, round_, expected, header, header.payload, size)
+        self._accept(session, round_, expected, header, payload, size)
         return None
 
     def _piece(
