@@ -10,7 +10,8 @@ in-process or over gRPC, must use the same count for the two to agree bit for bi
 The count is OPENBLAS_NUM_THREADS when the operator sets it, else 1. A process
 that has not loaded numpy yet sets the environment (the CLI does, first thing),
 which its children inherit; one that has (a notebook calling `fedsaddle.api`)
-sets the loaded OpenBLAS for the length of a run, through its C interface.
+sets the loaded OpenBLAS for the length of a run, through its C interface, and
+an in-process pool sets it when a run starts.
 """
 
 from __future__ import annotations
@@ -65,11 +66,27 @@ def _openblas() -> tuple[Callable[[int], object], Callable[[], int]] | None:
     return None
 
 
+_FOUND: list[tuple[Callable[[int], object], Callable[[], int]] | None] = []  # the lookup, once
+
+
+def _functions() -> tuple[Callable[[int], object], Callable[[], int]] | None:
+    if not _FOUND:
+        _FOUND.append(_openblas())
+    return _FOUND[0]
+
+
+def apply() -> None:
+    """The loaded BLAS on `threads()` threads from now on (nothing happens if none is found)."""
+    functions = _functions()
+    if functions is not None:
+        functions[0](threads())
+
+
 @contextlib.contextmanager
 def threads_for_run() -> Iterator[None]:
     """The loaded BLAS on `threads()` threads while the block runs, as it was afterwards.
     (Client processes the block starts set their own: the CLI calls `set_environment`.)"""
-    functions = _openblas()
+    functions = _functions()
     if functions is None:
         yield
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from fedsaddle.common import blas
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.server.pool import Category, ClientPool, RunInfo
@@ -14,7 +15,9 @@ class LocalPool(ClientPool):
     """Runs all clients in one vectorized worker. Same answers as GrpcPool, bit for bit.
 
     `data` gives each client's own data file (client index -> path) for problems
-    on real data; synthetic problems need none.
+    on real data; synthetic problems need none. A run sets this process's BLAS to
+    the thread count client processes use (one, unless OPENBLAS_NUM_THREADS says
+    otherwise), on which its sums' bits depend.
     """
 
     def __init__(self, data: Mapping[int, str | Path] | None = None, cache: ShardCache | None = None) -> None:
@@ -23,6 +26,7 @@ class LocalPool(ClientPool):
         self._worker: Worker | None = None
 
     def _announce(self, run: RunInfo) -> Sequence[int] | None:
+        blas.apply()  # the thread count client processes use: BLAS's sums depend on it (common/blas.py)
         shards = self.cache.get(run.problem, run.seed, range(run.num_clients))
         self._worker = Worker(shards, run.seed, run.gradient_noise)
         counts = getattr(shards, "sample_counts", None)

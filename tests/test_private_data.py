@@ -234,16 +234,22 @@ BLAS_SCRIPT = """
 import json, sys
 import numpy as np  # loaded first, as in a notebook: BLAS starts with a thread per core
 from fedsaddle import api
+from fedsaddle.server.config import parse_config
+from fedsaddle.server.driver import run_all
+from fedsaddle.server.local_pool import LocalPool
 config, pattern = json.loads(sys.argv[1]), sys.argv[2]
+pool = LocalPool(data={i: pattern.format(i=i) for i in range(2)})  # no api around it
+direct = run_all(parse_config(config), pool)
 local = api.run(config, data=pattern, out=sys.argv[3] + "/local")
 remote = api.run(config, data=pattern, transport="grpc", out=sys.argv[3] + "/grpc")
-print(json.dumps([[r.z_sha256 for r in local.results], [r.z_sha256 for r in remote.results]]))
+print(json.dumps([[r.z_sha256 for r in run] for run in (direct, local.results, remote.results)]))
 """
 
 
 def test_a_notebook_with_multithreaded_blas_gets_the_same_bits_in_process_as_over_grpc(tmp_path: Path) -> None:
-    # XᵀX of 6000 rows has other bits on two BLAS threads than on one: the in-process run must
-    # use the count the client processes use (common/blas.py), whatever the caller's numpy had.
+    # XᵀX of 6000 rows has other bits on two BLAS threads than on one: an in-process run, through
+    # the api or on a LocalPool of its own, must use the count the client processes use
+    # (common/blas.py), whatever the caller's numpy had.
     rng = np.random.default_rng(4)
     for i in range(2):
         x = rng.standard_normal((6000, 100))
@@ -265,5 +271,5 @@ def test_a_notebook_with_multithreaded_blas_gets_the_same_bits_in_process_as_ove
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    local, remote = json.loads(done.stdout.splitlines()[-1])
-    assert local == remote
+    direct, local, remote = json.loads(done.stdout.splitlines()[-1])
+    assert direct == local == remote
