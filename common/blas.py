@@ -66,12 +66,15 @@ def _openblas() -> tuple[Callable[[int], object], Callable[[], int]] | None:
     return None
 
 
-_FOUND: list[tuple[Callable[[int], object], Callable[[], int]] | None] = []  # the lookup, once
+_FOUND: list[tuple[Callable[[int], object], Callable[[], int]]] = []  # kept once found
 
 
 def _functions() -> tuple[Callable[[int], object], Callable[[], int]] | None:
-    if not _FOUND:
-        _FOUND.append(_openblas())
+    if not _FOUND:  # looked for again while none is loaded: numpy may load later
+        found = _openblas()
+        if found is None:
+            return None
+        _FOUND.append(found)
     return _FOUND[0]
 
 
