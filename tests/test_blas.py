@@ -1,0 +1,51 @@
+"""BLAS's thread count (common/blas.py): the operator's OPENBLAS_NUM_THREADS, else one, in every process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fedsaddle.common import blas
+
+SCRIPT = """
+import os
+for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.pop(name, None)
+os.environ.update(dict(arg.split("=") for arg in __import__("sys").argv[1:]))
+from fedsaddle.common import blas
+blas.apply()  # before numpy loads: nothing to set yet, and nothing to remember
+import numpy  # loads OpenBLAS with its own default
+set_, get = blas._functions()
+before = get()
+with blas.threads_for_run():
+    during = get()
+blas.apply()
+print(before, during, get())
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: BLAS starts on one thread anyway")
+@pytest.mark.parametrize(("setting", "expected"), [((), 1), (("OPENBLAS_NUM_THREADS=2",), 2)])
+def test_the_loaded_blas_takes_the_count_even_if_looked_for_before_numpy_loaded(
+    setting: tuple[str, ...], expected: int
+) -> None:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, *setting], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    before, during, after = (int(v) for v in done.stdout.split())
+    assert during == after == expected
+    if setting:
+        assert before == 2  # numpy loaded with the operator's count
+
+
+@pytest.mark.parametrize(("value", "count"), [(None, 1), ("3", 3), ("0", 1), ("many", 1)])
+def test_the_count_is_the_operators_when_it_is_one(
+    value: str | None, count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if value is None:
+        monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", value)
+    assert blas.threads() == count
