@@ -375,7 +375,7 @@ class GrpcPool(ClientPool):
                     round_.entries,
                     round_.want_objective,
                     round_.evaluation,
-                    s.listed if mine == s.indices else None,
+                    s.listed_for(mine),
                 )
                 for s, mine in taking_part
             },

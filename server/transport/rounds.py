@@ -168,8 +168,7 @@ class OpenRound(Barrier):
         if old is not None:
             expected = self.expected.pop(old.id)
             # The new stream's Hello may list its clients in another order than the lost one's.
-            listed = new.listed if expected.indices == new.indices else None
-            self.expected[new.id] = expected._replace(listed=listed)
+            self.expected[new.id] = expected._replace(listed=new.listed_for(expected.indices))
         return old
 
     def accept(self, session: Session, answer: Answer, size: int) -> None:

@@ -189,8 +189,8 @@ class SessionService:
         if identity is not None:
             Authenticator.check_indices(identity, indices)
         ordered = tuple(sorted(indices))
-        session = Session(ordered, peer, printable(hello.client_name, 256), identity)
-        session.listed = indices if indices != ordered else None
+        listed = indices if indices != ordered else None
+        session = Session(ordered, peer, printable(hello.client_name, 256), identity, listed=listed)
         session.max_queued_bytes = self.limits.max_undelivered_bytes
         return self.registry.open(session)
 

@@ -117,6 +117,11 @@ class Session:
         """The indices as the Hello listed them: the order of Ready.sample_counts."""
         return self.listed or self.indices
 
+    def listed_for(self, taking_part: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The order other than index order an answer may list `taking_part` in: the Hello's, when the
+        round takes all of this session's clients (a sampled round's task names them, in index order)."""
+        return self.listed if taking_part == self.indices else None
+
     def describe(self) -> str:
         who = f"client {self.indices[0]}" if len(self.indices) == 1 else f"clients {some(self.indices)}"
         as_identity = f" as {printable(self.identity.name, 64)!r}" if self.identity else ""
