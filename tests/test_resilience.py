@@ -244,3 +244,38 @@ def test_a_session_that_rejoins_may_list_its_clients_in_another_order() -> None:
             back.close()
         steady.close()
     assert outcome["r"].z_sha256 == run_algorithm(run.algorithms[0], run, LocalPool()).z_sha256
+
+
+def test_a_client_lost_between_rounds_that_does_not_rejoin_is_named_with_the_wait() -> None:
+    import threading
+
+    import grpc
+    import numpy as np
+    from test_bad_answers import HandClient
+
+    from fedsaddle.proto import fedsaddle_pb2 as pb
+    from fedsaddle.server.pool import ClientLost, RunInfo
+    from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+    run = config(problem={**PROBLEM, "num_clients": 1}, algorithms=[{"name": "minibatch_md", "gamma": 0.1}])
+    with GrpcPool(1, "127.0.0.1:0", rejoin_timeout_s=1) as pool:
+        channel = grpc.insecure_channel(pool.address)
+        hand = HandClient(channel, [0])
+        hand.welcome()
+        pool.wait_for_clients(10)
+        first = threading.Thread(
+            target=lambda: (pool.start_run(RunInfo("r", run.problem, run.seed, 0.0)), pool.gradients(np.ones(20)))
+        )
+        first.start()
+        hand.send(pb.ClientMessage(answer=hand.good(hand.next_task())))
+        first.join(timeout=10)
+        channel.close()  # gone while no round is open
+        deadline = time.monotonic() + 10
+        while pool.missing() != [0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(
+            ClientLost, match=r"client 0 \(.*\) disconnected before round 2, and did not rejoin within 1 s"
+        ):
+            pool.gradients(np.ones(20))
+        assert time.monotonic() - started >= 1  # it waited for the rejoin

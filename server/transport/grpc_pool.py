@@ -277,7 +277,14 @@ class GrpcPool(ClientPool):
             if not self.registry.missing() and not loading:
                 break
             await asyncio.sleep(0.05)
-        sessions = self.registry.require_all(when)
+        try:
+            sessions = self.registry.require_all(when)
+        except ClientLost as lost:
+            if self.rejoin_timeout_s <= 0:
+                raise
+            # As a round's barrier says it of a client lost during the round (rounds.py).
+            waited = f"{lost}, and did not rejoin within {self.rejoin_timeout_s:g} s"
+            raise ClientLost(waited, lost.client_indices) from None
         unready = [s for s in sessions if run_id is not None and s.ready_run != run_id]
         if unready:
             raise ClientLost(f"{unready[0].describe()} rejoined {when} but did not say Ready", unready[0].indices)
