@@ -416,6 +416,7 @@ def _run(
         outcome = run_config(config, pool, transport, hook, reference)
     finally:
         progress.close()
+        pool.close()  # clients are told goodbye (and log it) before the table, which ends the output
     if outcome.results:
         print(table(outcome.results))
     print(f"run directory: {outcome.run_dir}")

@@ -89,6 +89,24 @@ def test_local_runs_a_federation_of_processes_on_loopback(tmp_path: Path) -> Non
     assert hashes == [a["z_sha256"] for a in summary_of(tmp_path / "sim")["algorithms"]]
 
 
+def test_local_ends_its_output_with_the_table_after_the_sessions_have_ended(tmp_path: Path) -> None:
+    # On a terminal stdout and stderr interleave: the coordinator's log of sessions ending
+    # must not bury the results under it.
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**SMALL, "algorithms": SMALL["algorithms"][:1]}))
+    command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(path), "--out", str(tmp_path / "runs")]
+    done = subprocess.run(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120, env=CLIENT_ENV
+    )
+    assert done.returncode == 0, done.stdout
+    lines = done.stdout.splitlines()
+    ended = [k for k, line in enumerate(lines) if "ended its session" in line]
+    assert len(ended) == 4, done.stdout
+    (header,) = [k for k, line in enumerate(lines) if line.startswith("algorithm ")]
+    assert max(ended) < header
+    assert lines[-1].startswith("run directory: ")
+
+
 def test_a_run_that_overflows_in_the_clients_is_reported_as_diverged_without_numpy_warnings(tmp_path: Path) -> None:
     # 60 local steps of size 1e100 overflow inside the client processes in the first round.
     path = tmp_path / "run.yaml"
