@@ -39,7 +39,7 @@ class Report:
     """What a run of a config did."""
 
     results: list[AlgorithmResult]  # one per algorithm: status, per-step records, traffic, final iterate
-    run_dir: Path  # metrics.jsonl, summary.json, config.json, distance.png
+    run_dir: Path  # metrics.jsonl, summary.json, config.json, distance.png and/or metrics.png
     failure: str | None  # None if every algorithm ran to its budget
 
     def result(self, name: str) -> AlgorithmResult:

@@ -47,6 +47,11 @@ class StepDone(NamedTuple):
 Event = Task | StepDone
 
 
+def fits(spent: StepCost, cost: StepCost, budget: int, paper: bool) -> bool:
+    """Whether a step of `cost` after `spent` stays within the round budget (counted by the convention)."""
+    return (spent.paper + cost.paper if paper else spent.exchanges + cost.exchanges) <= budget
+
+
 def run_loop(
     algorithm: Algorithm[Any], z0: Array, seed: int, budget: int, convention: str, start: StepDone | None = None
 ) -> Generator[Event, Any, None]:
@@ -56,8 +61,8 @@ def run_loop(
     """
     paper = convention == "paper"
     if start is None:
-        exchanges, paper_rounds = algorithm.init_cost()
-        if (paper_rounds if paper else exchanges) > budget:
+        exchanges, paper_rounds = init = algorithm.init_cost()
+        if not fits(StepCost(0, 0), init, budget, paper):
             return
         state = yield from algorithm.init(z0, seed)
         yield StepDone(0, state, StepCost(exchanges, paper_rounds))
@@ -66,7 +71,7 @@ def run_loop(
         steps, state, (exchanges, paper_rounds) = start
     while True:
         cost = algorithm.step_cost(state)
-        if (paper_rounds + cost.paper if paper else exchanges + cost.exchanges) > budget:
+        if not fits(StepCost(exchanges, paper_rounds), cost, budget, paper):
             return
         state = yield from algorithm.step(state)
         exchanges, paper_rounds, steps = exchanges + cost.exchanges, paper_rounds + cost.paper, steps + 1
@@ -74,6 +79,10 @@ def run_loop(
 
 
 # -- a run and its outcome ------------------------------------------------------------------
+
+
+# What every step's record holds; any other field is an evaluation metric.
+RECORD_FIELDS = frozenset({"step", "rounds", "paper_rounds", "time_s", "dist_x", "dist_z"})
 
 
 @dataclass
@@ -96,6 +105,14 @@ class AlgorithmResult:
     def z_sha256(self) -> str:
         return sha256(self.final_z)
 
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Each evaluation metric's last value (the final iterate's: the last step is evaluated)."""
+        last: dict[str, float] = {}
+        for record in self.records:
+            last.update((k, float(v)) for k, v in record.items() if k not in RECORD_FIELDS)
+        return last
+
     def summary(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -108,6 +125,7 @@ class AlgorithmResult:
             "paper_rounds": self.records[-1]["paper_rounds"] if self.records else 0,
             "wall_s": self.wall_s,
             "z_sha256": self.z_sha256,
+            "metrics": self.metrics,
             "traffic": self.traffic,
             **self.extra,
         }
@@ -158,6 +176,7 @@ class Run:
         self.name, self.spec, self.algorithm = name, spec, algorithm
         start = None if resume is None else resume.at
         self.loop = run_loop(algorithm, z0, config.seed, config.rounds, config.round_convention, start)
+        self.budget, self.paper = config.rounds, config.round_convention == "paper"
         self.started = time.perf_counter() - (resume.elapsed_s if resume else 0.0)
         self.records: list[dict[str, float | int]] = list(resume.records) if resume else []
         self.state: Any = None if resume is None else resume.at.state
@@ -207,6 +226,10 @@ class Run:
             self.stop("diverged", f"||z - z*|| grew from {start:.3g} to {dist_z:.3g} by round {rounds}")
             return False
         return True
+
+    def ends_at(self, done: StepDone) -> bool:
+        """Whether the run ends at this step boundary: its next step would not fit the budget."""
+        return not fits(done.spent, self.algorithm.step_cost(done.state), self.budget, self.paper)
 
     def stop(self, status: str, detail: str) -> None:
         """End the run early (diverged, or stopped by a failure); its loop is closed."""
@@ -284,7 +307,8 @@ def run_algorithm(
     Records carry ||x - x*|| and ||z - z*|| when z* is known: a synthetic
     problem's, or `reference` (e.g. a centralized solution computed from all the
     data, where that is allowed). With `config.evaluate_every`, they also carry
-    the problem's metrics on the clients' held-out data (evaluation traffic).
+    the problem's metrics on the clients' held-out data (evaluation traffic),
+    and so does the last.
     `on_step(run, step, pool)` sees every step's finished record (to stream it,
     to checkpoint); `resume` goes on from a checkpoint.
     """
@@ -310,7 +334,9 @@ def run_algorithm(
                     xs, zs = distances(iterate[None], z_star[None], dim_x)
                     dist_x, dist_z = float(xs[0]), float(zs[0])
                 going = run.record(event, rounds, dist_x, dist_z)
-                if going and config.evaluate_every and event.steps % config.evaluate_every == 0:
+                # Every `evaluate_every` steps, and at the end: the final iterate's metrics are the result.
+                every = config.evaluate_every
+                if going and every and (event.steps % every == 0 or run.ends_at(event)):
                     evaluated = pool.exchange(EvaluateTask(iterate, problem.metric_names), "evaluation")
                     run.records[-1].update(zip(problem.metric_names, evaluated.mean().tolist(), strict=True))
                 if on_step is not None:

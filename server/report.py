@@ -42,12 +42,31 @@ def write_summary(
         "budget": config.rounds,
         "algorithms": [r.summary() for r in results],
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if config.output.plot:
-        try:
+    # Strict JSON (jq, browsers and other languages refuse NaN): an unknown or non-finite value is null.
+    (run_dir / "summary.json").write_text(json.dumps(_finite_or_null(summary), indent=2, allow_nan=False) + "\n")
+    if not config.output.plot:
+        return
+    # Distances need a known z* (a synthetic problem's, or simulate's centralized solution on data);
+    # a gRPC coordinator on private data has none, and shows what the clients evaluate instead.
+    measured = any("dist_x" in record for r in results for record in r.records)
+    evaluated = any(r.metrics for r in results)
+    try:
+        if measured:
             plot_distances(run_dir / "distance.png", config, results)
-        except ImportError:
-            log.warning("no distance.png: matplotlib is not installed (pip install 'fedsaddle[plot]')")
+        if evaluated:
+            plot_metrics(run_dir / "metrics.png", config, results)
+    except ImportError:
+        log.warning("no plots: matplotlib is not installed (pip install 'fedsaddle[plot]')")
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmResult]) -> None:
@@ -56,7 +75,7 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = "rounds" if config.round_convention == "exchanges" else "paper_rounds"
+    key, axis = _x_axis(config)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     finite = [r["dist_x"] for result in results for r in result.records if math.isfinite(r.get("dist_x", math.nan))]
     starts = [result.records[0]["dist_x"] for result in results if result.records and "dist_x" in result.records[0]]
@@ -73,15 +92,9 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
                 ax.plot([xs[-1]], [ys[-1]], "x", color=line.get_color(), ms=9)
     if finite:
         ax.set_ylim(max(min(finite), 1e-300) / 10, ceiling * 10)
-    axis = (
-        "communication rounds (every exchange counted)"
-        if key == "rounds"
-        else "communication rounds (paper's convention)"
-    )
     ax.set_xlabel(axis)
     ax.set_ylabel(r"$\|x - x^\star\|$")
-    dim_x, dim_y = make_problem(config.problem).dims()
-    ax.set_title(f"{config.name}: {config.problem.name}, n={config.problem.num_clients}, dim x={dim_x}, y={dim_y}")
+    ax.set_title(_title(config))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -89,14 +102,56 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
     plt.close(fig)
 
 
+def _x_axis(config: RunConfig) -> tuple[str, str]:
+    """The records' key of the round count, and its axis label."""
+    if config.round_convention == "exchanges":
+        return "rounds", "communication rounds (every exchange counted)"
+    return "paper_rounds", "communication rounds (paper's convention)"
+
+
+def _title(config: RunConfig) -> str:
+    dim_x, dim_y = make_problem(config.problem).dims()
+    return f"{config.name}: {config.problem.name}, n={config.problem.num_clients}, dim x={dim_x}, y={dim_y}"
+
+
+def plot_metrics(path: Path, config: RunConfig, results: Sequence[AlgorithmResult]) -> None:
+    """Each evaluation metric against communication rounds, a panel per metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key, axis = _x_axis(config)
+    names = list(dict.fromkeys(name for r in results for name in r.metrics))
+    fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.5), dpi=120, squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        for result in results:
+            points = [(r[key], r[name]) for r in result.records if name in r and math.isfinite(r[name])]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker=".", label=result.name)
+        ax.set_xlabel(axis)
+        ax.set_ylabel(f"{name} (on the clients' held-out rows)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(_title(config))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def _fmt(value: float) -> str:
-    return "nan" if math.isnan(value) else f"{value:.3e}"
+    """A distance: '-' when unknown (no z* to measure against) or not finite."""
+    return f"{value:.3e}" if math.isfinite(value) else "-"
 
 
 def table(results: Sequence[AlgorithmResult]) -> str:
-    """One row per algorithm: accuracy, communication and time."""
+    """One row per algorithm: accuracy (and the final evaluation metrics, if any), communication and time."""
+    names = list(dict.fromkeys(name for r in results for name in r.metrics))
+    width = {name: max(10, len(name)) for name in names}
+    metrics_header = "".join(f" {name:>{width[name]}}" for name in names)
     header = (
-        f"{'algorithm':<22} {'||x-x*||':>10} {'||z-z*||':>10} {'rounds':>6} "
+        f"{'algorithm':<22} {'||x-x*||':>10} {'||z-z*||':>10}{metrics_header} {'rounds':>6} "
         f"{'msgs down/up':>13} {'MB down/up (payload)':>21} {'MB down/up (wire)':>18} {'wall s':>7}"
     )
     lines = [header, "-" * len(header)]
@@ -105,9 +160,15 @@ def table(results: Sequence[AlgorithmResult]) -> str:
         payload = f"{t['floats_down'] * 8 / 1e6:.3f}/{t['floats_up'] * 8 / 1e6:.3f}"
         wire = f"{t['bytes_down'] / 1e6:.3f}/{t['bytes_up'] / 1e6:.3f}" if t["bytes_down"] else "-"
         status = "" if r.status == "ok" else f"  [{r.status}]"
+        final = r.metrics
+        values = "".join(f" {_metric(final.get(name)):>{width[name]}}" for name in names)
         lines.append(
-            f"{r.name:<22} {_fmt(r.dist_x):>10} {_fmt(r.dist_z):>10} {t['rounds']:>6} "
+            f"{r.name:<22} {_fmt(r.dist_x):>10} {_fmt(r.dist_z):>10}{values} {t['rounds']:>6} "
             f"{str(t['messages_down']) + '/' + str(t['messages_up']):>13} {payload:>21} {wire:>18} "
             f"{r.wall_s:>7.2f}{status}"
         )
     return "\n".join(lines)
+
+
+def _metric(value: float | None) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.4g}"

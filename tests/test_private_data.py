@@ -29,6 +29,7 @@ from fedsaddle import api
 from fedsaddle.experiments.datasets import split
 from fedsaddle.launch import client_command, client_env
 from fedsaddle.server.driver import RunInfo
+from fedsaddle.server.report import table
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 CLIENTS = 10
@@ -78,6 +79,37 @@ def test_clients_on_their_own_files_match_the_in_process_run_bit_for_bit(
     assert str(folder) not in written and "client-000" not in written
     first_row = np.load(folder / "client-000.npz")["X"][0]
     assert f"{first_row[0]:.6f}" not in written
+
+
+def test_the_final_iterate_is_evaluated_and_shown_where_no_distance_can_be(
+    tmp_path: Path, cancer: tuple[Path, dict[str, Any]]
+) -> None:
+    # 41 rounds: FedAvg-S takes 41 steps (evaluated at 0, 10, 20, 30, 40 and the last, 41);
+    # SCAFFOLD-Catalyst-S 20 steps of 2 rounds after a 1-round init (0, 10 and 20, the last).
+    folder, summary = cancer
+    config = auc_config(summary, output={"plot": True})
+    remote = api.run(config, data=str(folder / "client-{i:03d}.npz"), transport="grpc", out=tmp_path / "grpc")
+    fedavg, catalyst = remote.results
+    assert [r["step"] for r in fedavg.records if "test_auc" in r] == [0, 10, 20, 30, 40, 41]
+    assert [r["step"] for r in catalyst.records if "test_auc" in r] == [0, 10, 20]
+    assert fedavg.traffic["evaluation"]["rounds"] == 6 and catalyst.traffic["evaluation"]["rounds"] == 3
+    assert fedavg.traffic["algorithm"]["rounds"] == 41
+
+    # A gRPC coordinator has no z*: the summary says null (strict JSON), the table '-', beside the final AUC.
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"summary.json holds {name}, which is not JSON")
+
+    written = json.loads((remote.run_dir / "summary.json").read_text(), parse_constant=no_constants)
+    for result, entry in zip(remote.results, written["algorithms"], strict=True):
+        assert entry["dist_x"] is None and entry["dist_z"] is None
+        assert entry["metrics"] == {"test_auc": result.records[-1]["test_auc"]}
+    lines = table(remote.results).splitlines()
+    assert lines[0].split()[:4] == ["algorithm", "||x-x*||", "||z-z*||", "test_auc"]
+    row = lines[3].split()
+    assert row[:4] == ["scaffold_catalyst_s", "-", "-", f"{catalyst.records[-1]['test_auc']:.4g}"]
+    # No distance to draw; the held-out metric is drawn instead.
+    assert not (remote.run_dir / "distance.png").exists()
+    assert (remote.run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_run_spec_of_a_real_problem_carries_no_data_and_no_seed(cancer: tuple[Path, dict[str, Any]]) -> None:
