@@ -381,7 +381,7 @@ def cmd_data_split(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     print(describe(summary))
-    print(f"wrote {args.out}/client-000.npz ... client-{args.clients - 1:03d}.npz, test.npz, summary.json")
+    print(f"wrote {Path(args.out) / 'client-000.npz'} ... client-{args.clients - 1:03d}.npz, test.npz, summary.json")
     return EXIT_OK
 
 
