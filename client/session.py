@@ -44,6 +44,7 @@ class ClientSession:
         self._task: pb.Task | None = None
         self._assembler: wire.Assembler | None = None
         self._payload = bytearray()  # chunked payloads are assembled here, task after task
+        self._federation_size = 0  # n, from the Welcome
 
     @property
     def chunk_bytes(self) -> int:
@@ -72,6 +73,7 @@ class ClientSession:
                 self._answers = wire.AnswerWriter(wire.check_chunk_bytes(instruction.welcome.chunk_bytes))
             except ValueError as exc:
                 raise ClientError(f"the coordinator's Welcome is malformed: {exc}") from None
+            self._federation_size = instruction.welcome.num_clients
             log.info("joined federation %s as clients %s", instruction.welcome.federation_id, list(self.indices))
             return []
         if kind == "run":
@@ -126,6 +128,9 @@ class ClientSession:
         self._run_id, self._dimension = run.run_id, int(run.dimension)
         try:
             spec = parse_spec(json.loads(run.problem_json), self.shards.trusted)
+            n = self._federation_size
+            if n and spec.num_clients != n:  # a synthetic problem's data generation scales with it
+                raise ValueError(f"the run's problem has {spec.num_clients} clients; the federation has {n}")
             seed = run.synthetic_seed if run.HasField("synthetic_seed") else None
             shards = self.shards.get(spec, seed, self.indices)
             counts: list[int] = []
@@ -138,6 +143,8 @@ class ClientSession:
             return self._cannot(run, f"the coordinator's problem does not validate here: {exc.errors()[0]['msg']}")
         except (ProblemNotFound, DataError, ValueError) as exc:
             return self._cannot(run, str(exc))
+        except MemoryError as exc:  # the problem's size is the coordinator's to choose, this machine's memory is not
+            return self._cannot(run, f"not enough memory for this process's clients' data: {exc}")
         self.worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
         log.info("run %s: clients %s ready (dimension %d)", run.run_id, list(self.indices), shards.dimension)
         return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts)

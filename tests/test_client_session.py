@@ -101,3 +101,30 @@ def test_a_welcome_with_a_chunk_size_out_of_range_is_refused_and_changes_nothing
     with pytest.raises(ClientError, match=f"malformed: chunk_bytes must be between 1024 .* got {chunk_bytes}$"):
         state.handle(pb.Instruction(welcome=welcome))
     assert state.chunk_bytes == 16_000
+
+
+def _ready_for(state: ClientSession, problem: dict[str, object]) -> pb.Ready:
+    spec = parse_spec(problem)
+    run = pb.RunSpec(run_id="big", problem_name=spec.name, problem_json=spec.model_dump_json(), synthetic_seed=1)
+    (reply,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(reply, pb.ClientMessage)
+    return reply.ready
+
+
+def test_a_run_too_large_for_this_machine_is_refused_in_ready_and_the_session_goes_on() -> None:
+    # 2e12 float64 entries: no machine allocates them. The client says so instead of dying,
+    # and the coordinator ends the run naming it.
+    state = session()
+    ready = _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 10**12})
+    assert ready.run_id == "big" and ready.dimension == 0
+    assert ready.error.startswith("not enough memory for this process's clients' data: Unable to allocate")
+    assert state.worker is None
+    # The session still serves the next run.
+    assert not _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 4}).error
+
+
+def test_a_run_whose_problem_has_another_client_count_than_the_federation_is_refused() -> None:
+    # Synthetic data generation loops over every client: 1e11 of them would never end.
+    state = session()
+    ready = _ready_for(state, {"name": "paper_regression", "num_clients": 10**11, "dim": 4})
+    assert ready.error == "the run's problem has 100000000000 clients; the federation has 5"
