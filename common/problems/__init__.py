@@ -15,7 +15,7 @@ from fedsaddle.common.problems.registry import (
     problem_class,
     solution,
 )
-from fedsaddle.common.problems.shards import ProblemShards, Shards, stack_shards
+from fedsaddle.common.problems.shards import ProblemError, ProblemShards, Shards, stack_shards
 from fedsaddle.common.problems.synthetic import PaperRegressionSpec, QuadraticGameSpec
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "DataProblem",
     "PaperRegressionSpec",
     "Problem",
+    "ProblemError",
     "ProblemNotFound",
     "ProblemShards",
     "ProblemSpec",

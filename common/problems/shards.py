@@ -14,8 +14,8 @@ column, made contiguous, to the problem's own per-client methods.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,8 +39,19 @@ class Shards(Protocol):
         ...
 
 
+class ProblemError(ValueError):
+    """A problem's own code failed, or returned something of the wrong shape; the message names the
+    problem, the method and the client."""
+
+
 class ProblemShards:
-    """A DataProblem's clients in one process: each computes on its own file's data."""
+    """A DataProblem's clients in one process: each computes on its own file's data.
+
+    What the problem's methods return is checked (a plug-in's mistakes are named, not
+    left to surface as a numpy broadcasting error), and once when the shards are made,
+    at z = 0: so a problem that cannot serve fails the run before its first round,
+    naming the client and the fault, instead of ending the client process mid-round.
+    """
 
     def __init__(self, problem: DataProblem, datas: Sequence[ClientData], indices: Sequence[int]) -> None:
         if len(datas) != len(indices):
@@ -49,6 +60,21 @@ class ProblemShards:
         self.datas = list(datas)
         self.indices = tuple(indices)
         self.dimension = problem.dimension
+        zero = np.zeros((self.dimension, len(self.datas)))
+        self.gradient(zero)
+        self.objective(zero)
+        if problem.metric_names:
+            self.evaluate(zero[:, 0])
+
+    def _call(self, method: Callable[[ClientData, Array], Any], j: int, z: Array) -> Any:
+        """The problem's `method` on client j's data at z; ProblemError if it raises."""
+        try:
+            return method(self.datas[j], z)
+        except Exception as exc:
+            raise ProblemError(f"{self._where(method, j)} raised {type(exc).__name__}: {exc}") from exc
+
+    def _where(self, method: Callable[..., Any], j: int) -> str:
+        return f"problem {self.problem.spec.name!r}: {method.__name__}() on client {self.indices[j]}'s data"
 
     def _columns(self, z: Array) -> list[tuple[int, tuple[int, ...], Array]]:
         """(client position, index of its column in z[0], its z as a contiguous vector) for every column."""
@@ -62,14 +88,26 @@ class ProblemShards:
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         out = np.empty_like(z) if out is None else out
         for j, where, column in self._columns(z):
+            g = self._call(self.problem.gradient, j, column)
+            if np.shape(g) != (self.dimension,):
+                dim_x, dim_y = self.problem.dims()
+                raise ProblemError(
+                    f"{self._where(self.problem.gradient, j)} returned shape {np.shape(g)}; "
+                    f"G_i(z) has dim_x + dim_y = {dim_x} + {dim_y} = {self.dimension} entries"
+                )
             target: tuple[slice | int, ...] = (slice(None), *where)
-            out[target] = self.problem.gradient(self.datas[j], column)
+            out[target] = g
         return out
 
     def objective(self, z: Array) -> Array:
         values = np.empty(z.shape[1:])
         for j, where, column in self._columns(z):
-            values[where] = self.problem.objective(self.datas[j], column)
+            value = self._call(self.problem.objective, j, column)
+            if np.ndim(value) != 0:
+                raise ProblemError(
+                    f"{self._where(self.problem.objective, j)} returned shape {np.shape(value)}; f_i(z) is a number"
+                )
+            values[where] = value
         return values
 
     def evaluate(self, z: Array) -> tuple[Array, Array]:
@@ -79,7 +117,13 @@ class ProblemShards:
         counts = np.zeros(len(self.datas))
         for j, data in enumerate(self.datas):
             if data.heldout:
-                values[j] = self.problem.metrics(data, np.ascontiguousarray(z))
+                found = self._call(self.problem.metrics, j, np.ascontiguousarray(z))
+                if np.shape(found) != (len(names),):
+                    raise ProblemError(
+                        f"{self._where(self.problem.metrics, j)} returned shape {np.shape(found)}; "
+                        f"it must give one value per metric name {list(names)}"
+                    )
+                values[j] = found
                 counts[j] = data.heldout
         return values, counts
 
