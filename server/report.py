@@ -96,7 +96,8 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
     ax.set_ylabel(r"$\|x - x^\star\|$")
     ax.set_title(_title(config))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if ax.get_lines():  # nothing finite to draw (every run diverged at once): no empty legend
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -133,7 +134,8 @@ def plot_metrics(path: Path, config: RunConfig, results: Sequence[AlgorithmResul
         ax.set_xlabel(axis)
         ax.set_ylabel(f"{name} (on the clients' held-out rows)")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.get_lines():
+            ax.legend()
     fig.suptitle(_title(config))
     fig.tight_layout()
     fig.savefig(path)
