@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from fedsaddle.server.algorithms import build
 from fedsaddle.server.config import RunConfig, load_config
 from fedsaddle.server.driver import AlgorithmResult, ProgressHook, Resume, Run, RunStopped, StepDone, run_algorithm
 from fedsaddle.server.pool import ClientPool, PoolError
-from fedsaddle.server.report import make_run_dir, write_summary
+from fedsaddle.server.report import make_run_dir, strict_json, write_summary
 
 log = logging.getLogger("fedsaddle.coordinator")
 
@@ -58,7 +59,7 @@ class _Recorder:
         self.last_checkpoint = -1
 
     def on_step(self, run: Run, step: StepDone, pool: ClientPool) -> None:
-        self.metrics.write(json.dumps({"algorithm": run.name, **run.records[-1]}) + "\n")
+        self.metrics.write(strict_json({"algorithm": run.name, **run.records[-1]}) + "\n")
         self.metrics.flush()
         self.lines += 1
         every = self.config.output.checkpoint_every
@@ -114,8 +115,9 @@ def resume_run(
     kept = lines[: saved.metrics_lines]
     records: dict[str, list[dict[str, Any]]] = {}
     for line in kept:
-        entry = json.loads(line)
-        records.setdefault(entry.pop("algorithm"), []).append(entry)
+        entry = json.loads(line)  # null: a value that was not finite (strict_json)
+        name = entry.pop("algorithm")
+        records.setdefault(name, []).append({k: math.nan if v is None else v for k, v in entry.items()})
     for result in saved.finished:
         result.records = records.get(result.name, [])
     current = config.algorithms[saved.algorithm_index].display_name

@@ -42,8 +42,7 @@ def write_summary(
         "budget": config.rounds,
         "algorithms": [r.summary() for r in results],
     }
-    # Strict JSON (jq, browsers and other languages refuse NaN): an unknown or non-finite value is null.
-    (run_dir / "summary.json").write_text(json.dumps(_finite_or_null(summary), indent=2, allow_nan=False) + "\n")
+    (run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
     if not config.output.plot:
         return
     # Distances need a known z* (a synthetic problem's, or simulate's centralized solution on data);
@@ -57,6 +56,12 @@ def write_summary(
             plot_metrics(run_dir / "metrics.png", config, results)
     except ImportError:
         log.warning("no plots: matplotlib is not installed (pip install 'fedsaddle[plot]')")
+
+
+def strict_json(value: Any, **options: Any) -> str:
+    """JSON that every reader accepts (jq, browsers and other languages refuse NaN and Infinity):
+    a value that is unknown or not finite is null."""
+    return json.dumps(_finite_or_null(value), allow_nan=False, **options)
 
 
 def _finite_or_null(value: Any) -> Any:

@@ -124,6 +124,29 @@ def test_a_run_that_overflows_in_the_clients_is_reported_as_diverged_without_num
     assert "RuntimeWarning" not in done.stderr + done.stdout  # the answers say so; numpy need not
 
 
+def test_outputs_stay_strict_json_when_the_iterate_overflows(tmp_path: Path) -> None:
+    # Minibatch MD with a step of 1e200: after step 1, z is about 1e200 and its distance overflows.
+    path = tmp_path / "run.yaml"
+    run = {
+        "problem": {"name": "quadratic_game", "num_clients": 2, "dim": 4},
+        "rounds": 5,
+        "algorithms": [{"name": "minibatch_md", "gamma": 1e200}],
+    }
+    path.write_text(yaml.safe_dump(run))
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "runs"))
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{token} is not JSON")
+
+    lines = [json.loads(line, parse_constant=refuse) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1]
+    assert lines[0]["dist_x"] > 0 and lines[1]["dist_x"] is None and lines[1]["dist_z"] is None
+    (result,) = json.loads((run_dir / "summary.json").read_text(), parse_constant=refuse)["algorithms"]
+    assert result["status"] == "diverged" and result["dist_x"] is None
+
+
 def _children(pid: int) -> set[int]:
     found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return {int(p) for p in found.split()}
