@@ -55,6 +55,8 @@ class Progress:
         for name in list(self._bars):
             self.finish(name)
 
-    def rounds(self, name: str, spent: int, budget: int, dist_z: float) -> None:
-        """The driver's progress hook: rounds spent of the budget, and ||z - z*||."""
-        self.update(name, spent, budget, "" if dist_z != dist_z else f"||z-z*|| {dist_z:.3e}")
+    def rounds(self, name: str, spent: int, budget: int, dist_z: float, metrics: str = "") -> None:
+        """The driver's progress hook: rounds spent of the budget, ||z - z*|| (when known), and
+        the latest evaluation metrics (when the run evaluates)."""
+        notes = ("" if dist_z != dist_z else f"||z-z*|| {dist_z:.3e}", metrics)
+        self.update(name, spent, budget, "  ".join(note for note in notes if note))

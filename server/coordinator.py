@@ -22,7 +22,16 @@ from fedsaddle.common.numeric import Array
 from fedsaddle.server import checkpoint
 from fedsaddle.server.algorithms import build
 from fedsaddle.server.config import RunConfig, load_config
-from fedsaddle.server.driver import AlgorithmResult, ProgressHook, Resume, Run, RunStopped, StepDone, run_algorithm
+from fedsaddle.server.driver import (
+    AlgorithmResult,
+    ProgressHook,
+    Resume,
+    Run,
+    RunStopped,
+    StepDone,
+    StepHook,
+    run_algorithm,
+)
 from fedsaddle.server.pool import ClientPool, PoolError
 from fedsaddle.server.report import make_run_dir, strict_json, write_summary
 
@@ -85,17 +94,23 @@ def run_config(
     transport: dict[str, Any],
     progress: ProgressHook | None = None,
     reference: Array | None = None,
+    on_step: StepHook | None = None,
 ) -> Outcome:
     """Run the config's algorithms one after another; outputs are kept however the run ends.
 
-    `reference`: a known z* to measure against (see run_algorithm)."""
+    `reference`: a known z* to measure against (see run_algorithm); `on_step` sees every
+    step's record once it is written (the command line shows the latest metrics with it)."""
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
-    return _run(config, pool, transport, run_dir, 0, [], None, progress, reference)
+    return _run(config, pool, transport, run_dir, 0, [], None, progress, reference, on_step)
 
 
 def resume_run(
-    run_dir: Path, pool_for: Any, transport: dict[str, Any], progress: ProgressHook | None = None
+    run_dir: Path,
+    pool_for: Any,
+    transport: dict[str, Any],
+    progress: ProgressHook | None = None,
+    on_step: StepHook | None = None,
 ) -> Outcome:
     """Go on with a checkpointed run in `run_dir` on the pool `pool_for(config)` makes.
 
@@ -135,7 +150,8 @@ def resume_run(
     )
     pool = pool_for(config)
     try:
-        return _run(config, pool, transport, run_dir, saved.algorithm_index, saved.finished, resume, progress, None)
+        first, finished = saved.algorithm_index, saved.finished
+        return _run(config, pool, transport, run_dir, first, finished, resume, progress, None, on_step)
     finally:
         pool.close()
 
@@ -150,19 +166,26 @@ def _run(
     resume: Resume | None,
     progress: ProgressHook | None,
     reference: Array | None,
+    on_step: StepHook | None = None,
 ) -> Outcome:
     outcome = Outcome(list(finished), run_dir)
     with open(run_dir / "metrics.jsonl", "a") as metrics:
         recorder = _Recorder(config, run_dir, metrics, sum(len(r.records) for r in finished))
         recorder.lines += len(resume.records) if resume else 0
         recorder.finished = list(finished)
+
+        def step(run: Run, done: StepDone, pool: ClientPool) -> None:
+            recorder.on_step(run, done, pool)
+            if on_step is not None:
+                on_step(run, done, pool)
+
         try:
             for index in range(first, len(config.algorithms)):
                 recorder.index = index
                 spec = config.algorithms[index]
                 start = resume if index == first else None
                 result = run_algorithm(
-                    spec, config, pool, progress=progress, reference=reference, resume=start, on_step=recorder.on_step
+                    spec, config, pool, progress=progress, reference=reference, resume=start, on_step=step
                 )
                 outcome.results.append(result)
                 recorder.finished.append(result)

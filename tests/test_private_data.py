@@ -112,6 +112,21 @@ def test_the_final_iterate_is_evaluated_and_shown_where_no_distance_can_be(
     assert (remote.run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_progress_of_a_run_without_a_known_solution_shows_its_held_out_metric(
+    tmp_path: Path, cancer: tuple[Path, dict[str, Any]]
+) -> None:
+    folder, summary = cancer
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(auc_config(summary)))
+    command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(path), "--out", str(tmp_path / "runs")]
+    command += ["--data", str(folder / "client-{i:03d}.npz"), "--quiet-clients"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=client_env())
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("fedavg_s ") and " round " in line]
+    assert lines and all(re.search(r"round +\d+/41  test_auc 0\.\d+ ", line) for line in lines), lines
+    assert "||z-z*||" not in done.stderr  # no z* over gRPC: no distance to show
+
+
 def test_the_run_spec_of_a_real_problem_carries_no_data_and_no_seed(cancer: tuple[Path, dict[str, Any]]) -> None:
     _, summary = cancer
     config = api.load(auc_config(summary))
