@@ -25,6 +25,7 @@ import pytest
 from conftest import CLIENT_ENV, fedsaddle, stop_processes
 from test_failures import Coordinator, write_config
 
+from fedsaddle.experiments.datasets import split
 from fedsaddle.launch import client_command
 
 ROUNDS = 401
@@ -66,20 +67,24 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, A
 
 
 def killed_and_resumed(
-    tmp_path: Path, kill_when: str, env: dict[str, str] | None = None
+    tmp_path: Path,
+    kill_when: str,
+    env: dict[str, str] | None = None,
+    config: dict[str, Any] = CONFIG,
+    data: dict[int, str] | None = None,
 ) -> tuple[Path, int, str, list[int]]:
     """Start a federation, SIGKILL the coordinator once `kill_when` shows in its log, resume it."""
     address = free_address()
-    path = write_config(tmp_path / "run.yaml", **CONFIG)
+    path = write_config(tmp_path / "run.yaml", **config)
     first = Coordinator(path, tmp_path / "runs", listen=address, env=env)
     clients = [
         subprocess.Popen(
-            client_command(address, str(i), "--connect-timeout", "60"),
+            client_command(address, str(i), "--connect-timeout", "60", data=data),
             env=CLIENT_ENV,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        for i in range(3)
+        for i in range(config["problem"]["num_clients"])
     ]
     try:
         first.wait_for(kill_when, 120)
@@ -143,6 +148,40 @@ def test_a_coordinator_killed_while_writing_a_checkpoint_resumes_from_the_previo
     assert code == 0, log
     assert codes == [0, 0, 0]
     assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def test_a_private_data_run_with_evaluation_resumes_bit_identical(tmp_path: Path) -> None:
+    # Each client reloads its own file for the resumed run; the evaluations (every 10 steps and
+    # the last) come out as in a run that was never interrupted.
+    shares = split("breast_cancer", 3, "iid", seed=2, out=tmp_path / "data")
+    config = {
+        "name": "private",
+        "problem": {"name": "auc", "num_clients": 3, "features": 30, "positive_rate": shares["positive_rate"]},
+        "weighting": "samples",
+        "evaluate_every": 10,
+        "rounds": 301,
+        "sync": {"kind": "random", "p": 0.2},
+        "algorithms": [{"name": "scaffold_s", "gamma_local": 0.04}],
+        "output": {"plot": False, "checkpoint_every": 25},
+    }
+    data = {i: str(tmp_path / "data" / f"client-{i:03d}.npz") for i in range(3)}
+    path = write_config(tmp_path / "whole.yaml", **config)
+    pattern = str(tmp_path / "data" / "client-{i:03d}.npz")
+    whole = fedsaddle("local", "--config", str(path), "--data", pattern, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    (expected,) = (tmp_path / "whole").iterdir()
+    (tmp_path / "killed").mkdir()
+    run_dir, code, log, codes = killed_and_resumed(
+        tmp_path / "killed", r"scaffold_s\s+round\s+1\d\d/301", config=config, data=data
+    )
+    assert code == 0, log
+    assert re.search(r"resuming .* from its checkpoint: scaffold_s at step \d+, round \d+", log), log
+    assert codes == [0, 0, 0]
+    (a,) = json.loads((expected / "summary.json").read_text())["algorithms"]
+    (b,) = json.loads((run_dir / "summary.json").read_text())["algorithms"]
+    assert a["z_sha256"] == b["z_sha256"] and a["metrics"] == b["metrics"] and 0.5 < b["metrics"]["test_auc"] <= 1
+    assert a["traffic"]["evaluation"]["rounds"] == b["traffic"]["evaluation"]["rounds"] >= 2
+    assert without_time(run_dir / "metrics.jsonl") == without_time(expected / "metrics.jsonl")
 
 
 def digest(folder: Path) -> str:
