@@ -6,9 +6,10 @@ ConfigError naming each offending field and the reason.
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -23,7 +24,14 @@ from pydantic import (
 )
 
 from fedsaddle.common import wire
-from fedsaddle.common.problems import PaperRegressionSpec, ProblemNotFound, ProblemSpec, make_problem, parse_spec
+from fedsaddle.common.problems import (
+    PaperRegressionSpec,
+    ProblemNotFound,
+    ProblemSpec,
+    make_problem,
+    parse_spec,
+    problem_class,
+)
 
 
 class ConfigError(ValueError):
@@ -300,7 +308,38 @@ class RunConfig(_Model):
         return self
 
 
-def _describe(error: Any) -> str:
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's annotation may hold, through lists, unions and Annotated."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in get_args(annotation) for model in _models_in(arg)]
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
+    """The field names a config may give at `loc`, an error's location without its last part."""
+    candidates = [model]
+    for item in loc:
+        if isinstance(item, int):  # a list's element: the same models
+            continue
+        having = [m for m in candidates if item in m.model_fields]
+        if having:
+            candidates = [sub for m in having for sub in _models_in(m.model_fields[item].annotation)]
+        else:  # a union's tag (algorithms.0.scaffold_s): the member whose literal default it is
+            candidates = [m for m in candidates if item in {f.default for f in m.model_fields.values()}]
+    return {name for m in candidates for name in m.model_fields}
+
+
+def _suggestion(error: Any, model: type[BaseModel] | None) -> str:
+    """' (did you mean 'gamma_local'?)' for a misspelt field, else ''."""
+    loc = tuple(error["loc"])
+    if model is None or error["type"] != "extra_forbidden" or not loc or not isinstance(loc[-1], str):
+        return ""
+    fields = {name.lower(): name for name in _fields_at(model, loc[:-1])}
+    close = difflib.get_close_matches(loc[-1].lower(), sorted(fields), n=1, cutoff=0.7)
+    return f" (did you mean {fields[close[0]]!r}?)" if close else ""
+
+
+def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
     # pydantic puts the discriminator value into the location (algorithms.0.fedavg_s.gamma);
     # the user wrote algorithms[0].gamma, so drop it.
     discriminators = set(ALGORITHM_NAMES) | {
@@ -318,7 +357,7 @@ def _describe(error: Any) -> str:
         elif item not in discriminators:
             parts.append(str(item))
     where = ".".join(parts) or "config"
-    message = str(error["msg"]).removeprefix("Value error, ")
+    message = "unknown field" if error["type"] == "extra_forbidden" else str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "union_tag_invalid":
         ctx = error["ctx"]
         field_name = str(ctx["discriminator"]).strip("'")
@@ -329,12 +368,12 @@ def _describe(error: Any) -> str:
         and not isinstance(error["input"], dict)
     ):
         message += f" (got {error['input']!r})"
-    return f"{where}: {message}"
+    return f"{where}: {message}{_suggestion(error, model)}"
 
 
-def describe_errors(exc: ValidationError) -> str:
-    """One line per bad field: `where: what (got value)`."""
-    return "\n".join(f"  {_describe(e)}" for e in exc.errors())
+def describe_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One line per bad field: `where: what (got value)`; a misspelt field of `model` gets a suggestion."""
+    return "\n".join(f"  {_describe(e, model)}" for e in exc.errors())
 
 
 def parse_config(data: Any, source: str = "config") -> RunConfig:
@@ -352,12 +391,14 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
             errors.append(f"  problem.name: {exc}")
             del data["problem"]
         except ValidationError as exc:
-            errors += [f"  problem.{_describe(e)}" for e in exc.errors()]
+            plugin = data["problem"].get("plugin")
+            spec = problem_class(data["problem"]["name"], plugin if isinstance(plugin, str) else None).Spec
+            errors += [f"  problem.{_describe(e, spec)}" for e in exc.errors()]
             del data["problem"]
     try:
         config = RunConfig.model_validate(data, context={"problem_invalid": bool(errors)})
     except ValidationError as exc:
-        errors.append(describe_errors(exc))
+        errors.append(describe_errors(exc, RunConfig))
     if errors:
         raise ConfigError(f"invalid {source}:\n" + "\n".join(errors))
     return config

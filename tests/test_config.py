@@ -48,9 +48,29 @@ def test_unknown_algorithm_lists_the_known_ones() -> None:
 def test_unknown_problem_and_unknown_field() -> None:
     message = error_of({**VALID, "problem": {"name": "mnist"}})
     assert "problem.name: unknown problem 'mnist'" in message and "'linear_regression'" in message
-    assert "problem.heterogenity: Extra inputs are not permitted" in error_of(
+    assert "problem.heterogenity: unknown field (did you mean 'heterogeneity'?)" in error_of(
         {**VALID, "problem": {"name": "quadratic_game", "heterogenity": 1}}
     )
+
+
+def test_a_misspelt_field_gets_the_closest_field_of_its_own_place() -> None:
+    message = error_of(
+        {
+            **VALID,
+            "runds": 4,
+            "sync": {"kind": "random", "P": 0.1},
+            "transport": {"limits": {"max_conections": 4}},
+            "algorithms": [
+                {"name": "minibatch_md", "gamma": 0.1, "gama": 1},
+                {"name": "scaffold_s", "gama": 1},  # SCAFFOLD-S has gamma_local and gamma_global: no guess
+            ],
+        }
+    )
+    assert "  runds: unknown field (did you mean 'rounds'?)" in message
+    assert "  sync.P: unknown field (did you mean 'p'?)" in message
+    assert "  transport.limits.max_conections: unknown field (did you mean 'max_connections'?)" in message
+    assert "  algorithms[0].gama: unknown field (did you mean 'gamma'?)" in message
+    assert "  algorithms[1].gama: unknown field\n" in message + "\n"
 
 
 def test_every_bad_field_is_reported_at_once() -> None:
