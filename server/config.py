@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -361,7 +362,10 @@ def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
     if error["type"] == "union_tag_invalid":
         ctx = error["ctx"]
         field_name = str(ctx["discriminator"]).strip("'")
-        message = f"unknown {field_name} {ctx['tag']!r}; expected one of {ctx['expected_tags']}"
+        tags = re.findall(r"'([^']*)'", str(ctx["expected_tags"]))
+        close = difflib.get_close_matches(str(ctx["tag"]), tags, n=1, cutoff=0.7)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        message = f"unknown {field_name} {ctx['tag']!r}{guess}; expected one of {ctx['expected_tags']}"
     elif (
         "input" in error
         and error["type"] not in ("missing", "extra_forbidden")

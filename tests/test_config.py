@@ -53,6 +53,21 @@ def test_unknown_problem_and_unknown_field() -> None:
     )
 
 
+def test_a_misspelt_name_gets_the_closest_known_one() -> None:
+    message = error_of(
+        {
+            **VALID,
+            "problem": {"name": "paper_regresion"},
+            "sync": {"kind": "randm"},
+            "algorithms": [{"name": "scafold_s"}, {"name": "fedprox"}],
+        }
+    )
+    assert "problem.name: unknown problem 'paper_regresion' (did you mean 'paper_regression'?)" in message
+    assert "sync: unknown kind 'randm' (did you mean 'random'?)" in message
+    assert "algorithms[0]: unknown name 'scafold_s' (did you mean 'scaffold_s'?)" in message
+    assert "algorithms[1]: unknown name 'fedprox'; expected one of" in message  # nothing close: no guess
+
+
 def test_a_misspelt_field_gets_the_closest_field_of_its_own_place() -> None:
     message = error_of(
         {

@@ -12,6 +12,7 @@ coordinator asked: it loads built-in problems, registered entry points, and the
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 from collections.abc import Collection, Mapping, Sequence
@@ -81,8 +82,10 @@ def problem_class(name: str, plugin: str | None = None, trusted: Collection[str]
     if name in known and plugin in (None, known[name]):
         return load_path(known[name])
     if plugin is None:
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
         raise ProblemNotFound(
-            f"unknown problem {name[:64]!r}: built in or registered are {sorted(known)}; "
+            f"unknown problem {name[:64]!r}{guess}: built in or registered are {sorted(known)}; "
             "name your own with `plugin: module:Class`"
         )
     if trusted is not None and plugin not in trusted:
