@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from pydantic import ValidationError
 
-from fedsaddle.common import wire
+from fedsaddle.common import blas, wire
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
@@ -146,7 +146,13 @@ class ClientSession:
         except MemoryError as exc:  # the problem's size is the coordinator's to choose, this machine's memory is not
             return self._cannot(run, f"not enough memory for this process's clients' data: {exc}")
         self.worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
-        log.info("run %s: clients %s ready (dimension %d)", run.run_id, list(self.indices), shards.dimension)
+        log.info(
+            "run %s: clients %s ready (dimension %d; %s)",
+            run.run_id,
+            list(self.indices),
+            shards.dimension,
+            blas.describe(),
+        )
         return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts)
 
     def _cannot(self, run: pb.RunSpec, reason: str) -> pb.Ready:

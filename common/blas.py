@@ -47,8 +47,18 @@ def set_environment() -> None:
         os.environ.setdefault(name, count)
 
 
-def _openblas() -> tuple[Callable[[int], object], Callable[[], int]] | None:
-    """The loaded OpenBLAS's (set, get) thread-count functions, or None if none is loaded."""
+_CORENAME = ("scipy_openblas_get_corename64_", "openblas_get_corename64_", "openblas_get_corename")
+
+
+class _OpenBLAS:
+    """The loaded OpenBLAS's functions that fedsaddle uses."""
+
+    def __init__(self, library: ctypes.CDLL, setter: Callable[[int], object], getter: Callable[[], int]) -> None:
+        self.library, self.set_threads, self.get_threads = library, setter, getter
+
+
+def _openblas() -> _OpenBLAS | None:
+    """The loaded OpenBLAS, or None if none is loaded."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
@@ -62,14 +72,14 @@ def _openblas() -> tuple[Callable[[int], object], Callable[[], int]] | None:
         for set_name, get_name in _SYMBOLS:
             setter, getter = getattr(library, set_name, None), getattr(library, get_name, None)
             if setter is not None and getter is not None:
-                return setter, getter
+                return _OpenBLAS(library, setter, getter)
     return None
 
 
-_FOUND: list[tuple[Callable[[int], object], Callable[[], int]]] = []  # kept once found
+_FOUND: list[_OpenBLAS] = []  # kept once found
 
 
-def _functions() -> tuple[Callable[[int], object], Callable[[], int]] | None:
+def _functions() -> _OpenBLAS | None:
     if not _FOUND:  # looked for again while none is loaded: numpy may load later
         found = _openblas()
         if found is None:
@@ -78,25 +88,44 @@ def _functions() -> tuple[Callable[[int], object], Callable[[], int]] | None:
     return _FOUND[0]
 
 
+def describe() -> str:
+    """The loaded BLAS's kernel and thread count, e.g. 'OpenBLAS SkylakeX kernel, 1 thread'.
+
+    Kernels are chosen per CPU (or by OPENBLAS_CORETYPE), and two kernels sum matrix
+    products in other orders: processes that must agree bit for bit need the same one.
+    """
+    found = _functions()
+    if found is None:
+        return "no OpenBLAS loaded"
+    kernel = "unknown"
+    for name in _CORENAME:
+        function = getattr(found.library, name, None)
+        if function is not None:
+            function.restype = ctypes.c_char_p
+            kernel = (function() or b"unknown").decode(errors="replace")
+            break
+    count = int(found.get_threads())
+    return f"OpenBLAS {kernel} kernel, {count} thread{'s' if count != 1 else ''}"
+
+
 def apply() -> None:
     """The loaded BLAS on `threads()` threads from now on (nothing happens if none is found)."""
-    functions = _functions()
-    if functions is not None:
-        functions[0](threads())
+    found = _functions()
+    if found is not None:
+        found.set_threads(threads())
 
 
 @contextlib.contextmanager
 def threads_for_run() -> Iterator[None]:
     """The loaded BLAS on `threads()` threads while the block runs, as it was afterwards.
     (Client processes the block starts set their own: the CLI calls `set_environment`.)"""
-    functions = _functions()
-    if functions is None:
+    found = _functions()
+    if found is None:
         yield
         return
-    setter, getter = functions
-    before = int(getter())
-    setter(threads())
+    before = int(found.get_threads())
+    found.set_threads(threads())
     try:
         yield
     finally:
-        setter(before)
+        found.set_threads(before)

@@ -140,7 +140,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         reference = reference_solution(config, pool.cache)
     except DataError as exc:
         raise UsageError(str(exc)) from None
-    return _run(config, pool, {"kind": "in-process"}, reference)
+    return _run(config, pool, {"kind": "in-process", "blas": blas.describe()}, reference)
 
 
 def _serving(config: RunConfig, listen: str | None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ os.environ.update(dict(arg.split("=") for arg in __import__("sys").argv[1:]))
 from fedsaddle.common import blas
 blas.apply()  # before numpy loads: nothing to set yet, and nothing to remember
 import numpy  # loads OpenBLAS with its own default
-set_, get = blas._functions()
+get = blas._functions().get_threads
 before = get()
 with blas.threads_for_run():
     during = get()
@@ -49,3 +50,14 @@ def test_the_count_is_the_operators_when_it_is_one(
     else:
         monkeypatch.setenv("OPENBLAS_NUM_THREADS", value)
     assert blas.threads() == count
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 kernel names")
+@pytest.mark.parametrize("kernel", ["Haswell", "Sandybridge"])
+def test_the_description_names_the_kernel_the_operator_chose(kernel: str) -> None:
+    # Kernels sum matrix products in other orders; the description lets hosts be compared.
+    script = "import numpy\nfrom fedsaddle.common import blas\nblas.apply()\nprint(blas.describe())"
+    env = {**os.environ, "OPENBLAS_CORETYPE": kernel, "OPENBLAS_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"OpenBLAS {kernel} kernel, 1 thread"
