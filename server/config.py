@@ -326,7 +326,7 @@ def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
         if having:
             candidates = [sub for m in having for sub in _models_in(m.model_fields[item].annotation)]
         else:  # a union's tag (algorithms.0.scaffold_s): the member whose literal default it is
-            candidates = [m for m in candidates if item in {f.default for f in m.model_fields.values()}]
+            candidates = [m for m in candidates if any(f.default == item for f in m.model_fields.values())]
     return {name for m in candidates for name in m.model_fields}
 
 
