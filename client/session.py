@@ -127,7 +127,11 @@ class ClientSession:
         self.run, self.worker = run, None
         self._run_id, self._dimension = run.run_id, int(run.dimension)
         try:
-            spec = parse_spec(json.loads(run.problem_json), self.shards.trusted)
+            try:
+                problem = json.loads(run.problem_json)
+            except ValueError as exc:
+                raise ValueError(f"the coordinator's problem is not JSON: {exc}") from None
+            spec = parse_spec(problem, self.shards.trusted)
             n = self._federation_size
             if n and spec.num_clients != n:  # a synthetic problem's data generation scales with it
                 raise ValueError(f"the run's problem has {spec.num_clients} clients; the federation has {n}")

@@ -128,3 +128,20 @@ def test_a_run_whose_problem_has_another_client_count_than_the_federation_is_ref
     state = session()
     ready = _ready_for(state, {"name": "paper_regression", "num_clients": 10**11, "dim": 4})
     assert ready.error == "the run's problem has 100000000000 clients; the federation has 5"
+
+
+@pytest.mark.parametrize(
+    ("problem_json", "error"),
+    [
+        ("[1, 2]", "the problem must be a mapping of fields, got list"),
+        ("null", "the problem must be a mapping of fields, got NoneType"),
+        ("{", "the coordinator's problem is not JSON: Expecting property name"),
+        ('{"name": 5}', "the problem needs a `name`"),
+    ],
+)
+def test_a_run_spec_whose_problem_is_not_a_problem_is_refused_in_ready(problem_json: str, error: str) -> None:
+    state = session()
+    run = pb.RunSpec(run_id="odd", problem_json=problem_json, synthetic_seed=1)
+    (reply,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(reply, pb.ClientMessage) and reply.ready.error.startswith(error)
+    assert not _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 4}).error

@@ -102,6 +102,8 @@ def problem_class(name: str, plugin: str | None = None, trusted: Collection[str]
 
 def parse_spec(data: Mapping[str, Any], trusted: Collection[str] | None = None) -> ProblemSpec:
     """Validate a problem entry (config or RunSpec) with its problem's own Spec; ValidationError if bad."""
+    if not isinstance(data, Mapping):
+        raise ProblemNotFound(f"the problem must be a mapping of fields, got {type(data).__name__}")
     name = data.get("name")
     if not isinstance(name, str):
         raise ProblemNotFound("the problem needs a `name`")
