@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterable
 
 from pydantic import ValidationError
@@ -20,6 +21,9 @@ from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 log = logging.getLogger("fedsaddle.client")
+
+
+HEARTBEAT_S = 60.0
 
 
 class ClientError(RuntimeError):
@@ -45,6 +49,9 @@ class ClientSession:
         self._assembler: wire.Assembler | None = None
         self._payload = bytearray()  # chunked payloads are assembled here, task after task
         self._federation_size = 0  # n, from the Welcome
+        # A line in the log every `heartbeat_s` of a run, so that a site's operator sees it work.
+        self.heartbeat_s = HEARTBEAT_S
+        self._tasks, self._said = 0, time.monotonic()
 
     @property
     def chunk_bytes(self) -> int:
@@ -89,7 +96,11 @@ class ClientSession:
             self.goodbye = instruction.goodbye
             if instruction.goodbye.outcome == pb.FAILED:
                 raise RunFailed(f"the coordinator ended the run as failed: {instruction.goodbye.reason}")
-            log.info("coordinator says goodbye: %s", instruction.goodbye.reason)
+            log.info(
+                "coordinator says goodbye (%d tasks answered in the last run): %s",
+                self._tasks,
+                instruction.goodbye.reason,
+            )
             return []
         raise ClientError(f"unknown instruction {kind!r}")
 
@@ -150,6 +161,7 @@ class ClientSession:
         except MemoryError as exc:  # the problem's size is the coordinator's to choose, this machine's memory is not
             return self._cannot(run, f"not enough memory for this process's clients' data: {exc}")
         self.worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
+        self._tasks, self._said = 0, time.monotonic()
         log.info(
             "run %s: clients %s ready (dimension %d; %s)",
             run.run_id,
@@ -181,4 +193,10 @@ class ClientSession:
         if clients is not None and not set(clients) <= set(self.indices):
             raise ClientError(f"the task names clients {list(clients)[:8]}, not all hosted here")
         round_id = message.round_id
-        return self._answers.encode(run_id, round_id, self.worker.execute(task, round_id, clients))
+        answer = self._answers.encode(run_id, round_id, self.worker.execute(task, round_id, clients))
+        self._tasks += 1
+        now = time.monotonic()
+        if now - self._said >= self.heartbeat_s:
+            self._said = now
+            log.info("run %s: %d tasks answered, now at round %d", run_id, self._tasks, round_id)
+        return answer

@@ -10,7 +10,7 @@ import pytest
 from fedsaddle.client.session import ClientError, ClientSession
 from fedsaddle.common import wire
 from fedsaddle.common.problems import PaperRegressionSpec, parse_spec
-from fedsaddle.common.tasks import LocalStepsTask
+from fedsaddle.common.tasks import GradientTask, LocalStepsTask
 from fedsaddle.common.worker import Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -145,3 +145,18 @@ def test_a_run_spec_whose_problem_is_not_a_problem_is_refused_in_ready(problem_j
     (reply,) = state.handle(pb.Instruction(run=run))
     assert isinstance(reply, pb.ClientMessage) and reply.ready.error.startswith(error)
     assert not _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 4}).error
+
+
+def test_a_running_session_says_in_its_log_how_far_it_is(caplog: pytest.LogCaptureFixture) -> None:
+    state = session()
+    state.heartbeat_s = 0.0  # a line per task (60 s in a real client)
+    with caplog.at_level("INFO", logger="fedsaddle.client"):
+        for round_id in (1, 2, 3):
+            for _ in state.handle(
+                pb.Instruction.FromString(wire.encode_task("r", round_id, GradientTask(np.ones(2 * DIM)), 1 << 20)[0])
+            ):
+                pass
+        state.handle(pb.Instruction(goodbye=pb.Goodbye(reason="the run is over", outcome=pb.DONE)))
+    said = [record.getMessage() for record in caplog.records]
+    assert said[:3] == [f"run r: {k} tasks answered, now at round {k}" for k in (1, 2, 3)]
+    assert said[3] == "coordinator says goodbye (3 tasks answered in the last run): the run is over"
