@@ -79,7 +79,7 @@ def _openblas() -> _OpenBLAS | None:
 _FOUND: list[_OpenBLAS] = []  # kept once found
 
 
-def _functions() -> _OpenBLAS | None:
+def _loaded() -> _OpenBLAS | None:
     if not _FOUND:  # looked for again while none is loaded: numpy may load later
         found = _openblas()
         if found is None:
@@ -94,7 +94,7 @@ def describe() -> str:
     Kernels are chosen per CPU (or by OPENBLAS_CORETYPE), and two kernels sum matrix
     products in other orders: processes that must agree bit for bit need the same one.
     """
-    found = _functions()
+    found = _loaded()
     if found is None:
         return "no OpenBLAS loaded"
     kernel = "unknown"
@@ -110,7 +110,7 @@ def describe() -> str:
 
 def apply() -> None:
     """The loaded BLAS on `threads()` threads from now on (nothing happens if none is found)."""
-    found = _functions()
+    found = _loaded()
     if found is not None:
         found.set_threads(threads())
 
@@ -119,7 +119,7 @@ def apply() -> None:
 def threads_for_run() -> Iterator[None]:
     """The loaded BLAS on `threads()` threads while the block runs, as it was afterwards.
     (Client processes the block starts set their own: the CLI calls `set_environment`.)"""
-    found = _functions()
+    found = _loaded()
     if found is None:
         yield
         return

@@ -19,7 +19,7 @@ os.environ.update(dict(arg.split("=") for arg in __import__("sys").argv[1:]))
 from fedsaddle.common import blas
 blas.apply()  # before numpy loads: nothing to set yet, and nothing to remember
 import numpy  # loads OpenBLAS with its own default
-get = blas._functions().get_threads
+get = blas._loaded().get_threads
 before = get()
 with blas.threads_for_run():
     during = get()
