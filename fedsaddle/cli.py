@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from fedsaddle.progress import Progress
     from fedsaddle.server.config import RunConfig
     from fedsaddle.server.coordinator import Outcome
-    from fedsaddle.server.driver import Run, StepDone
     from fedsaddle.server.pool import ClientPool
 
 log = logging.getLogger("fedsaddle")
@@ -186,7 +185,6 @@ def _resume(args: argparse.Namespace) -> int:
     if args.config:
         raise UsageError("--resume takes the config from the run directory; leave out --config")
     progress = Progress()
-    metrics = _LatestMetrics()
     addresses: list[str] = []
 
     def pool_for(config: RunConfig) -> Any:
@@ -195,11 +193,8 @@ def _resume(args: argparse.Namespace) -> int:
         return pool
 
     try:
-
-        def hook(name: str, spent: int, budget: int, dist_z: float) -> None:
-            progress.rounds(name, spent, budget, dist_z, metrics.of(name))
-
-        outcome = resume_run(Path(args.resume), pool_for, {"kind": "grpc", "resumed": True}, hook, metrics.step)
+        transport = {"kind": "grpc", "resumed": True}
+        outcome = resume_run(Path(args.resume), pool_for, transport, progress.rounds, progress.step)
     except CheckpointError as exc:
         raise UsageError(f"cannot resume: {exc}") from None
     finally:
@@ -411,16 +406,15 @@ def _run(
 
     progress = Progress()
     first: list[float] = []
-    metrics = _LatestMetrics()
 
     def hook(name: str, spent: int, budget: int, dist_z: float) -> None:
         if timed and not first:
             first.append(_since_start())
             print(f"first round done {first[0]:.2f} s after the command started", file=sys.stderr, flush=True)
-        progress.rounds(name, spent, budget, dist_z, metrics.of(name))
+        progress.rounds(name, spent, budget, dist_z)
 
     try:
-        outcome = run_config(config, pool, transport, hook, reference, metrics.step)
+        outcome = run_config(config, pool, transport, hook, reference, progress.step)
     finally:
         progress.close()
         pool.close()  # clients are told goodbye (and log it) before the table, which ends the output
@@ -428,23 +422,6 @@ def _run(
         print(table(outcome.results))
     print(f"run directory: {outcome.run_dir}")
     return _exit_code(outcome)
-
-
-class _LatestMetrics:
-    """Each algorithm's latest evaluation metrics, as a progress note ('test_auc 0.8976')."""
-
-    def __init__(self) -> None:
-        self._notes: dict[str, str] = {}
-
-    def step(self, run: Run, done: StepDone, pool: ClientPool) -> None:
-        from fedsaddle.server.driver import RECORD_FIELDS
-
-        found = {k: v for k, v in run.records[-1].items() if k not in RECORD_FIELDS}
-        if found:
-            self._notes[run.name] = "  ".join(f"{k} {v:.4g}" for k, v in found.items())
-
-    def of(self, name: str) -> str:
-        return self._notes.get(name, "")
 
 
 def _exit_code(outcome: Outcome) -> int:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from fedsaddle.server.driver import Run, StepDone
+    from fedsaddle.server.pool import ClientPool
 
 
 class Progress:
@@ -21,6 +25,7 @@ class Progress:
         self._bars: dict[str, Any] = {}
         self._deciles: dict[str, int] = {}
         self._started: dict[str, float] = {}
+        self._metrics: dict[str, str] = {}  # by algorithm: its latest evaluation metrics, as a note
 
     def update(self, name: str, done: int, total: int, note: str = "") -> None:
         if self.tty:
@@ -55,8 +60,16 @@ class Progress:
         for name in list(self._bars):
             self.finish(name)
 
-    def rounds(self, name: str, spent: int, budget: int, dist_z: float, metrics: str = "") -> None:
+    def rounds(self, name: str, spent: int, budget: int, dist_z: float) -> None:
         """The driver's progress hook: rounds spent of the budget, ||z - z*|| (when known), and
-        the latest evaluation metrics (when the run evaluates)."""
-        notes = ("" if dist_z != dist_z else f"||z-z*|| {dist_z:.3e}", metrics)
+        the latest evaluation metrics (when the run evaluates: see `step`)."""
+        notes = ("" if dist_z != dist_z else f"||z-z*|| {dist_z:.3e}", self._metrics.get(name, ""))
         self.update(name, spent, budget, "  ".join(note for note in notes if note))
+
+    def step(self, run: Run, done: StepDone, pool: ClientPool) -> None:
+        """The driver's step hook: keeps each algorithm's latest metrics for its note ('test_auc 0.8976')."""
+        from fedsaddle.server.driver import record_metrics
+
+        found = record_metrics(run.records[-1])
+        if found:
+            self._metrics[run.name] = "  ".join(f"{k} {v:.4g}" for k, v in found.items())

@@ -85,6 +85,11 @@ def run_loop(
 RECORD_FIELDS = frozenset({"step", "rounds", "paper_rounds", "time_s", "dist_x", "dist_z"})
 
 
+def record_metrics(record: dict[str, float | int]) -> dict[str, float]:
+    """The evaluation metrics a step's record carries (none unless the step was evaluated)."""
+    return {k: float(v) for k, v in record.items() if k not in RECORD_FIELDS}
+
+
 @dataclass
 class AlgorithmResult:
     """The outcome of one algorithm's run."""
@@ -110,7 +115,7 @@ class AlgorithmResult:
         """Each evaluation metric's last value (the final iterate's: the last step is evaluated)."""
         last: dict[str, float] = {}
         for record in self.records:
-            last.update((k, float(v)) for k, v in record.items() if k not in RECORD_FIELDS)
+            last.update(record_metrics(record))
         return last
 
     def summary(self) -> dict[str, Any]:

@@ -48,14 +48,18 @@ def write_summary(
     # Distances need a known z* (a synthetic problem's, or simulate's centralized solution on data);
     # a gRPC coordinator on private data has none, and shows what the clients evaluate instead.
     measured = any("dist_x" in record for r in results for record in r.records)
-    evaluated = any(r.metrics for r in results)
     try:
         if measured:
             plot_distances(run_dir / "distance.png", config, results)
-        if evaluated:
+        if metric_names(results):
             plot_metrics(run_dir / "metrics.png", config, results)
     except ImportError:
         log.warning("no plots: matplotlib is not installed (pip install 'fedsaddle[plot]')")
+
+
+def metric_names(results: Sequence[AlgorithmResult]) -> list[str]:
+    """The evaluation metrics any of the results carries, in the order first seen."""
+    return list(dict.fromkeys(name for r in results for name in r.metrics))
 
 
 def strict_json(value: Any, **options: Any) -> str:
@@ -128,7 +132,7 @@ def plot_metrics(path: Path, config: RunConfig, results: Sequence[AlgorithmResul
     import matplotlib.pyplot as plt
 
     key, axis = _x_axis(config)
-    names = list(dict.fromkeys(name for r in results for name in r.metrics))
+    names = metric_names(results)
     fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.5), dpi=120, squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         for result in results:
@@ -154,7 +158,7 @@ def _fmt(value: float) -> str:
 
 def table(results: Sequence[AlgorithmResult]) -> str:
     """One row per algorithm: accuracy (and the final evaluation metrics, if any), communication and time."""
-    names = list(dict.fromkeys(name for r in results for name in r.metrics))
+    names = metric_names(results)
     width = {name: max(10, len(name)) for name in names}
     metrics_header = "".join(f" {name:>{width[name]}}" for name in names)
     header = (
