@@ -108,7 +108,7 @@ def _run(
         local = LocalPool(data=paths)
         if reference is None:
             reference = reference_solution(config, local.cache)
-        outcome = run_config(config, local, {"kind": "in-process", "blas": blas.describe()}, progress, reference)
+        outcome = run_config(config, local, local.describe(), progress, reference)
     else:
         from fedsaddle.launch import loopback_federation
 

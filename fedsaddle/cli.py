@@ -139,7 +139,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         reference = reference_solution(config, pool.cache)
     except DataError as exc:
         raise UsageError(str(exc)) from None
-    return _run(config, pool, {"kind": "in-process", "blas": blas.describe()}, reference)
+    return _run(config, pool, pool.describe(), reference)
 
 
 def _serving(config: RunConfig, listen: str | None) -> Any:

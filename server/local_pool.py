@@ -25,6 +25,10 @@ class LocalPool(ClientPool):
         self.cache = cache or ShardCache(size=1, data=data)
         self._worker: Worker | None = None
 
+    def describe(self) -> dict[str, str]:
+        """What summary.json records of this transport: in-process, and the BLAS its sums ran on."""
+        return {"kind": "in-process", "blas": blas.describe()}
+
     def _announce(self, run: RunInfo) -> Sequence[int] | None:
         blas.apply()  # the thread count client processes use: BLAS's sums depend on it (common/blas.py)
         shards = self.cache.get(run.problem, run.seed, range(run.num_clients))
