@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -18,6 +19,15 @@ from fedsaddle import launch  # noqa: E402
 from fedsaddle.launch import CLIENT_ENV  # noqa: E402
 from fedsaddle.server.config import RunConfig, parse_config  # noqa: E402
 from fedsaddle.server.transport.grpc_pool import GrpcPool  # noqa: E402
+
+
+def strict_json(text: str) -> Any:
+    """JSON as every reader takes it: NaN and Infinity, which Python alone accepts, fail the test."""
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 def fedsaddle(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

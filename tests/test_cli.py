@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CLIENT_ENV, fedsaddle, start_clients
+from conftest import CLIENT_ENV, fedsaddle, start_clients, strict_json
 from test_failures import Coordinator
 
 SMALL: dict[str, Any] = {
@@ -137,13 +137,10 @@ def test_outputs_stay_strict_json_when_the_iterate_overflows(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     (run_dir,) = list((tmp_path / "runs").iterdir())
 
-    def refuse(token: str) -> None:
-        raise AssertionError(f"{token} is not JSON")
-
-    lines = [json.loads(line, parse_constant=refuse) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1]
     assert lines[0]["dist_x"] > 0 and lines[1]["dist_x"] is None and lines[1]["dist_z"] is None
-    (result,) = json.loads((run_dir / "summary.json").read_text(), parse_constant=refuse)["algorithms"]
+    (result,) = strict_json((run_dir / "summary.json").read_text())["algorithms"]
     assert result["status"] == "diverged" and result["dist_x"] is None
 
 

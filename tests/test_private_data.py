@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import yaml
-from conftest import stop_processes
+from conftest import stop_processes, strict_json
 from test_bad_answers import HandClient
 from test_failures import Coordinator, read_stderr, write_config
 
@@ -96,10 +96,7 @@ def test_the_final_iterate_is_evaluated_and_shown_where_no_distance_can_be(
     assert fedavg.traffic["algorithm"]["rounds"] == 41
 
     # A gRPC coordinator has no z*: the summary says null (strict JSON), the table '-', beside the final AUC.
-    def no_constants(name: str) -> None:
-        raise AssertionError(f"summary.json holds {name}, which is not JSON")
-
-    written = json.loads((remote.run_dir / "summary.json").read_text(), parse_constant=no_constants)
+    written = strict_json((remote.run_dir / "summary.json").read_text())
     for result, entry in zip(remote.results, written["algorithms"], strict=True):
         assert entry["dist_x"] is None and entry["dist_z"] is None
         assert entry["metrics"] == {"test_auc": result.records[-1]["test_auc"]}
