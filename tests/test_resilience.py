@@ -108,6 +108,27 @@ def test_clients_started_before_the_coordinator_wait_for_it(tmp_path: Path) -> N
     assert codes == [0, 0, 0]
 
 
+def test_the_last_client_to_join_is_sent_the_run_once_and_nothing_counts_as_resent(tmp_path: Path) -> None:
+    # The last session to join completes the federation, and the run starts at once. It used to be
+    # sent the RunSpec a second time, counted as a retransmission and logged as a rejoin, whenever
+    # the run started while its Welcome was being written (one federation in five or so here).
+    path = write_config(
+        tmp_path / "run.yaml",
+        problem={"name": "paper_regression", "num_clients": 10, "dim": 4},
+        algorithms=[{"name": "minibatch_md", "gamma": 0.1}],
+        rounds=3,
+        transport={"rejoin_timeout_s": 5},
+    )
+    for attempt in range(5):
+        out = tmp_path / f"runs-{attempt}"
+        done = fedsaddle("local", "--config", str(path), "--out", str(out))
+        assert done.returncode == 0, done.stderr
+        assert "rejoined" not in done.stderr
+        assert done.stderr.count("ready (dimension 8") == 10  # one Ready per client process
+        resent = summary_of(out)["algorithms"][0]["traffic"]["retransmission"]
+        assert (resent["messages_down"], resent["bytes_down"]) == (0, 0)
+
+
 def fails_fast(args: list[str], cause: str, limit: float = 10) -> None:
     started = time.monotonic()
     done = fedsaddle("client", "--clients", "0", "--connect-timeout", "60", *args, timeout=60)

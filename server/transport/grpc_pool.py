@@ -302,11 +302,10 @@ class GrpcPool(ClientPool):
         if self._spec is None:
             return
         starting = self.barriers.starting
-        if starting is not None and starting.replace(session) is not None:
-            self._resend(session, [self._spec])  # now the run's start waits on it
-        elif self.rejoin_timeout_s > 0:
-            self._resend(session, [self._spec])  # its Ready comes to _on_ready
-        log.info("%s rejoined; sent it run %s", session.describe(), self.run.run_id if self.run else "?")
+        # The run's start now waits on it, or (rejoins allowed) its Ready comes to _on_ready.
+        if (starting is not None and starting.replace(session) is not None) or self.rejoin_timeout_s > 0:
+            self._resend(session, [self._spec])
+            log.info("%s rejoined; sent it run %s", session.describe(), self.run.run_id if self.run else "?")
 
     def _on_ready(self, session: Session, ready: pb.Ready) -> None:
         """A rejoining session is loaded: let it take its place in the open round, and resend the task."""

@@ -138,9 +138,12 @@ class SessionService:
         reader = asyncio.create_task(self._read(session, incoming))
         failure: Refusal | None = None
         try:
-            await context.write(self.welcome)
+            # In the same step as the registry took the session, before any await: a run the pool starts
+            # once this session completes the federation is sent to it by the pool, not again by on_join.
+            # What on_join queues goes out after the Welcome, which is written first.
             if self.on_join is not None:
                 self.on_join(session)
+            await context.write(self.welcome)
             while (item := await session.outbox.get()) is not None:
                 session.queued_bytes -= len(item)
                 await context.write(item)
