@@ -10,12 +10,13 @@ Heavy modules are imported inside the commands, so `--help` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,7 +137,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = _config(args)
     pool = LocalPool(data=_data_paths(args.data, range(config.problem.num_clients)))
     try:
-        reference = reference_solution(config, pool.cache)
+        with _naming_memory(config):
+            reference = reference_solution(config, pool.cache)
     except DataError as exc:
         raise UsageError(str(exc)) from None
     return _run(config, pool, pool.describe(), reference)
@@ -413,15 +415,41 @@ def _run(
             print(f"first round done {first[0]:.2f} s after the command started", file=sys.stderr, flush=True)
         progress.rounds(name, spent, budget, dist_z)
 
+    with _naming_memory(config):
+        try:
+            outcome = run_config(config, pool, transport, hook, reference, progress.step)
+        finally:
+            progress.close()
+            pool.close()  # clients are told goodbye (and log it) before the table, which ends the output
+        if outcome.results:
+            print(table(outcome.results))
+        print(f"run directory: {outcome.run_dir}")
+        return _exit_code(outcome)
+
+
+@contextlib.contextmanager
+def _naming_memory(config: RunConfig) -> Iterator[None]:
+    """Out of memory: say how large the problem's vectors are, the likely cause (a typo in its size)."""
     try:
-        outcome = run_config(config, pool, transport, hook, reference, progress.step)
-    finally:
-        progress.close()
-        pool.close()  # clients are told goodbye (and log it) before the table, which ends the output
-    if outcome.results:
-        print(table(outcome.results))
-    print(f"run directory: {outcome.run_dir}")
-    return _exit_code(outcome)
+        yield
+    except MemoryError as exc:
+        from fedsaddle.common.problems import make_problem
+
+        dimension = make_problem(config.problem).dimension
+        raise UsageError(
+            f"not enough memory on this machine for problem {config.problem.name}: its vectors have "
+            f"{dimension:,} entries, {_size(8 * dimension)} each ({exc})"
+        ) from None
+
+
+def _size(size: float) -> str:
+    """Bytes in binary units: 1.6e+07 -> '15.3 MiB'."""
+    unit = "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, larger
+    return f"{size:.3g} {unit}"
 
 
 def _exit_code(outcome: Outcome) -> int:

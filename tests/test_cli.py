@@ -124,6 +124,24 @@ def test_a_run_that_overflows_in_the_clients_is_reported_as_diverged_without_num
     assert "RuntimeWarning" not in done.stderr + done.stdout  # the answers say so; numpy need not
 
 
+@pytest.mark.parametrize("command", ["simulate", "local"])
+def test_a_problem_too_large_for_memory_is_an_error_that_says_how_large(tmp_path: Path, command: str) -> None:
+    # dim: 1e12 where 1e6 was meant. numpy alone said "Unable to allocate 14.6 TiB for an array with
+    # shape (2000000000000,)", with nothing about the config; a single allocation of that size fails
+    # at once under Linux's default overcommit heuristic, so this costs no memory.
+    path = tmp_path / "run.yaml"
+    run = {"problem": {"name": "paper_regression", "num_clients": 2, "dim": 10**12}, "rounds": 3}
+    path.write_text(yaml.safe_dump({**run, "algorithms": [{"name": "minibatch_md", "gamma": 0.1}]}))
+    done = fedsaddle(command, "--config", str(path), "--out", str(tmp_path / "runs"))
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "fedsaddle: not enough memory on this machine for problem paper_regression: "
+        "its vectors have 2,000,000,000,000 entries, 14.6 TiB each (Unable to allocate"
+    ), last
+    assert "Traceback" not in done.stderr
+
+
 def test_outputs_stay_strict_json_when_the_iterate_overflows(tmp_path: Path) -> None:
     # Minibatch MD with a step of 1e200: after step 1, z is about 1e200 and its distance overflows.
     path = tmp_path / "run.yaml"
