@@ -89,16 +89,17 @@ def grpc_options(chunk_bytes: int, server: bool = False) -> list[tuple[str, int]
 
 
 def to_bytes(vectors: Sequence[Array]) -> bytes:
-    return _contiguous(vectors).tobytes()
+    return b"".join(_parts(vectors))
 
 
-def _contiguous(vectors: Sequence[Array]) -> memoryview:
-    """The vectors' float64 entries, one after the other, as bytes (a view when there is one vector)."""
-    if len(vectors) == 1:
-        values = np.ascontiguousarray(vectors[0], dtype=FLOAT64)
-    else:
-        values = np.concatenate([np.asarray(v, dtype=FLOAT64).ravel() for v in vectors])
-    return memoryview(values.reshape(-1)).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+def _parts(vectors: Sequence[Array]) -> list[memoryview]:
+    """The vectors' float64 entries as bytes, one view per vector (a copy only of a vector that is
+    not contiguous float64): the payload is their concatenation, never built as one buffer."""
+    views = []
+    for vector in vectors:
+        values = np.ascontiguousarray(vector, dtype=FLOAT64).reshape(-1)
+        views.append(memoryview(values).cast("B"))  # type: ignore[arg-type]  # numpy arrays are buffers
+    return views
 
 
 def from_bytes(data: bytes | bytearray | memoryview, length: int, writable: bool = False) -> Array:
@@ -154,10 +155,13 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
             raise ValueError("varint too long")
 
 
-def chunk_message(offset: int, data: memoryview) -> bytes:
-    """A serialized Instruction (or ClientMessage) holding one Chunk: what protobuf writes, with one copy."""
-    inner = (bytes((_OFFSET_TAG,)) + _varint(offset) if offset else b"") + bytes((_DATA_TAG,)) + _varint(len(data))
-    return b"".join((bytes((CHUNK_TAG,)), _varint(len(inner) + len(data)), inner, data))
+def chunk_message(offset: int, data: memoryview | Sequence[memoryview]) -> bytes:
+    """A serialized Instruction (or ClientMessage) holding one Chunk whose data is `data` (or its
+    pieces, one after the other): what protobuf writes, with one copy."""
+    pieces = [data] if isinstance(data, memoryview) else list(data)
+    size = sum(len(piece) for piece in pieces)
+    inner = (bytes((_OFFSET_TAG,)) + _varint(offset) if offset else b"") + bytes((_DATA_TAG,)) + _varint(size)
+    return b"".join((bytes((CHUNK_TAG,)), _varint(len(inner) + size), inner, *pieces))
 
 
 def read_chunk(message: bytes) -> RawChunk | None:
@@ -182,11 +186,21 @@ def read_chunk(message: bytes) -> RawChunk | None:
         return None
 
 
-def chunks(data: bytes | memoryview, chunk_bytes: int) -> Iterator[bytes]:
-    """The payload as serialized Chunk messages of at most `chunk_bytes` data, each made when asked for."""
-    view = memoryview(data)
-    for offset in range(0, len(data), chunk_bytes):
-        yield chunk_message(offset, view[offset : offset + chunk_bytes])
+def chunks(parts: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
+    """The payload (the concatenation of `parts`) as serialized Chunk messages of `chunk_bytes` data
+    (the last may be shorter), each made when asked for; a chunk may span two parts."""
+    offset, pending, room = 0, [], chunk_bytes
+    for part in parts:
+        start = 0
+        while start < len(part):
+            take = part[start : start + room]
+            pending.append(take)
+            start, room = start + len(take), room - len(take)
+            if room == 0:
+                yield chunk_message(offset, pending)
+                offset, pending, room = offset + chunk_bytes, [], chunk_bytes
+    if pending:
+        yield chunk_message(offset, pending)
 
 
 class Assembler:
@@ -268,13 +282,14 @@ def encode_task(
     run_id: str, round_id: int, task: Task, chunk_bytes: int, client_indices: Sequence[int] = ()
 ) -> list[bytes]:
     """The serialized Task instruction, followed by serialized Chunks if the payload is larger than one chunk."""
-    payload = _contiguous(task.payload())
-    message = task_message(run_id, round_id, task, len(payload) // 8)
+    parts = _parts(task.payload())
+    size = sum(len(part) for part in parts)
+    message = task_message(run_id, round_id, task, size // 8)
     message.client_indices.extend(client_indices)
-    if len(payload) <= chunk_bytes:
-        message.payload = payload.tobytes()
+    if size <= chunk_bytes:
+        message.payload = b"".join(parts)
         return [pb.Instruction(task=message).SerializeToString()]
-    return [pb.Instruction(task=message).SerializeToString(), *chunks(payload, chunk_bytes)]
+    return [pb.Instruction(task=message).SerializeToString(), *chunks(parts, chunk_bytes)]
 
 
 def decode_task(
@@ -360,7 +375,7 @@ class AnswerWriter:
         if 8 * vectors.size <= self.chunk_bytes:
             header.payload = vectors.astype(FLOAT64, copy=False).tobytes()  # C order, contiguous or not
             return iter([self._message.SerializeToString()])
-        return itertools.chain([self._message.SerializeToString()], chunks(_contiguous([vectors]), self.chunk_bytes))
+        return itertools.chain([self._message.SerializeToString()], chunks(_parts([vectors]), self.chunk_bytes))
 
 
 def decode_answer(

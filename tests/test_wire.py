@@ -37,7 +37,8 @@ def test_a_task_round_trips_bit_for_bit_inline_and_chunked() -> None:
         assert len(pieces) == (1 if chunk_bytes > 16000 else 1 + 16)
         header = pieces[0].task
         payload = header.payload
-        if len(pieces) > 1:
+        if len(pieces) > 1:  # full chunks, one of them across the end of z and the start of the control
+            assert [len(p.chunk.data) for p in pieces[1:]] == [1024] * 15 + [16000 - 15 * 1024]
             assembler = wire.Assembler(8 * header.payload_length)
             for piece in pieces[1:]:
                 assembler.add(piece.chunk)
@@ -110,6 +111,7 @@ def test_an_answer_writer_keeps_nothing_of_one_answer_in_the_next() -> None:
 def test_chunks_written_and_read_by_hand_are_protobufs_bytes(offset: int, size: int) -> None:
     data = np.random.default_rng(size).bytes(size)
     made = wire.chunk_message(offset, memoryview(data))
+    assert wire.chunk_message(offset, [memoryview(data)[: size // 3], memoryview(data)[size // 3 :]]) == made
     for kind in (pb.Instruction, pb.ClientMessage):
         assert made == kind(chunk=pb.Chunk(offset=offset, data=data)).SerializeToString()
         parsed = kind.FromString(made).chunk
