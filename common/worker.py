@@ -153,7 +153,7 @@ class Worker:
         if batch == 1:
             draws = np.stack([stream.standard_normal(dim) for stream in streams])
         else:  # the minibatch average of `batch` independent estimates
-            draws = np.stack([stream.standard_normal((batch, dim)).mean(axis=0) for stream in streams])
+            draws = np.stack([_mean_of_draws(stream, batch, dim) for stream in streams])
         if self.batched:
             draws = draws.reshape(len(self.seeds), len(self.indices), dim)
         result: Array = self.noise_scale * draws.T  # as columns
@@ -213,6 +213,28 @@ class Worker:
                     direction_sum[rows] += np.multiply(weight, g[rows], out=part)
                 z[rows] -= np.multiply(gamma_local * weight, g[rows], out=part)
         return direction_sum
+
+
+def _mean_of_draws(stream: np.random.Generator, batch: int, dim: int) -> Array:
+    """The mean of `batch` draws of N(0, I_dim): bit for bit what stream.standard_normal((batch, dim))
+    .mean(axis=0) gives (the same draws, added row after row), without holding batch x dim entries.
+
+    The draws come a block of rows at a time; each block is reduced together with the running
+    total as its first row, which keeps numpy's order of additions (row by row along axis 0).
+    """
+    rows = min(batch, max(1, BLOCK // dim))
+    block = np.empty((rows + 1, dim))
+    stream.standard_normal(out=block[:rows])
+    total: Array = np.add.reduce(block[:rows], axis=0)
+    done = rows
+    while done < batch:
+        take = min(rows, batch - done)
+        block[0] = total
+        stream.standard_normal(out=block[1 : take + 1])
+        total = np.add.reduce(block[: take + 1], axis=0)
+        done += take
+    total /= batch
+    return total
 
 
 class ShardCache:

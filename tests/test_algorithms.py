@@ -227,3 +227,32 @@ def test_the_sync_clock_is_a_value_that_replays_the_same_draws() -> None:
         tau, clock = schedule.next_interval(clock)
         replay.append(tau)
     assert replay == ahead
+
+
+def test_a_minibatch_of_noisy_gradients_has_the_bits_of_the_whole_draw_in_bounded_memory() -> None:
+    # Minibatch MD's estimate averages tau noisy gradients. The tau x D draws were made at once:
+    # at tau = 20 and d = 1e6 that is 320 MB per client and round. They now come a block at a time.
+    import tracemalloc
+
+    from fedsaddle.common import seeding
+    from fedsaddle.common.problems import PaperRegressionSpec
+    from fedsaddle.common.tasks import GradientTask
+    from fedsaddle.common.worker import Worker
+
+    spec = PaperRegressionSpec(num_clients=3, dim=1000, s=2.0)
+    shards = make_shards(spec, 5, [0, 2])
+    worker = Worker(shards, seed=11, gradient_noise=0.5)
+    z = np.random.default_rng(1).standard_normal(2000)
+    batch = 5000  # the whole draw: 5000 x 2000 float64 = 80 MB per client
+    tracemalloc.start()
+    try:
+        answer = worker.execute(GradientTask(z, batch=batch), round_id=7)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    exact = shards.gradient(np.ascontiguousarray(np.broadcast_to(z[:, None], (2000, 2)))).T
+    for row, client in enumerate((0, 2)):
+        draws = seeding.rng(11, seeding.NOISE, client, 7).standard_normal((batch, 2000))
+        expected = exact[row] + (0.5 / np.sqrt(2000)) * draws.mean(axis=0)
+        assert answer.vectors[row].tobytes() == expected.tobytes()
