@@ -179,12 +179,10 @@ class Row:
 
     key: dict[str, Any]
     result: AlgorithmResult
+    convention: str = "exchanges"  # the grid's: how its rounds are counted
 
     def rounds_to(self, accuracy: float) -> int | None:
-        for record in self.result.records:
-            if record["dist_x"] <= accuracy:
-                return int(record["rounds"])
-        return None
+        return self.result.rounds_to(accuracy, self.convention)
 
     def as_csv(self) -> dict[str, Any]:
         r = self.result
@@ -218,7 +216,7 @@ def run_grid(grid: Grid, progress: Callable[[int], None] | None = None, workers:
     hook = None if progress is None else (lambda done, _total: progress(done))
     results = run_batches([[m for _, m in batch] for batch in members], workers, hook)
     return [
-        Row(key, result)
+        Row(key, result, grid.convention)
         for batch, batch_results in zip(members, results, strict=True)
         for (key, _), result in zip(batch, batch_results, strict=True)
     ]
@@ -231,7 +229,7 @@ def run_rows_on(
     rows = []
     for key in keys:
         config = grid.config(key["algorithm"], key["s"], key["step_scale"], key["seed"], key.get("variant", ""))
-        rows.append(Row(key, run_algorithm(config.algorithms[0], config, pool)))
+        rows.append(Row(key, run_algorithm(config.algorithms[0], config, pool), grid.convention))
         if progress is not None:
             progress(len(rows))
     return rows

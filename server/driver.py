@@ -12,6 +12,7 @@ records, final iterate). Two drivers feed it:
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Generator
@@ -117,6 +118,15 @@ class AlgorithmResult:
         for record in self.records:
             last.update(record_metrics(record))
         return last
+
+    def rounds_to(self, accuracy: float, convention: str = "exchanges") -> int | None:
+        """The communication rounds (counted by `convention`, as the config's round_convention) spent
+        when ||x - x*|| was first at most `accuracy`; None if it never was (or z* is unknown)."""
+        key = "rounds" if convention == "exchanges" else "paper_rounds"
+        for record in self.records:
+            if record.get("dist_x", math.inf) <= accuracy:
+                return int(record[key])
+        return None
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -125,6 +125,27 @@ def test_the_grid_keeps_the_best_step_per_algorithm_and_s() -> None:
         assert chosen.edge == (chosen.step_scale in (min(scales), max(scales)))
 
 
+def test_rounds_to_an_accuracy_are_counted_in_the_grids_convention() -> None:
+    # Under the paper's convention SCAFFOLD-S spends 1 round per sync, 2 exchanges (+1 at the start).
+    # The accuracy tables used to count exchanges under both conventions.
+    grids = {
+        c: Grid(s_values=(1.0,), seeds=(0,), rounds=120, convention=c, algorithms=("scaffold_s",))
+        for c in ("exchanges", "paper")
+    }
+    rows = {c: {r.key["step_scale"]: r for r in run_grid(g)} for c, g in grids.items()}
+    checked = 0
+    for scale, paper in rows["paper"].items():
+        exchanges = rows["exchanges"][scale]
+        for accuracy in (1e-2, 1e-6):
+            first = next((r for r in paper.result.records if r["dist_x"] <= accuracy), None)
+            assert paper.rounds_to(accuracy) == (None if first is None else first["paper_rounds"])
+            reached = exchanges.rounds_to(accuracy)
+            if reached is not None and paper.rounds_to(accuracy) is not None:
+                assert reached == 1 + 2 * paper.rounds_to(accuracy)  # the same step, counted both ways
+                checked += 1
+    assert checked >= 2
+
+
 def test_quartiles_count_a_diverged_run_as_worse_than_any() -> None:
     q1, median, q3 = quartiles([1.0, 2.0, 3.0])
     assert median == 2.0 and 1.0 <= q1 < 2.0 < q3 <= 3.0
