@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from fedsaddle.progress import Progress
     from fedsaddle.server.config import RunConfig
     from fedsaddle.server.coordinator import Outcome
+    from fedsaddle.server.driver import AlgorithmResult
     from fedsaddle.server.pool import ClientPool
 
 log = logging.getLogger("fedsaddle")
@@ -182,17 +183,15 @@ def _resume(args: argparse.Namespace) -> int:
     from fedsaddle.progress import Progress
     from fedsaddle.server.checkpoint import CheckpointError
     from fedsaddle.server.coordinator import resume_run
-    from fedsaddle.server.report import table
 
     if args.config:
         raise UsageError("--resume takes the config from the run directory; leave out --config")
     progress = Progress()
-    addresses: list[str] = []
+    configs: list[RunConfig] = []
 
     def pool_for(config: RunConfig) -> Any:
-        pool = _serving(config, args.listen)
-        addresses.append(pool.address)
-        return pool
+        configs.append(config)
+        return _serving(config, args.listen)
 
     try:
         transport = {"kind": "grpc", "resumed": True}
@@ -201,7 +200,7 @@ def _resume(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot resume: {exc}") from None
     finally:
         progress.close()
-    print(table(outcome.results))
+    _print_tables(outcome.results, configs[0])
     print(f"run directory: {outcome.run_dir} (resumed)")
     return _exit_code(outcome)
 
@@ -404,7 +403,6 @@ def _run(
     """Run a config; `timed`: say how long after the command the first round was done."""
     from fedsaddle.progress import Progress
     from fedsaddle.server.coordinator import run_config
-    from fedsaddle.server.report import table
 
     progress = Progress()
     first: list[float] = []
@@ -422,7 +420,7 @@ def _run(
             progress.close()
             pool.close()  # clients are told goodbye (and log it) before the table, which ends the output
         if outcome.results:
-            print(table(outcome.results))
+            _print_tables(outcome.results, config)
         print(f"run directory: {outcome.run_dir}")
         return _exit_code(outcome)
 
@@ -450,6 +448,16 @@ def _size(size: float) -> str:
             break
         size, unit = size / 1024, larger
     return f"{size:.3g} {unit}"
+
+
+def _print_tables(results: Sequence[AlgorithmResult], config: RunConfig) -> None:
+    """The results table, and the rounds each algorithm took to reach the config's accuracies."""
+    from fedsaddle.server.report import rounds_table, table
+
+    print(table(results))
+    rounds = rounds_table(results, config)
+    if rounds is not None:
+        print(rounds)
 
 
 def _exit_code(outcome: Outcome) -> int:

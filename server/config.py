@@ -239,9 +239,18 @@ class ParticipationSpec(_Model):
         return self
 
 
+Accuracy = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
 class OutputSpec(_Model):
     dir: str = Field("runs", description="run directories are created below this folder")
     plot: bool = True
+    accuracies: tuple[Accuracy, ...] = Field(
+        (1e-2, 1e-4, 1e-6, 1e-8),
+        max_length=8,
+        description="the rounds each algorithm spent until ||x - x*|| <= each of these are reported "
+        "(summary.json and a table; when z* is known)",
+    )
     checkpoint_every: int = Field(
         0, ge=0, description="write checkpoint.npz every this many rounds, to resume a killed coordinator (0: never)"
     )

@@ -40,21 +40,41 @@ def write_summary(
         "transport": transport,
         "round_convention": config.round_convention,
         "budget": config.rounds,
-        "algorithms": [r.summary() for r in results],
+        "algorithms": [{**r.summary(), "rounds_to": rounds_to(r, config)} for r in results],
     }
     (run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
     if not config.output.plot:
         return
     # Distances need a known z* (a synthetic problem's, or simulate's centralized solution on data);
     # a gRPC coordinator on private data has none, and shows what the clients evaluate instead.
-    measured = any("dist_x" in record for r in results for record in r.records)
     try:
-        if measured:
+        if measured(results):
             plot_distances(run_dir / "distance.png", config, results)
         if metric_names(results):
             plot_metrics(run_dir / "metrics.png", config, results)
     except ImportError:
         log.warning("no plots: matplotlib is not installed (pip install 'fedsaddle[plot]')")
+
+
+def accuracy_label(accuracy: float) -> str:
+    """How the summary's keys and the table's columns name an accuracy: 1e-06 for 1e-6, else as
+    written (0.025, 1)."""
+    short = f"{accuracy:.0e}"
+    return short if accuracy < 1 and float(short) == accuracy else f"{accuracy:g}"
+
+
+def measured(results: Sequence[AlgorithmResult]) -> bool:
+    """Whether the records carry ||x - x*|| (z* is known: a synthetic problem, or simulate on data)."""
+    return any("dist_x" in record for r in results for record in r.records)
+
+
+def rounds_to(result: AlgorithmResult, config: RunConfig) -> dict[str, int | None]:
+    """The rounds (the config's convention) until ||x - x*|| <= each of output.accuracies: None where
+    not reached; empty when z* is unknown."""
+    if not measured([result]):
+        return {}
+    convention = config.round_convention
+    return {accuracy_label(a): result.rounds_to(a, convention) for a in config.output.accuracies}
 
 
 def metric_names(results: Sequence[AlgorithmResult]) -> list[str]:
@@ -178,6 +198,27 @@ def table(results: Sequence[AlgorithmResult]) -> str:
             f"{str(t['messages_down']) + '/' + str(t['messages_up']):>13} {payload:>21} {wire:>18} "
             f"{r.wall_s:>7.2f}{status}"
         )
+    return "\n".join(lines)
+
+
+def rounds_table(results: Sequence[AlgorithmResult], config: RunConfig) -> str | None:
+    """The rounds each algorithm spent until ||x - x*|| <= each of output.accuracies ('-': not within
+    the budget); None when z* is unknown or no accuracy is asked for."""
+    if not measured(results) or not config.output.accuracies:
+        return None
+    labels = [accuracy_label(a) for a in config.output.accuracies]
+    width = max(8, *(len(label) for label in labels))
+    counted = "every exchange counted" if config.round_convention == "exchanges" else "the paper's convention"
+    header = f"{'algorithm':<22}" + "".join(f" {label:>{width}}" for label in labels)
+    lines = [
+        f"communication rounds until ||x-x*|| <= accuracy ({counted}; -: not reached within {config.rounds} rounds)",
+        header,
+        "-" * len(header),
+    ]
+    for r in results:
+        reached = rounds_to(r, config)
+        cells = "".join(f" {'-' if reached[label] is None else reached[label]:>{width}}" for label in labels)
+        lines.append(f"{r.name:<22}{cells}")
     return "\n".join(lines)
 
 

@@ -102,7 +102,7 @@ def test_local_ends_its_output_with_the_table_after_the_sessions_have_ended(tmp_
     lines = done.stdout.splitlines()
     ended = [k for k, line in enumerate(lines) if "ended its session" in line]
     assert len(ended) == 4, done.stdout
-    (header,) = [k for k, line in enumerate(lines) if line.startswith("algorithm ")]
+    header = min(k for k, line in enumerate(lines) if line.startswith("algorithm "))  # then the rounds table's
     assert max(ended) < header
     assert lines[-1].startswith("run directory: ")
 
@@ -249,3 +249,40 @@ def test_progress_is_plain_lines_when_output_is_not_a_terminal(tmp_path: Path) -
     lines = [line for line in done.stderr.splitlines() if line.startswith("minibatch_md")]
     assert len(lines) == 11  # the first round, then every 10% of the budget
     assert "round     40/40" in lines[-1] and "\r" not in done.stderr
+
+
+def test_the_rounds_to_each_accuracy_are_printed_and_written_as_the_metrics_show_them(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    run = {
+        "problem": {"name": "paper_regression", "num_clients": 4, "dim": 5, "s": 1.0},
+        "rounds": 60,
+        "sync": {"kind": "fixed", "tau": 5},
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.2}, {"name": "scaffold_s", "gamma_local": 0.1}],
+        "output": {"accuracies": [1.0, 0.1, 2.5e-2, 1e-30]},
+    }
+    path.write_text(yaml.safe_dump(run))
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "runs"))
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    printed = done.stdout.splitlines()
+    start = printed.index(
+        "communication rounds until ||x-x*|| <= accuracy (every exchange counted; -: not reached within 60 rounds)"
+    )
+    assert printed[start + 1].split() == ["algorithm", "1", "1e-01", "0.025", "1e-30"]
+    written = {entry["name"]: entry["rounds_to"] for entry in summary_of(tmp_path / "runs")["algorithms"]}
+    cells = {}
+    for row, name in zip(printed[start + 3 : start + 5], ("minibatch_md", "scaffold_s"), strict=True):
+        mine = [line for line in lines if line["algorithm"] == name]
+        # The rounds of the first step whose ||x - x*|| is within the accuracy, read from metrics.jsonl.
+        expected = {
+            label: next((line["rounds"] for line in mine if line["dist_x"] <= accuracy), None)
+            for label, accuracy in (("1", 1.0), ("1e-01", 0.1), ("0.025", 2.5e-2), ("1e-30", 1e-30))
+        }
+        assert written[name] == expected
+        assert row.split() == [name, *("-" if v is None else str(v) for v in expected.values())]
+        cells[name] = expected
+    # Both reach 0.1 within the budget, SCAFFOLD-S sooner; MD never gets to 0.025, SCAFFOLD-S does; no one to 1e-30.
+    assert cells["scaffold_s"]["1e-01"] < cells["minibatch_md"]["1e-01"]
+    assert cells["minibatch_md"]["0.025"] is None and cells["scaffold_s"]["0.025"] is not None
+    assert cells["minibatch_md"]["1e-30"] is None and cells["scaffold_s"]["1e-30"] is None

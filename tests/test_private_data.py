@@ -29,7 +29,7 @@ from fedsaddle import api
 from fedsaddle.experiments.datasets import split
 from fedsaddle.launch import client_command, client_env
 from fedsaddle.server.driver import RunInfo
-from fedsaddle.server.report import table
+from fedsaddle.server.report import rounds_table, table
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 CLIENTS = 10
@@ -100,6 +100,8 @@ def test_the_final_iterate_is_evaluated_and_shown_where_no_distance_can_be(
     for result, entry in zip(remote.results, written["algorithms"], strict=True):
         assert entry["dist_x"] is None and entry["dist_z"] is None
         assert entry["metrics"] == {"test_auc": result.records[-1]["test_auc"]}
+        assert entry["rounds_to"] == {}  # no accuracy can be said to be reached
+    assert rounds_table(remote.results, api.load(config)) is None
     lines = table(remote.results).splitlines()
     assert lines[0].split()[:4] == ["algorithm", "||x-x*||", "||z-z*||", "test_auc"]
     row = lines[3].split()
