@@ -216,10 +216,14 @@ def rounds_table(results: Sequence[AlgorithmResult], config: RunConfig) -> str |
         "-" * len(header),
     ]
     for r in results:
-        reached = rounds_to(r, config)
-        cells = "".join(f" {'-' if reached[label] is None else reached[label]:>{width}}" for label in labels)
+        reached = rounds_to(r, config)  # empty for a run stopped before its first step
+        cells = "".join(f" {_count(reached.get(label)):>{width}}" for label in labels)
         lines.append(f"{r.name:<22}{cells}")
     return "\n".join(lines)
+
+
+def _count(rounds: int | None) -> str:
+    return "-" if rounds is None else str(rounds)
 
 
 def _metric(value: float | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -286,3 +287,28 @@ def test_the_rounds_to_each_accuracy_are_printed_and_written_as_the_metrics_show
     assert cells["scaffold_s"]["1e-01"] < cells["minibatch_md"]["1e-01"]
     assert cells["minibatch_md"]["0.025"] is None and cells["scaffold_s"]["0.025"] is not None
     assert cells["minibatch_md"]["1e-30"] is None and cells["scaffold_s"]["1e-30"] is None
+
+
+def test_the_rounds_table_shows_a_start_within_reach_and_a_run_stopped_before_its_first_step() -> None:
+    import numpy as np
+
+    from fedsaddle.server.config import parse_config
+    from fedsaddle.server.driver import AlgorithmResult
+    from fedsaddle.server.report import rounds_table
+
+    config = parse_config(
+        {"algorithms": [{"name": "minibatch_md", "gamma": 0.1}], "output": {"accuracies": [10, 1e-3]}}
+    )
+    traffic = {"algorithm": {"rounds": 3}}
+    records: list[dict[str, float | int]] = [
+        {"rounds": 0, "paper_rounds": 0, "dist_x": 2.0},
+        {"rounds": 3, "paper_rounds": 3, "dist_x": 1e-4},
+    ]
+    ran = AlgorithmResult("ran", {}, "ok", records, np.zeros(2), 1e-4, 1e-4, traffic, 0.0)
+    stopped = AlgorithmResult("stopped", {}, "stopped", [], np.zeros(2), math.nan, math.nan, traffic, 0.0)
+    printed = rounds_table([ran, stopped], config)
+    assert printed is not None
+    _, header, _, first, second = printed.splitlines()
+    assert header.split() == ["algorithm", "10", "1e-03"]
+    assert first.split() == ["ran", "0", "3"]  # within 10 from the start: 0 rounds
+    assert second.split() == ["stopped", "-", "-"]
