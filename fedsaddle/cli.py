@@ -544,6 +544,13 @@ def _channel_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows each option's default, and keeps descriptions as written."""
 
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        # An option without a default (None), or whose help says what it defaults to, gets no
+        # second "(default: None)".
+        if action.default is None or "(default: " in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
 
 def _global_flags(parser: argparse.ArgumentParser, top: bool) -> None:
     # On the top-level parser these have defaults; on subcommands SUPPRESS keeps a flag

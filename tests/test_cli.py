@@ -215,6 +215,10 @@ def test_version_and_help_say_what_every_option_does_with_its_default() -> None:
     assert "communication budget per run (default 500; 1000 for problems)" in experiment
     split = " ".join(fedsaddle("data", "split", "--help").stdout.split())
     assert "Dirichlet concentration of label-skew (default: 0.5)" in split
+    # An option without a default, or whose help names its default, gets no "(default: None)" after it.
+    local = " ".join(fedsaddle("local", "--help").stdout.split())
+    assert "run config, YAML or JSON (default: built-in) --out" in local
+    assert "(default: None)" not in local + " ".join(client.split())
 
 
 def test_global_flags_work_before_and_after_the_command() -> None:
