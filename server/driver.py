@@ -119,12 +119,13 @@ class AlgorithmResult:
             last.update(record_metrics(record))
         return last
 
-    def rounds_to(self, accuracy: float, convention: str = "exchanges") -> int | None:
+    def rounds_to(self, accuracy: float, convention: str = "exchanges", distance: str = "dist_x") -> int | None:
         """The communication rounds (counted by `convention`, as the config's round_convention) spent
-        when ||x - x*|| was first at most `accuracy`; None if it never was (or z* is unknown)."""
+        when ||x - x*|| (or `distance`: "dist_z") was first at most `accuracy`; None if it never was
+        (or z* is unknown)."""
         key = "rounds" if convention == "exchanges" else "paper_rounds"
         for record in self.records:
-            if record.get("dist_x", math.inf) <= accuracy:
+            if record.get(distance, math.inf) <= accuracy:
                 return int(record[key])
         return None
 
