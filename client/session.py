@@ -162,14 +162,9 @@ class ClientSession:
             return self._cannot(run, f"not enough memory for this process's clients' data: {exc}")
         self.worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
         self._tasks, self._said = 0, time.monotonic()
-        log.info(
-            "run %s: clients %s ready (dimension %d; %s)",
-            run.run_id,
-            list(self.indices),
-            shards.dimension,
-            blas.describe(),
-        )
-        return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts)
+        stack = blas.numeric_stack()
+        log.info("run %s: clients %s ready (dimension %d; %s)", run.run_id, list(self.indices), shards.dimension, stack)
+        return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts, numeric_stack=stack)
 
     def _cannot(self, run: pb.RunSpec, reason: str) -> pb.Ready:
         log.error("cannot serve run %s: %s", run.run_id, reason)

@@ -108,6 +108,14 @@ def describe() -> str:
     return f"OpenBLAS {kernel} kernel, {count} thread{'s' if count != 1 else ''}"
 
 
+def numeric_stack() -> str:
+    """numpy's version and the BLAS kernel: what a client reports in Ready, e.g.
+    'numpy 2.3.1, OpenBLAS SkylakeX kernel, 1 thread'."""
+    import numpy as np
+
+    return f"numpy {np.__version__}, {describe()}"
+
+
 def apply() -> None:
     """The loaded BLAS on `threads()` threads from now on (nothing happens if none is found)."""
     found = _loaded()

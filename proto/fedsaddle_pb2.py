@@ -24,51 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66\x65\x64saddle/proto/fedsaddle.proto\x12\x0c\x66\x65\x64saddle.v2\"\xb1\x01\n\rClientMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.fedsaddle.v2.HelloH\x00\x12$\n\x05ready\x18\x02 \x01(\x0b\x32\x13.fedsaddle.v2.ReadyH\x00\x12&\n\x06\x61nswer\x18\x03 \x01(\x0b\x32\x14.fedsaddle.v2.AnswerH\x00\x12$\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x13.fedsaddle.v2.ChunkH\x00\x42\x06\n\x04\x62ody\"m\n\x05Hello\x12\x37\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1d.fedsaddle.v2.ProtocolVersion\x12\x16\n\x0e\x63lient_indices\x18\x02 \x03(\r\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\"P\n\x05Ready\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tdimension\x18\x02 \x01(\x04\x12\x15\n\rsample_counts\x18\x03 \x03(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xa7\x01\n\x06\x41nswer\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x16\n\x0e\x63lient_indices\x18\x03 \x03(\r\x12\x16\n\x0epayload_length\x18\x04 \x01(\x04\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x11\n\tobjective\x18\x06 \x01(\x0c\x12\x10\n\x08\x64iverged\x18\x07 \x01(\x08\x12\x15\n\rsample_counts\x18\x08 \x03(\x04\"\x85\x02\n\x0bInstruction\x12(\n\x07welcome\x18\x01 \x01(\x0b\x32\x15.fedsaddle.v2.WelcomeH\x00\x12$\n\x03run\x18\x02 \x01(\x0b\x32\x15.fedsaddle.v2.RunSpecH\x00\x12\"\n\x04task\x18\x03 \x01(\x0b\x32\x12.fedsaddle.v2.TaskH\x00\x12$\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x13.fedsaddle.v2.ChunkH\x00\x12*\n\x08rejected\x18\x05 \x01(\x0b\x32\x16.fedsaddle.v2.RejectedH\x00\x12(\n\x07goodbye\x18\x06 \x01(\x0b\x32\x15.fedsaddle.v2.GoodbyeH\x00\x42\x06\n\x04\x62ody\"J\n\x07Welcome\x12\x15\n\rfederation_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_clients\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"\xd0\x01\n\x07RunSpec\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0cproblem_name\x18\x02 \x01(\t\x12\x14\n\x0cproblem_json\x18\x03 \x01(\t\x12\x1b\n\x0esynthetic_seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nnoise_seed\x18\x05 \x01(\x04\x12\x16\n\x0egradient_noise\x18\x06 \x01(\x01\x12\x11\n\tdimension\x18\x07 \x01(\x04\x12\x1a\n\x12want_sample_counts\x18\x08 \x01(\x08\x42\x11\n\x0f_synthetic_seed\"F\n\x0eGradientParams\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\r\x12\r\n\x05\x65xact\x18\x02 \x01(\x08\x12\x16\n\x0ewant_objective\x18\x03 \x01(\x08\"\xaa\x01\n\nLocalSteps\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x13\n\x0bgamma_local\x18\x02 \x01(\x01\x12\x13\n\x0bstep_offset\x18\x03 \x01(\x04\x12&\n\x05\x64\x65\x63\x61y\x18\x04 \x01(\x0e\x32\x17.fedsaddle.v2.StepDecay\x12,\n\ncorrection\x18\x05 \x01(\x0e\x32\x18.fedsaddle.v2.Correction\x12\r\n\x05theta\x18\x06 \x01(\x01\"\xfe\x01\n\x04Task\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12$\n\x04kind\x18\x03 \x01(\x0e\x32\x16.fedsaddle.v2.TaskKind\x12.\n\x08gradient\x18\x04 \x01(\x0b\x32\x1c.fedsaddle.v2.GradientParams\x12\'\n\x05local\x18\x05 \x01(\x0b\x32\x18.fedsaddle.v2.LocalSteps\x12\x16\n\x0epayload_length\x18\x06 \x01(\x04\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x16\n\x0e\x63lient_indices\x18\x08 \x03(\r\x12\x14\n\x0cmetric_names\x18\t \x03(\t\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"U\n\x08Rejected\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12&\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x18.fedsaddle.v2.RejectCode\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"A\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12&\n\x07outcome\x18\x02 \x01(\x0e\x32\x15.fedsaddle.v2.Outcome*c\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02*R\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08GRADIENT\x10\x01\x12\x0f\n\x0bLOCAL_STEPS\x10\x02\x12\x0c\n\x08\x45VALUATE\x10\x03*@\n\nCorrection\x12\x1a\n\x16\x43ORRECTION_UNSPECIFIED\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\x0c\n\x08SCAFFOLD\x10\x02*G\n\tStepDecay\x12\x1a\n\x16STEP_DECAY_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x43ONSTANT\x10\x01\x12\x10\n\x0cINVERSE_SQRT\x10\x02*\x83\x01\n\nRejectCode\x12\x1b\n\x17REJECT_CODE_UNSPECIFIED\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x03\x12\x12\n\x0e\x41LREADY_EXISTS\x10\x06\x12\x15\n\x11PERMISSION_DENIED\x10\x07\x12\x17\n\x13\x46\x41ILED_PRECONDITION\x10\t*8\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44ONE\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x32T\n\x0b\x43oordinator\x12\x45\n\x07Session\x12\x1b.fedsaddle.v2.ClientMessage\x1a\x19.fedsaddle.v2.Instruction(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66\x65\x64saddle/proto/fedsaddle.proto\x12\x0c\x66\x65\x64saddle.v2\"\xb1\x01\n\rClientMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.fedsaddle.v2.HelloH\x00\x12$\n\x05ready\x18\x02 \x01(\x0b\x32\x13.fedsaddle.v2.ReadyH\x00\x12&\n\x06\x61nswer\x18\x03 \x01(\x0b\x32\x14.fedsaddle.v2.AnswerH\x00\x12$\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x13.fedsaddle.v2.ChunkH\x00\x42\x06\n\x04\x62ody\"m\n\x05Hello\x12\x37\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1d.fedsaddle.v2.ProtocolVersion\x12\x16\n\x0e\x63lient_indices\x18\x02 \x03(\r\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\"g\n\x05Ready\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tdimension\x18\x02 \x01(\x04\x12\x15\n\rsample_counts\x18\x03 \x03(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x15\n\rnumeric_stack\x18\x05 \x01(\t\"\xa7\x01\n\x06\x41nswer\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x16\n\x0e\x63lient_indices\x18\x03 \x03(\r\x12\x16\n\x0epayload_length\x18\x04 \x01(\x04\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x11\n\tobjective\x18\x06 \x01(\x0c\x12\x10\n\x08\x64iverged\x18\x07 \x01(\x08\x12\x15\n\rsample_counts\x18\x08 \x03(\x04\"\x85\x02\n\x0bInstruction\x12(\n\x07welcome\x18\x01 \x01(\x0b\x32\x15.fedsaddle.v2.WelcomeH\x00\x12$\n\x03run\x18\x02 \x01(\x0b\x32\x15.fedsaddle.v2.RunSpecH\x00\x12\"\n\x04task\x18\x03 \x01(\x0b\x32\x12.fedsaddle.v2.TaskH\x00\x12$\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x13.fedsaddle.v2.ChunkH\x00\x12*\n\x08rejected\x18\x05 \x01(\x0b\x32\x16.fedsaddle.v2.RejectedH\x00\x12(\n\x07goodbye\x18\x06 \x01(\x0b\x32\x15.fedsaddle.v2.GoodbyeH\x00\x42\x06\n\x04\x62ody\"J\n\x07Welcome\x12\x15\n\rfederation_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_clients\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"\xd0\x01\n\x07RunSpec\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0cproblem_name\x18\x02 \x01(\t\x12\x14\n\x0cproblem_json\x18\x03 \x01(\t\x12\x1b\n\x0esynthetic_seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nnoise_seed\x18\x05 \x01(\x04\x12\x16\n\x0egradient_noise\x18\x06 \x01(\x01\x12\x11\n\tdimension\x18\x07 \x01(\x04\x12\x1a\n\x12want_sample_counts\x18\x08 \x01(\x08\x42\x11\n\x0f_synthetic_seed\"F\n\x0eGradientParams\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\r\x12\r\n\x05\x65xact\x18\x02 \x01(\x08\x12\x16\n\x0ewant_objective\x18\x03 \x01(\x08\"\xaa\x01\n\nLocalSteps\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x13\n\x0bgamma_local\x18\x02 \x01(\x01\x12\x13\n\x0bstep_offset\x18\x03 \x01(\x04\x12&\n\x05\x64\x65\x63\x61y\x18\x04 \x01(\x0e\x32\x17.fedsaddle.v2.StepDecay\x12,\n\ncorrection\x18\x05 \x01(\x0e\x32\x18.fedsaddle.v2.Correction\x12\r\n\x05theta\x18\x06 \x01(\x01\"\xfe\x01\n\x04Task\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12$\n\x04kind\x18\x03 \x01(\x0e\x32\x16.fedsaddle.v2.TaskKind\x12.\n\x08gradient\x18\x04 \x01(\x0b\x32\x1c.fedsaddle.v2.GradientParams\x12\'\n\x05local\x18\x05 \x01(\x0b\x32\x18.fedsaddle.v2.LocalSteps\x12\x16\n\x0epayload_length\x18\x06 \x01(\x04\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x16\n\x0e\x63lient_indices\x18\x08 \x03(\r\x12\x14\n\x0cmetric_names\x18\t \x03(\t\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"U\n\x08Rejected\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12&\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x18.fedsaddle.v2.RejectCode\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"A\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12&\n\x07outcome\x18\x02 \x01(\x0e\x32\x15.fedsaddle.v2.Outcome*c\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02*R\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08GRADIENT\x10\x01\x12\x0f\n\x0bLOCAL_STEPS\x10\x02\x12\x0c\n\x08\x45VALUATE\x10\x03*@\n\nCorrection\x12\x1a\n\x16\x43ORRECTION_UNSPECIFIED\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\x0c\n\x08SCAFFOLD\x10\x02*G\n\tStepDecay\x12\x1a\n\x16STEP_DECAY_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x43ONSTANT\x10\x01\x12\x10\n\x0cINVERSE_SQRT\x10\x02*\x83\x01\n\nRejectCode\x12\x1b\n\x17REJECT_CODE_UNSPECIFIED\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x03\x12\x12\n\x0e\x41LREADY_EXISTS\x10\x06\x12\x15\n\x11PERMISSION_DENIED\x10\x07\x12\x17\n\x13\x46\x41ILED_PRECONDITION\x10\t*8\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44ONE\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x32T\n\x0b\x43oordinator\x12\x45\n\x07Session\x12\x1b.fedsaddle.v2.ClientMessage\x1a\x19.fedsaddle.v2.Instruction(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedsaddle.proto.fedsaddle_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=1838
-  _globals['_PROTOCOLVERSION']._serialized_end=1937
-  _globals['_TASKKIND']._serialized_start=1939
-  _globals['_TASKKIND']._serialized_end=2021
-  _globals['_CORRECTION']._serialized_start=2023
-  _globals['_CORRECTION']._serialized_end=2087
-  _globals['_STEPDECAY']._serialized_start=2089
-  _globals['_STEPDECAY']._serialized_end=2160
-  _globals['_REJECTCODE']._serialized_start=2163
-  _globals['_REJECTCODE']._serialized_end=2294
-  _globals['_OUTCOME']._serialized_start=2296
-  _globals['_OUTCOME']._serialized_end=2352
+  _globals['_PROTOCOLVERSION']._serialized_start=1861
+  _globals['_PROTOCOLVERSION']._serialized_end=1960
+  _globals['_TASKKIND']._serialized_start=1962
+  _globals['_TASKKIND']._serialized_end=2044
+  _globals['_CORRECTION']._serialized_start=2046
+  _globals['_CORRECTION']._serialized_end=2110
+  _globals['_STEPDECAY']._serialized_start=2112
+  _globals['_STEPDECAY']._serialized_end=2183
+  _globals['_REJECTCODE']._serialized_start=2186
+  _globals['_REJECTCODE']._serialized_end=2317
+  _globals['_OUTCOME']._serialized_start=2319
+  _globals['_OUTCOME']._serialized_end=2375
   _globals['_CLIENTMESSAGE']._serialized_start=50
   _globals['_CLIENTMESSAGE']._serialized_end=227
   _globals['_HELLO']._serialized_start=229
   _globals['_HELLO']._serialized_end=338
   _globals['_READY']._serialized_start=340
-  _globals['_READY']._serialized_end=420
-  _globals['_ANSWER']._serialized_start=423
-  _globals['_ANSWER']._serialized_end=590
-  _globals['_INSTRUCTION']._serialized_start=593
-  _globals['_INSTRUCTION']._serialized_end=854
-  _globals['_WELCOME']._serialized_start=856
-  _globals['_WELCOME']._serialized_end=930
-  _globals['_RUNSPEC']._serialized_start=933
-  _globals['_RUNSPEC']._serialized_end=1141
-  _globals['_GRADIENTPARAMS']._serialized_start=1143
-  _globals['_GRADIENTPARAMS']._serialized_end=1213
-  _globals['_LOCALSTEPS']._serialized_start=1216
-  _globals['_LOCALSTEPS']._serialized_end=1386
-  _globals['_TASK']._serialized_start=1389
-  _globals['_TASK']._serialized_end=1643
-  _globals['_CHUNK']._serialized_start=1645
-  _globals['_CHUNK']._serialized_end=1682
-  _globals['_REJECTED']._serialized_start=1684
-  _globals['_REJECTED']._serialized_end=1769
-  _globals['_GOODBYE']._serialized_start=1771
-  _globals['_GOODBYE']._serialized_end=1836
-  _globals['_COORDINATOR']._serialized_start=2354
-  _globals['_COORDINATOR']._serialized_end=2438
+  _globals['_READY']._serialized_end=443
+  _globals['_ANSWER']._serialized_start=446
+  _globals['_ANSWER']._serialized_end=613
+  _globals['_INSTRUCTION']._serialized_start=616
+  _globals['_INSTRUCTION']._serialized_end=877
+  _globals['_WELCOME']._serialized_start=879
+  _globals['_WELCOME']._serialized_end=953
+  _globals['_RUNSPEC']._serialized_start=956
+  _globals['_RUNSPEC']._serialized_end=1164
+  _globals['_GRADIENTPARAMS']._serialized_start=1166
+  _globals['_GRADIENTPARAMS']._serialized_end=1236
+  _globals['_LOCALSTEPS']._serialized_start=1239
+  _globals['_LOCALSTEPS']._serialized_end=1409
+  _globals['_TASK']._serialized_start=1412
+  _globals['_TASK']._serialized_end=1666
+  _globals['_CHUNK']._serialized_start=1668
+  _globals['_CHUNK']._serialized_end=1705
+  _globals['_REJECTED']._serialized_start=1707
+  _globals['_REJECTED']._serialized_end=1792
+  _globals['_GOODBYE']._serialized_start=1794
+  _globals['_GOODBYE']._serialized_end=1859
+  _globals['_COORDINATOR']._serialized_start=2377
+  _globals['_COORDINATOR']._serialized_end=2461
 # @@protoc_insertion_point(module_scope)

@@ -90,16 +90,18 @@ class Hello(_message.Message):
     def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., client_indices: _Optional[_Iterable[int]] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("run_id", "dimension", "sample_counts", "error")
+    __slots__ = ("run_id", "dimension", "sample_counts", "error", "numeric_stack")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DIMENSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUMERIC_STACK_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     dimension: int
     sample_counts: _containers.RepeatedScalarFieldContainer[int]
     error: str
-    def __init__(self, run_id: _Optional[str] = ..., dimension: _Optional[int] = ..., sample_counts: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+    numeric_stack: str
+    def __init__(self, run_id: _Optional[str] = ..., dimension: _Optional[int] = ..., sample_counts: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., numeric_stack: _Optional[str] = ...) -> None: ...
 
 class Answer(_message.Message):
     __slots__ = ("run_id", "round_id", "client_indices", "payload_length", "payload", "objective", "diverged", "sample_counts")

@@ -199,5 +199,7 @@ def _run(
             else:
                 outcome.failure = str(stop.cause)
                 pool.failure = outcome.failure
-    write_summary(run_dir, config, outcome.results, {**transport, "failure": outcome.failure})
+    stacks = pool.numeric_stacks()
+    notes = {"clients_numeric_stack": stacks} if stacks else {}
+    write_summary(run_dir, config, outcome.results, {**transport, **notes, "failure": outcome.failure})
     return outcome

@@ -313,6 +313,10 @@ class ClientPool(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the transport (end sessions, stop servers)."""
 
+    def numeric_stacks(self) -> dict[str, list[int]]:
+        """What the client processes reported computing with, and which clients each (none in-process)."""
+        return {}
+
     def _require_run(self) -> RunInfo:
         if self.run is None:
             raise RuntimeError("start_run() must be called before exchanging with clients")

@@ -61,3 +61,35 @@ def test_the_description_names_the_kernel_the_operator_chose(kernel: str) -> Non
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"OpenBLAS {kernel} kernel, 1 thread"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 kernel names")
+def test_the_coordinator_records_each_clients_stack_and_warns_when_they_differ(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Two client processes, the second made to run another kernel, as a host with another CPU would.
+    import logging
+
+    from fedsaddle.common.problems import QuadraticGameSpec
+    from fedsaddle.launch import client_command, client_env, reap
+    from fedsaddle.server.pool import RunInfo
+    from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+    pool = GrpcPool(2, "127.0.0.1:0")
+    processes = [
+        subprocess.Popen(client_command(pool.address, str(i)), env={**client_env(), **extra})
+        for i, extra in enumerate(({}, {"OPENBLAS_CORETYPE": "Sandybridge"}))
+    ]
+    try:
+        pool.wait_for_clients(60)
+        with caplog.at_level(logging.WARNING, logger="fedsaddle.coordinator"):
+            pool.start_run(RunInfo("r", QuadraticGameSpec(num_clients=2, dim=3), 0))
+        stacks = pool.numeric_stacks()
+    finally:
+        pool.close()
+        reap(processes)
+    theirs = [stack for stack, clients in stacks.items() if clients == [1]]
+    assert theirs == [f"numpy {__import__('numpy').__version__}, OpenBLAS Sandybridge kernel, 1 thread"]
+    assert len(stacks) == 2 and stacks[next(s for s in stacks if s not in theirs)] == [0]
+    (warning,) = [r.getMessage() for r in caplog.records if "numeric stacks" in r.getMessage()]
+    assert "Sandybridge kernel, 1 thread (clients [1])" in warning

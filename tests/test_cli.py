@@ -86,6 +86,10 @@ def test_local_runs_a_federation_of_processes_on_loopback(tmp_path: Path) -> Non
     assert all(a["status"] == "ok" for a in summary["algorithms"])
     simulated = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "sim"))
     assert simulated.returncode == 0, simulated.stderr
+    # The client processes report one numeric stack, with the kernel simulate records as its own.
+    ((stack, clients),) = summary["transport"]["clients_numeric_stack"].items()
+    assert clients == [0, 1, 2, 3] and stack.startswith("numpy ")
+    assert stack.endswith(", " + summary_of(tmp_path / "sim")["transport"]["blas"])
     hashes = [a["z_sha256"] for a in summary["algorithms"]]
     assert hashes == [a["z_sha256"] for a in summary_of(tmp_path / "sim")["algorithms"]]
 

@@ -99,6 +99,7 @@ class GrpcPool(ClientPool):
         self._spec: bytes | None = None  # the current run's RunSpec, for sessions that rejoin
         self._counts: list[int] | None = None  # the clients' sample counts in this run (weighting: samples)
         self._resent = [0, 0, 0]  # messages, float64 entries and bytes sent again to rejoining sessions
+        self._stacks: dict[int, str] = {}  # client index -> the numeric stack its process reported in Ready
         self.federation_id = secrets.token_hex(8)
         self._runner = LoopRunner()  # the loop runs in the thread that calls (see loop.py)
         self._server: grpc.aio.Server | None = None
@@ -240,8 +241,33 @@ class GrpcPool(ClientPool):
             session.ready_run = run.run_id
             for index, count in zip(session.hello_order, barrier.ready[session.id].sample_counts, strict=False):
                 counts[index] = count
+            self._note_stack(session, barrier.ready[session.id])
         self._counts = counts if run.weighting == "samples" else None
+        self._warn_if_stacks_differ(run.run_id)
         return self._counts
+
+    def _note_stack(self, session: Session, ready: pb.Ready) -> None:
+        for index in session.indices:
+            self._stacks[index] = printable(ready.numeric_stack, 256) or "not reported"
+
+    def _warn_if_stacks_differ(self, run_id: str) -> None:
+        stacks = self.numeric_stacks()
+        if len(stacks) > 1:
+            told = "; ".join(f"{stack} (clients {some(indices)})" for stack, indices in stacks.items())
+            log.warning(
+                "run %s: the client processes compute with different numeric stacks: %s. Matrix products may "
+                "then differ in their last bits between clients and from simulate (set OPENBLAS_CORETYPE alike "
+                "on every host)",
+                run_id,
+                told,
+            )
+
+    def numeric_stacks(self) -> dict[str, list[int]]:
+        """What the clients reported computing with (numpy, BLAS kernel): the client indices of each."""
+        grouped: dict[str, list[int]] = {}
+        for index in sorted(self._stacks):
+            grouped.setdefault(self._stacks[index], []).append(index)
+        return grouped
 
     def _problem_with(self, session: Session, ready: pb.Ready, run: RunInfo) -> str | None:
         """Why a session's Ready does not let the run go on, or None."""
@@ -320,6 +346,10 @@ class GrpcPool(ClientPool):
             log.error("%s", problem)
             return
         session.ready_run = run.run_id
+        before = self.numeric_stacks()
+        self._note_stack(session, ready)
+        if self.numeric_stacks() != before:  # it came back on another machine, or another build
+            self._warn_if_stacks_differ(run.run_id)
         if round_ is not None and round_.replace(session) is not None:
             clients = len(round_.expected[session.id].indices)
             self._resend(session, round_.pieces, clients, round_.floats_per_client * clients)
