@@ -107,10 +107,12 @@ def test_a_client_written_from_the_proto_alone_runs_every_algorithm(generated: P
         try:
             pool.wait_for_clients(60)
             results = run_all(parse_config(config), pool)
+            stacks = pool.numeric_stacks()
         finally:
             pool.close()
             codes = stop_processes(processes)
     assert codes == [0, 0], [log.read_text() for log in logs]
+    assert stacks == {"not reported": [0, 1, 2, 3, 4]}  # Ready.numeric_stack is optional
 
     for got, want in zip(results, expected, strict=True):
         assert got.status == want.status == "ok", (got.name, got.detail)

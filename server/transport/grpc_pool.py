@@ -42,6 +42,7 @@ from fedsaddle.server.transport.sessions import Limits, Overflow, Registry, Sess
 
 log = logging.getLogger("fedsaddle.coordinator")
 T = TypeVar("T")
+NOT_REPORTED = "not reported"  # a client whose Ready leaves numeric_stack empty (an outside implementation)
 
 
 class MissingClients(PoolError):
@@ -248,10 +249,10 @@ class GrpcPool(ClientPool):
 
     def _note_stack(self, session: Session, ready: pb.Ready) -> None:
         for index in session.indices:
-            self._stacks[index] = printable(ready.numeric_stack, 256) or "not reported"
+            self._stacks[index] = printable(ready.numeric_stack, 256) or NOT_REPORTED
 
     def _warn_if_stacks_differ(self, run_id: str) -> None:
-        stacks = self.numeric_stacks()
+        stacks = {k: v for k, v in self.numeric_stacks().items() if k != NOT_REPORTED}  # (the field is optional)
         if len(stacks) > 1:
             told = "; ".join(f"{stack} (clients {some(indices)})" for stack, indices in stacks.items())
             log.warning(
