@@ -83,7 +83,8 @@ def test_the_coordinator_records_each_clients_stack_and_warns_when_they_differ(
     try:
         pool.wait_for_clients(60)
         with caplog.at_level(logging.WARNING, logger="fedsaddle.coordinator"):
-            pool.start_run(RunInfo("r", QuadraticGameSpec(num_clients=2, dim=3), 0))
+            for run_id in ("r1", "r2"):  # warned once, not once per run
+                pool.start_run(RunInfo(run_id, QuadraticGameSpec(num_clients=2, dim=3), 0))
         stacks = pool.numeric_stacks()
     finally:
         pool.close()

@@ -101,6 +101,7 @@ class GrpcPool(ClientPool):
         self._counts: list[int] | None = None  # the clients' sample counts in this run (weighting: samples)
         self._resent = [0, 0, 0]  # messages, float64 entries and bytes sent again to rejoining sessions
         self._stacks: dict[int, str] = {}  # client index -> the numeric stack its process reported in Ready
+        self._warned_stacks: dict[str, list[int]] = {}  # the differing stacks last warned about
         self.federation_id = secrets.token_hex(8)
         self._runner = LoopRunner()  # the loop runs in the thread that calls (see loop.py)
         self._server: grpc.aio.Server | None = None
@@ -252,8 +253,10 @@ class GrpcPool(ClientPool):
             self._stacks[index] = printable(ready.numeric_stack, 256) or NOT_REPORTED
 
     def _warn_if_stacks_differ(self, run_id: str) -> None:
+        """Warn when the clients' reported stacks differ, once for each grouping (not once per run)."""
         stacks = {k: v for k, v in self.numeric_stacks().items() if k != NOT_REPORTED}  # (the field is optional)
-        if len(stacks) > 1:
+        if len(stacks) > 1 and stacks != self._warned_stacks:
+            self._warned_stacks = stacks
             told = "; ".join(f"{stack} (clients {some(indices)})" for stack, indices in stacks.items())
             log.warning(
                 "run %s: the client processes compute with different numeric stacks: %s. Matrix products may "
@@ -347,10 +350,8 @@ class GrpcPool(ClientPool):
             log.error("%s", problem)
             return
         session.ready_run = run.run_id
-        before = self.numeric_stacks()
-        self._note_stack(session, ready)
-        if self.numeric_stacks() != before:  # it came back on another machine, or another build
-            self._warn_if_stacks_differ(run.run_id)
+        self._note_stack(session, ready)  # it may have come back on another machine, or another build
+        self._warn_if_stacks_differ(run.run_id)
         if round_ is not None and round_.replace(session) is not None:
             clients = len(round_.expected[session.id].indices)
             self._resend(session, round_.pieces, clients, round_.floats_per_client * clients)
