@@ -37,6 +37,7 @@ log = logging.getLogger("fedsaddle")
 _LOADED = time.perf_counter()
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+ECHOES_COORDINATOR = "echoes_coordinator"  # a log record's flag: a client repeating the coordinator's failure
 
 
 class UsageError(Exception):
@@ -207,6 +208,7 @@ def _resume(args: argparse.Namespace) -> int:
 
 def cmd_client(args: argparse.Namespace) -> int:
     from fedsaddle.client.service import ClientError, ClientOptions, serve
+    from fedsaddle.client.session import RunFailed
 
     token = _read_token(args.token_file)
     hosted = parse_indices(args.clients)
@@ -225,7 +227,9 @@ def cmd_client(args: argparse.Namespace) -> int:
     try:
         serve(options)
     except ClientError as exc:
-        log.error("%s", exc)
+        # The coordinator's reason, repeated at this site (marked: `fedsaddle local`, whose coordinator
+        # says it in the same terminal, leaves it out: see launch.fork_clients).
+        log.error("%s", exc, extra={ECHOES_COORDINATOR: isinstance(exc, RunFailed)})
         return EXIT_RUN_FAILED
     return EXIT_OK
 

@@ -158,7 +158,7 @@ def fork_clients(
     Call it before this process creates any gRPC object.
     """
     import fedsaddle.client.service  # noqa: F401  (imported once, here, instead of in every child)
-    from fedsaddle.cli import main
+    from fedsaddle.cli import ECHOES_COORDINATOR, main
 
     children: list[ForkedClient] = []
     for spec in groups:
@@ -174,6 +174,8 @@ def fork_clients(
                 for sibling in children:
                     sibling.release()  # the parent's ends of the siblings' pipes are not this child's
                 address = os.read(read_end, 4096).decode()
+                # The coordinator in the parent says why a run failed; every child repeating it buries that.
+                logging.getLogger("fedsaddle").addFilter(lambda record: not getattr(record, ECHOES_COORDINATOR, False))
                 if address:  # nothing: the coordinator did not start
                     command = client_command(address, spec, *extra, quiet=quiet, data=data)
                     code = main(command[3:])  # after `python -m fedsaddle`

@@ -152,3 +152,6 @@ def test_a_federation_on_a_broken_plugin_fails_before_round_one_naming_the_clien
         "G_i(z) has dim_x + dim_y = 3 + 1 = 4 entries" in done.stderr
     )
     assert "disconnected" not in done.stderr and "Traceback" not in done.stderr
+    # The coordinator says why the run failed; its client processes, in the same terminal, do not repeat it.
+    assert done.stderr.count("run failed: client 0") == 1
+    assert "the coordinator ended the run as failed" not in done.stderr
