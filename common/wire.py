@@ -186,6 +186,33 @@ def read_chunk(message: bytes) -> RawChunk | None:
         return None
 
 
+# A payload that travels inline is written by hand too once it is large: protobuf copies it into
+# the message and again into the serialized bytes, and at 1.6 MB that took a client longer than
+# its gradient. Below this size protobuf's own writer costs less than the Python around a join.
+BY_HAND_ABOVE = 64 << 10
+
+
+def _tag(message: type[Message], field: str) -> bytes:
+    """The key byte of a length-delimited field (message, bytes) numbered below 16."""
+    number = message.DESCRIPTOR.fields_by_name[field].number
+    assert number < 16
+    return bytes(((number << 3) | 2,))
+
+
+_INSTRUCTION_TASK, _TASK_PAYLOAD = _tag(pb.Instruction, "task"), _tag(pb.Task, "payload")
+_MESSAGE_ANSWER, _ANSWER_PAYLOAD = _tag(pb.ClientMessage, "answer"), _tag(pb.Answer, "payload")
+
+
+def with_payload(outer: bytes, front: bytes, payload_tag: bytes, parts: Sequence[memoryview], back: bytes) -> bytes:
+    """A serialized message holding one submessage (key `outer`) made of `front`, the payload as a
+    bytes field, then `back`: each part serialized, in field-number order, so the bytes are
+    protobuf's own. The payload is copied once."""
+    size = sum(len(part) for part in parts)
+    field = payload_tag + _varint(size)
+    inner = len(front) + len(field) + size + len(back)
+    return b"".join((outer, _varint(inner), front, field, *parts, back))
+
+
 def chunks(parts: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
     """The payload (the concatenation of `parts`) as serialized Chunk messages of `chunk_bytes` data
     (the last may be shorter), each made when asked for; a chunk may span two parts."""
@@ -285,11 +312,19 @@ def encode_task(
     parts = _parts(task.payload())
     size = sum(len(part) for part in parts)
     message = task_message(run_id, round_id, task, size // 8)
-    message.client_indices.extend(client_indices)
-    if size <= chunk_bytes:
+    if size > chunk_bytes:
+        message.client_indices.extend(client_indices)
+        return [pb.Instruction(task=message).SerializeToString(), *chunks(parts, chunk_bytes)]
+    if size < BY_HAND_ABOVE:
+        message.client_indices.extend(client_indices)
         message.payload = b"".join(parts)
         return [pb.Instruction(task=message).SerializeToString()]
-    return [pb.Instruction(task=message).SerializeToString(), *chunks(parts, chunk_bytes)]
+    # Fields 1-6, the payload (7), then client_indices (8) and metric_names (9).
+    back = pb.Task(client_indices=client_indices, metric_names=message.metric_names)
+    message.ClearField("metric_names")
+    return [
+        with_payload(_INSTRUCTION_TASK, message.SerializeToString(), _TASK_PAYLOAD, parts, back.SerializeToString())
+    ]
 
 
 def decode_task(
@@ -372,10 +407,23 @@ class AnswerWriter:
         if answer.counts is not None:
             del header.sample_counts[:]
             header.sample_counts.extend(int(c) for c in answer.counts)
-        if 8 * vectors.size <= self.chunk_bytes:
+        if 8 * vectors.size > self.chunk_bytes:
+            return itertools.chain([self._message.SerializeToString()], chunks(_parts([vectors]), self.chunk_bytes))
+        if 8 * vectors.size < BY_HAND_ABOVE:
             header.payload = vectors.astype(FLOAT64, copy=False).tobytes()  # C order, contiguous or not
             return iter([self._message.SerializeToString()])
-        return itertools.chain([self._message.SerializeToString()], chunks(_parts([vectors]), self.chunk_bytes))
+        # Fields 1-4, the payload (5), then objective (6) and sample_counts (8); diverged (7) has none.
+        front = pb.Answer(
+            run_id=header.run_id,
+            round_id=header.round_id,
+            client_indices=header.client_indices,
+            payload_length=header.payload_length,
+        )
+        back = pb.Answer(objective=header.objective, sample_counts=header.sample_counts)
+        serialized = with_payload(
+            _MESSAGE_ANSWER, front.SerializeToString(), _ANSWER_PAYLOAD, _parts([vectors]), back.SerializeToString()
+        )
+        return iter([serialized])
 
 
 def decode_answer(

@@ -10,7 +10,7 @@ import pytest
 
 from fedsaddle.common import wire
 from fedsaddle.common.numeric import all_finite
-from fedsaddle.common.tasks import Answer, GradientTask, LocalStepsTask
+from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, LocalStepsTask
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
@@ -66,7 +66,7 @@ def test_gradient_task_and_answer_round_trip() -> None:
     assert back.objective is not None and np.array_equal(back.objective, answer.objective)
 
 
-def _built_anew(run_id: str, round_id: int, answer: Answer) -> bytes:
+def _built_anew(run_id: str, round_id: int, answer: Answer, chunk_bytes: int = 1024) -> bytes:
     """The answer's header as protobuf writes it from scratch: the reference for AnswerWriter."""
     header = pb.Answer(run_id=run_id, round_id=round_id, client_indices=answer.indices, diverged=answer.diverged)
     if not answer.diverged:
@@ -75,7 +75,7 @@ def _built_anew(run_id: str, round_id: int, answer: Answer) -> bytes:
             header.objective = answer.objective.tobytes()
         if answer.counts is not None:
             header.sample_counts.extend(int(c) for c in answer.counts)
-        if 8 * answer.vectors.size <= 1024:
+        if 8 * answer.vectors.size <= chunk_bytes:
             header.payload = answer.vectors.tobytes()
     return pb.ClientMessage(answer=header).SerializeToString()
 
@@ -104,6 +104,35 @@ def test_an_answer_writer_keeps_nothing_of_one_answer_in_the_next() -> None:
         assert pieces == list(wire.encode_answer(run_id, round_id, answer, 1024))
         if len(pieces) > 1:  # the chunks carry the vectors
             assert b"".join(bytes(wire.read_chunk(p).data) for p in pieces[1:]) == answer.vectors.tobytes()  # type: ignore[union-attr]
+
+
+def test_large_inline_payloads_written_by_hand_are_protobufs_bytes() -> None:
+    # From 64 KiB up, a payload that fits in one message is joined by hand, not copied twice by protobuf.
+    rng = np.random.default_rng(5)
+    chunk_bytes = 4 << 20
+    for entries in (wire.BY_HAND_ABOVE // 8 - 1, wire.BY_HAND_ABOVE // 8, 200_000):
+        z, control = rng.standard_normal(entries // 2), rng.standard_normal(entries - entries // 2)
+        tasks = [
+            GradientTask(np.concatenate([z, control]), batch=2, want_objective=True),
+            LocalStepsTask(z, 3, 0.1, 7, "inverse_sqrt", control=control, theta=0.5),
+            EvaluateTask(np.concatenate([z, control]), ("test_auc", "test_mse")),
+        ]
+        for task in tasks:
+            for indices in ((), (2, 5)):
+                (piece,) = wire.encode_task("run", 11, task, chunk_bytes, indices)
+                message = wire.task_message("run", 11, task, entries)
+                message.client_indices.extend(indices)
+                message.payload = np.concatenate([v.ravel() for v in task.payload()]).tobytes()
+                assert piece == pb.Instruction(task=message).SerializeToString(), (type(task).__name__, entries)
+        vectors = rng.standard_normal((2, entries // 2))
+        for answer in (
+            Answer((1, 4), vectors),
+            Answer((1, 4), vectors, np.array([0.5, -2.0])),
+            Answer((1, 4), vectors, counts=np.array([3.0, 9.0])),
+            Answer((1, 4), vectors[:, ::2]),  # not contiguous: rows in C order all the same
+        ):
+            (piece,) = wire.AnswerWriter(chunk_bytes).encode("run", 12, answer)
+            assert piece == _built_anew("run", 12, answer, chunk_bytes)
 
 
 @pytest.mark.parametrize("offset", [0, 1, 127, 128, 300, 4 << 20, 1 << 40])
