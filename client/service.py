@@ -26,7 +26,7 @@ import numpy as np
 
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import blas, wire
-from fedsaddle.common.memory import keep_heaps_few, return_freed_memory
+from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.worker import ShardCache
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -210,7 +210,7 @@ async def run_client(options: ClientOptions) -> None:
 def serve(options: ClientOptions) -> None:
     """Run the client; SIGTERM ends it cleanly (the stream closes, the coordinator is told)."""
 
-    keep_heaps_few()
+    tune_malloc()
     blas.apply()  # the count every process of the run uses, whatever the environment held (common/blas.py)
     # A diverging run overflows; its answers say so (Answer.diverged), so numpy need not warn.
     np.seterr(over="ignore", invalid="ignore")

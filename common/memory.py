@@ -1,12 +1,17 @@
-"""Process memory: few heaps, and freed pages handed back to the OS every few seconds (both sides use it).
+"""Process memory: few heaps that keep freed buffers for reuse, and freed pages handed back to the
+OS every few seconds (both sides use it).
 
-glibc serves a buffer of megabytes from a fresh mmap until one of that size is
-freed; from then on buffers of that size come from its heaps and are reused.
-That reuse is what makes rounds at a million entries fast: a fresh mapping costs a
-page fault per 4 KiB, which at 16 MB per vector cost more than the copies (a fixed
-mmap threshold made the d = 1e6 round 2-4x slower; README, Benchmarks). The price
-is that freed pages stay in the heaps, where a live neighbour may pin them after a
-burst of large (hostile) messages; `return_freed_memory` hands them back.
+A buffer of megabytes that comes from a fresh mmap, or from heap pages glibc handed
+back when it was freed, costs a page fault per 4 KiB when it is filled: at 16 MB per
+vector that cost more than the copies (a fixed 256 KiB mmap threshold made the
+d = 1e6 round 2-4x slower; README, Benchmarks). glibc's own dynamic threshold keeps
+such buffers in its heaps only once one of the same size was freed, and still hands
+heap tops of twice that size back: at d = 1.4e5 (2.2 MB payloads, chunks of 2 MiB
+and a small rest) a client took 1280 page faults per task instead of 320, and the
+round 1.9x as long. So buffers up to 32 MiB (glibc's largest threshold) come from
+the heaps, and heap tops up to 128 MiB are kept. The price is that freed pages stay
+in the heaps, where a live neighbour may pin them after a burst of large (hostile)
+messages; `return_freed_memory` hands them back.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import os
 from collections.abc import Callable
 
 TRIM_EVERY_S = 15.0
@@ -27,11 +33,28 @@ def _libc_function(name: str) -> Callable[..., int] | None:
     return function
 
 
-def keep_heaps_few() -> None:
-    """At most 4 malloc arenas (glibc makes up to 8 per core): fewer heaps, less memory stranded in them."""
+MMAP_THRESHOLD = 32 << 20  # buffers up to this size come from the heaps (glibc's DEFAULT_MMAP_THRESHOLD_MAX)
+TRIM_THRESHOLD = 128 << 20  # free memory at a heap's top kept for reuse, up to this much
+
+
+def tune_malloc() -> None:
+    """At most 4 malloc arenas (glibc makes up to 8 per core): fewer heaps, less memory stranded in
+    them; and large buffers reused from the heaps instead of mapped and faulted in afresh, unless
+    the operator set glibc's thresholds (GLIBC_TUNABLES, MALLOC_*_THRESHOLD_: README, Benchmarks)."""
     mallopt = _libc_function("mallopt")
-    if mallopt is not None:
-        mallopt(-8, 4)  # M_ARENA_MAX
+    if mallopt is None:
+        return
+    mallopt(-8, 4)  # M_ARENA_MAX
+    if not _thresholds_set_by_operator():
+        mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (this also ends glibc's dynamic adjustment)
+        mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
+
+
+def _thresholds_set_by_operator() -> bool:
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    named = ("malloc.mmap_threshold", "malloc.trim_threshold")
+    variables = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    return any(name in tunables for name in named) or any(name in os.environ for name in variables)
 
 
 def trim() -> None:

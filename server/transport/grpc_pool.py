@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
-from fedsaddle.common.memory import keep_heaps_few, return_freed_memory
+from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo, round_traffic
@@ -91,7 +91,7 @@ class GrpcPool(ClientPool):
     ) -> None:
         self.chunk_bytes = wire.check_chunk_bytes(chunk_bytes)
         super().__init__()
-        keep_heaps_few()
+        tune_malloc()
         self.federation_size = num_clients
         self.round_timeout_s = round_timeout_s
         self.rejoin_timeout_s = rejoin_timeout_s
