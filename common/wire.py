@@ -155,13 +155,22 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
             raise ValueError("varint too long")
 
 
+def with_payload(outer: bytes, front: bytes, payload_tag: bytes, parts: Sequence[memoryview], back: bytes) -> bytes:
+    """A serialized message holding one submessage (key `outer`) made of `front`, the payload as a
+    bytes field, then `back`: each part serialized, in field-number order, so the bytes are
+    protobuf's own. The payload is copied once."""
+    size = sum(len(part) for part in parts)
+    field = payload_tag + _varint(size)
+    inner = len(front) + len(field) + size + len(back)
+    return b"".join((outer, _varint(inner), front, field, *parts, back))
+
+
 def chunk_message(offset: int, data: memoryview | Sequence[memoryview]) -> bytes:
     """A serialized Instruction (or ClientMessage) holding one Chunk whose data is `data` (or its
     pieces, one after the other): what protobuf writes, with one copy."""
-    pieces = [data] if isinstance(data, memoryview) else list(data)
-    size = sum(len(piece) for piece in pieces)
-    inner = (bytes((_OFFSET_TAG,)) + _varint(offset) if offset else b"") + bytes((_DATA_TAG,)) + _varint(size)
-    return b"".join((bytes((CHUNK_TAG,)), _varint(len(inner) + size), inner, *pieces))
+    pieces = [data] if isinstance(data, memoryview) else data
+    front = bytes((_OFFSET_TAG,)) + _varint(offset) if offset else b""  # proto3 leaves a 0 offset out
+    return with_payload(bytes((CHUNK_TAG,)), front, bytes((_DATA_TAG,)), pieces, b"")
 
 
 def read_chunk(message: bytes) -> RawChunk | None:
@@ -201,16 +210,6 @@ def _tag(message: type[Message], field: str) -> bytes:
 
 _INSTRUCTION_TASK, _TASK_PAYLOAD = _tag(pb.Instruction, "task"), _tag(pb.Task, "payload")
 _MESSAGE_ANSWER, _ANSWER_PAYLOAD = _tag(pb.ClientMessage, "answer"), _tag(pb.Answer, "payload")
-
-
-def with_payload(outer: bytes, front: bytes, payload_tag: bytes, parts: Sequence[memoryview], back: bytes) -> bytes:
-    """A serialized message holding one submessage (key `outer`) made of `front`, the payload as a
-    bytes field, then `back`: each part serialized, in field-number order, so the bytes are
-    protobuf's own. The payload is copied once."""
-    size = sum(len(part) for part in parts)
-    field = payload_tag + _varint(size)
-    inner = len(front) + len(field) + size + len(back)
-    return b"".join((outer, _varint(inner), front, field, *parts, back))
 
 
 def chunks(parts: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
