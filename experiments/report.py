@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedsaddle.server.driver import rounds_key
+
 from .grid import ACCURACIES, NAMES, Best, Grid, Row, best_steps, quartiles
 
 # Figures clip distances at this floor: with z* = 0 (s = 0 especially) iterates shrink
@@ -172,7 +174,7 @@ def figure_curves(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = "rounds" if grid.convention == "exchanges" else "paper_rounds"
+    key = rounds_key(grid.convention)
     fig, axes = plt.subplots(1, len(s_values), figsize=(4.2 * len(s_values), 4.0), dpi=110, sharey=True)
     lines = {}
     for ax, s in zip(np.atleast_1d(axes), s_values, strict=True):

@@ -82,6 +82,11 @@ def run_loop(
 # -- a run and its outcome ------------------------------------------------------------------
 
 
+def rounds_key(convention: str) -> str:
+    """The record field that counts rounds in a convention: every exchange, or the paper's count."""
+    return "rounds" if convention == "exchanges" else "paper_rounds"
+
+
 # What every step's record holds; any other field is an evaluation metric.
 RECORD_FIELDS = frozenset({"step", "rounds", "paper_rounds", "time_s", "dist_x", "dist_z"})
 
@@ -123,7 +128,7 @@ class AlgorithmResult:
         """The communication rounds (counted by `convention`, as the config's round_convention) spent
         when ||x - x*|| (or `distance`: "dist_z") was first at most `accuracy`; None if it never was
         (or z* is unknown)."""
-        key = "rounds" if convention == "exchanges" else "paper_rounds"
+        key = rounds_key(convention)
         for record in self.records:
             if record.get(distance, math.inf) <= accuracy:
                 return int(record[key])

@@ -12,7 +12,7 @@ from typing import Any
 
 from fedsaddle.common.problems import make_problem
 from fedsaddle.server.config import RunConfig
-from fedsaddle.server.driver import AlgorithmResult
+from fedsaddle.server.driver import AlgorithmResult, rounds_key
 
 log = logging.getLogger("fedsaddle.coordinator")
 
@@ -134,9 +134,8 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
 
 def _x_axis(config: RunConfig) -> tuple[str, str]:
     """The records' key of the round count, and its axis label."""
-    if config.round_convention == "exchanges":
-        return "rounds", "communication rounds (every exchange counted)"
-    return "paper_rounds", "communication rounds (paper's convention)"
+    counted = "every exchange counted" if config.round_convention == "exchanges" else "paper's convention"
+    return rounds_key(config.round_convention), f"communication rounds ({counted})"
 
 
 def _title(config: RunConfig) -> str:
