@@ -230,6 +230,51 @@ def test_a_session_lost_mid_round_is_replaced_and_sent_the_task_again() -> None:
     assert outcome["r"].traffic["algorithm"]["messages_down"] == 2 * run.rounds
 
 
+def test_a_session_that_rejoins_a_sampled_round_is_sent_the_task_for_its_sampled_clients_only() -> None:
+    import threading
+
+    import grpc
+    import numpy as np
+    from test_bad_answers import HandClient
+
+    from fedsaddle.proto import fedsaddle_pb2 as pb
+    from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+    run = config(
+        problem={**PROBLEM, "num_clients": 2},
+        algorithms=[{"name": "minibatch_md", "gamma": 0.1}],
+        rounds=6,
+        participation={"fraction": 0.5},  # one of the session's two clients takes part in each round
+    )
+    with GrpcPool(2, "127.0.0.1:0", rejoin_timeout_s=10) as pool, grpc.insecure_channel(pool.address) as channel:
+        leaving = HandClient(channel, [0, 1])
+        leaving.welcome()
+        pool.wait_for_clients(10)
+        outcome: dict[str, Any] = {}
+        runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
+        runner.start()
+        task = leaving.next_task()
+        (sampled,) = task.client_indices
+        leaving.close()  # gone without answering round 1
+        leaving.ended()
+        with grpc.insecure_channel(pool.address) as second:
+            back = HandClient(second, [0, 1])
+            back.welcome()
+            again = back.next_task()  # the open round's task, naming the sampled client only
+            assert again.round_id == 1 and list(again.client_indices) == [sampled]
+            for _ in range(run.rounds):
+                back.send(pb.ClientMessage(answer=back.good(again)))
+                if _ < run.rounds - 1:
+                    again = back.next_task()
+            runner.join(timeout=30)
+            assert not runner.is_alive()
+            back.close()
+    local = run_algorithm(run.algorithms[0], run, LocalPool())
+    assert outcome["r"].z_sha256 == local.z_sha256
+    resent = outcome["r"].traffic["retransmission"]
+    assert resent["messages_down"] == 1 and resent["floats_down"] == np.size(local.final_z)  # one client's task
+
+
 def test_a_session_that_rejoins_may_list_its_clients_in_another_order() -> None:
     import threading
 

@@ -354,7 +354,7 @@ class GrpcPool(ClientPool):
         self._warn_if_stacks_differ(run.run_id)
         if round_ is not None and round_.replace(session) is not None:
             clients = len(round_.expected[session.id].indices)
-            self._resend(session, round_.pieces, clients, round_.floats_per_client * clients)
+            self._resend(session, round_.task_for(session), clients, round_.floats_per_client * clients)
 
     def _exchange(
         self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
@@ -418,6 +418,7 @@ class GrpcPool(ClientPool):
                 for s, mine in taking_part
             },
             pieces=round_.pieces,
+            pieces_for=round_.pieces_for,
             floats_per_client=round_.floats,
             straggler_deadline_s=self.straggler_deadline_s,
             min_clients=self.min_clients,
@@ -426,8 +427,8 @@ class GrpcPool(ClientPool):
         sent = 0
         bound = max(self.limits.max_undelivered_bytes, 3 * sum(len(p) for p in round_.pieces))
         try:
-            for session, mine in taking_part:
-                pieces = round_.pieces if mine == session.indices else round_.pieces_for(mine)
+            for session, _ in taking_part:
+                pieces = barrier.task_for(session)
                 session.max_queued_bytes = bound  # a few rounds' worth: more means it stopped reading
                 sent += self._deliver(session, pieces)
             await barrier.wait(self.round_timeout_s)

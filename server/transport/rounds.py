@@ -10,6 +10,7 @@ rejoin timeout for a new session with the same indices to take its place.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fedsaddle.common.tasks import Answer
@@ -152,7 +153,9 @@ class OpenRound(Barrier):
     expected: dict[str, Expectation] = field(default_factory=dict)  # by session id
     answers: dict[str, Answer] = field(default_factory=dict)
     bytes_up: int = 0
-    pieces: list[bytes] = field(default_factory=list)  # the serialized task, to send a rejoining session
+    pieces: list[bytes] = field(default_factory=list)  # the serialized task, for sessions whose clients all take part
+    # The task for a session with only some of its clients in the round (sampled participation).
+    pieces_for: Callable[[tuple[int, ...]], list[bytes]] | None = None
     floats_per_client: int = 0  # float64 entries the task carries (for counting what is sent again)
     straggler_deadline_s: float | None = None  # close the round after this long ...
     min_clients: int | None = None  # ... once this many clients have answered
@@ -162,6 +165,14 @@ class OpenRound(Barrier):
 
     def expectation(self, session: Session) -> Expectation | None:
         return self.expected.get(session.id)
+
+    def task_for(self, session: Session) -> list[bytes]:
+        """The task as this session is sent it: naming only its clients in the round when some of
+        its clients sit the round out, so its answer (and a rejoining session's) lists exactly those."""
+        mine = self.expected[session.id].indices
+        if mine == session.indices or self.pieces_for is None:
+            return self.pieces
+        return self.pieces_for(mine)
 
     def replace(self, new: Session) -> Session | None:
         old = super().replace(new)
