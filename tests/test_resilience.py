@@ -23,8 +23,8 @@ from fedsaddle.server.local_pool import LocalPool
 PROBLEM = {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 2.0}
 
 
-def client(address: str, index: int, *extra: str, timeout: float = 30) -> subprocess.Popen[str]:
-    command = client_command(address, str(index), "--connect-timeout", str(timeout), *extra, quiet=False)
+def client(address: str, indices: int | str, *extra: str, timeout: float = 30) -> subprocess.Popen[str]:
+    command = client_command(address, str(indices), "--connect-timeout", str(timeout), *extra, quiet=False)
     return subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -62,6 +62,46 @@ def test_a_killed_client_that_restarts_rejoins_and_the_run_ends_bit_identical(tm
     resent = remote["traffic"]["retransmission"]
     assert resent["bytes_down"] > 0  # the RunSpec, and the open round's task if one was open
     assert resent["messages_down"] in (0, 1)
+
+
+def test_a_process_killed_again_and_again_in_a_sampled_noisy_run_changes_no_bit_and_no_count(tmp_path: Path) -> None:
+    """Sampled clients, random synchronization and noise, with the process hosting clients 2 and 3
+    killed mid-round three times: each time it is sent the open round for its sampled clients only."""
+    fields: dict[str, Any] = dict(
+        problem={**PROBLEM, "num_clients": 4},
+        algorithms=[{"name": "scaffold_s", "gamma_local": 0.02}],
+        rounds=3001,
+        gradient_noise=0.1,
+        sync={"kind": "random", "p": 0.2},
+        participation={"fraction": 0.5},
+    )
+    path = write_config(tmp_path / "run.yaml", transport={"rejoin_timeout_s": 30}, output={"plot": False}, **fields)
+    coordinator = Coordinator(path, tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = [client(address, 0), client(address, 1), client(address, "2,3")]
+    try:
+        for _ in range(3):
+            coordinator.wait_for(r"round\s+\d+/3001", 60)
+            clients[-1].send_signal(signal.SIGKILL)
+            clients[-1].wait()
+            coordinator.wait_for(r"clients \[2, 3\] \(.*\) disconnected", 30)
+            clients.append(client(address, "2,3"))
+            coordinator.wait_for(r"clients \[2, 3\] \(.*\) rejoined", 30)
+        code, log = coordinator.finish(timeout=120)
+    finally:
+        codes = stop_processes(clients)  # type: ignore[arg-type]
+    assert code == 0, log
+    assert "refused" not in log
+    assert codes == [0, 0, -signal.SIGKILL, -signal.SIGKILL, -signal.SIGKILL, 0]
+    (remote,) = summary_of(tmp_path / "runs")["algorithms"]
+    run = config(**fields)
+    local = run_algorithm(run.algorithms[0], run, LocalPool())
+    assert remote["z_sha256"] == local.z_sha256
+    counts = remote["traffic"]["algorithm"]
+    for key in ("rounds", "messages_down", "messages_up", "floats_down", "floats_up"):
+        assert counts[key] == local.traffic["algorithm"][key], key
+    for key in ("per_client_floats_down", "per_client_floats_up"):
+        assert counts[key] == list(local.traffic["algorithm"][key]), key
 
 
 def test_a_client_that_does_not_come_back_fails_the_run_after_the_rejoin_timeout(tmp_path: Path) -> None:
