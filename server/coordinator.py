@@ -117,8 +117,7 @@ def resume_run(
     CheckpointError if it cannot be resumed; then nothing in run_dir has changed.
     """
     config = load_config(run_dir / "config.json")
-    if (run_dir / "summary.json").exists():
-        raise checkpoint.CheckpointError(f"{run_dir} holds a finished run (summary.json is written)")
+    stopped = _why_it_stopped(run_dir / "summary.json")
     state_types = [build(spec, config.sync).state_type for spec in config.algorithms]
     saved = checkpoint.read(run_dir, config, state_types)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
@@ -141,12 +140,15 @@ def resume_run(
         resume.run_id, resume.at, resume.round_id, resume.traffic, records.get(current, []), resume.elapsed_s
     )
     (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))  # the steps after it run again
+    # A stopped run's summary goes: this run writes its own when it ends, and until then none.
+    (run_dir / "summary.json").unlink(missing_ok=True)
     log.info(
-        "resuming %s from its checkpoint: %s at step %d, round %d",
+        "resuming %s from its checkpoint: %s at step %d, round %d%s",
         run_dir,
         current,
         resume.at.steps,
         resume.round_id,
+        f" (it had stopped: {stopped})" if stopped else "",
     )
     pool = pool_for(config)
     try:
@@ -154,6 +156,24 @@ def resume_run(
         return _run(config, pool, transport, run_dir, first, finished, resume, progress, None, on_step)
     finally:
         pool.close()
+
+
+def _why_it_stopped(summary: Path) -> str | None:
+    """Why the run of a run directory ended early, as its summary records it: None when it wrote no
+    summary (it was killed). CheckpointError when it finished, or when the summary cannot tell."""
+    if not summary.exists():
+        return None
+    try:
+        failure = json.loads(summary.read_text())["transport"]["failure"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise checkpoint.CheckpointError(
+            f"{summary} cannot be read ({type(exc).__name__}: {exc}), so whether the run finished is unknown"
+        ) from exc
+    if not failure:
+        raise checkpoint.CheckpointError(
+            f"{summary.parent} holds a finished run (its summary.json records every algorithm run to its end)"
+        )
+    return str(failure)
 
 
 def _run(
@@ -194,6 +214,11 @@ def _run(
             outcome.cause = stop.cause
             if isinstance(stop.cause, Stopped):
                 outcome.failure = "stopped by SIGTERM"
+                pool.farewell = "the coordinator was stopped by SIGTERM" + (
+                    "; it can resume the run from its checkpoint (start the clients again then)"
+                    if config.output.checkpoint_every > 0
+                    else ""
+                )
             elif isinstance(stop.cause, KeyboardInterrupt):
                 outcome.failure = "interrupted"
             else:

@@ -212,6 +212,7 @@ class ClientPool(abc.ABC):
         self.traffic: dict[Category, TrafficCounts] = {}
         self.weights: Array | None = None  # the clients' sample counts, when the run weights by samples
         self.failure: str | None = None  # why the runs on this pool failed, if they did (told to clients at close)
+        self.farewell = "the run is over"  # what clients are told at close when nothing failed
 
     def start_run(self, run: RunInfo) -> None:
         """Announce a run (clients load their data for it); counters and round ids start afresh."""

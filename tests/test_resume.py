@@ -1,10 +1,12 @@
-"""A coordinator killed mid-run resumes from its checkpoint, and the run ends as if nothing had happened.
+"""A run cut short resumes from its checkpoint, and ends as if nothing had happened.
 
-Real processes and SIGKILL: the coordinator is killed at several points (between
+Real processes and signals: the coordinator is killed at several points (between
 checkpoints, in the second algorithm, in the middle of writing a checkpoint), a
 new one resumes the run directory on the same address, and the clients, which
-were never restarted, reconnect by themselves. The final iterates, every count
-and metrics.jsonl (no line missing, none twice) equal an uninterrupted run's.
+were never restarted, reconnect by themselves. A run stopped by SIGTERM, or failed
+by a lost client, resumes too, with its clients started again. The final iterates,
+every count and metrics.jsonl (no line missing, none twice) equal an uninterrupted
+run's.
 """
 
 from __future__ import annotations
@@ -150,6 +152,75 @@ def test_a_coordinator_killed_while_writing_a_checkpoint_resumes_from_the_previo
     assert_same_as_uninterrupted(run_dir, uninterrupted)
 
 
+def stopped_and_resumed(tmp_path: Path, how: str) -> tuple[Path, int, str, int, str, list[int]]:
+    """Start a federation and end its run early without killing the coordinator: SIGTERM to the
+    coordinator ("term"), or SIGKILL to a client, which fails the run ("client"). Then resume it, with
+    the clients started again (they were told the run ended, and exited)."""
+    address = free_address()
+    path = write_config(tmp_path / "run.yaml", **CONFIG)
+
+    def start_clients() -> list[subprocess.Popen[bytes]]:
+        return [
+            subprocess.Popen(
+                client_command(address, str(i), "--connect-timeout", "60", quiet=False),
+                env=CLIENT_ENV,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for i in range(3)
+        ]
+
+    first = Coordinator(path, tmp_path / "runs", listen=address)
+    clients = start_clients()
+    try:
+        first.wait_for(r"fedavg_s\s+round\s+2\d\d/401", 120)
+        if how == "term":
+            first.process.send_signal(signal.SIGTERM)
+        else:
+            clients[1].send_signal(signal.SIGKILL)
+        code, _ = first.finish(timeout=60)
+        outputs = [c.communicate(timeout=30)[1].decode() for c in clients if c.returncode != -signal.SIGKILL]
+        (run_dir,) = (tmp_path / "runs").iterdir()
+        failure = json.loads((run_dir / "summary.json").read_text())["transport"]["failure"]
+        resumed = subprocess.Popen(
+            [sys.executable, "-m", "fedsaddle", "coordinator", "--resume", str(run_dir), "--listen", address],
+            env=CLIENT_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        clients += start_clients()
+        _, log = resumed.communicate(timeout=300)
+    finally:
+        codes = stop_processes(clients)
+    return run_dir, code, failure, resumed.returncode, log + "".join(outputs), codes
+
+
+def test_a_run_stopped_by_sigterm_resumes_bit_identical(
+    tmp_path: Path, uninterrupted: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    run_dir, first, failure, code, log, codes = stopped_and_resumed(tmp_path, "term")
+    assert first == 0 and failure == "stopped by SIGTERM"
+    assert "it can resume the run from its checkpoint (start the clients again then)" in log  # the clients' goodbye
+    assert code == 0, log
+    assert re.search(
+        r"resuming .* from its checkpoint: fedavg_s at step \d+, round \d+ \(it had stopped: stopped by SIGTERM\)", log
+    )
+    assert codes == [0, 0, 0, 0, 0, 0]
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def test_a_run_failed_by_a_lost_client_resumes_bit_identical(
+    tmp_path: Path, uninterrupted: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    run_dir, first, failure, code, log, codes = stopped_and_resumed(tmp_path, "client")
+    assert first == 1 and re.match(r"client 1 \(.*\) disconnected (during|before) round \d+", failure), failure
+    assert code == 0, log
+    assert "(it had stopped: client 1 (" in log
+    assert codes == [1, -signal.SIGKILL, 1, 0, 0, 0]  # the others were told the run failed
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
 def test_a_private_data_run_with_evaluation_resumes_bit_identical(tmp_path: Path) -> None:
     # Each client reloads its own file for the resumed run; the evaluations (every 10 steps and
     # the last) come out as in a run that was never interrupted.
@@ -231,5 +302,10 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_and_nothing_changes(tmp_p
     (run_dir / "config.json").write_text(json.dumps({**config, "seed": 1}))
     refused("belongs to another config")
     (run_dir / "config.json").write_text(json.dumps(config))
+    (run_dir / "summary.json").write_text(json.dumps({"transport": {"failure": None}, "algorithms": []}))
+    refused("holds a finished run")
+    (run_dir / "summary.json").write_text('{"transport": ')
+    refused("summary.json cannot be read (JSONDecodeError")
+    (run_dir / "summary.json").unlink()
     (run_dir / "checkpoint.npz").unlink()
     refused("has no checkpoint.npz")

@@ -445,7 +445,7 @@ class GrpcPool(ClientPool):
         service = getattr(self, "service", None)  # None if the pool failed while starting
         if service is not None:
             service.shutting_down = True
-        reason, outcome = ("the run is over", pb.DONE) if self.failure is None else (self.failure, pb.FAILED)
+        reason, outcome = (self.farewell, pb.DONE) if self.failure is None else (self.failure, pb.FAILED)
         with contextlib.suppress(Exception):
             if self._health is not None:
                 self._call(self._health.enter_graceful_shutdown(), timeout=5)
