@@ -132,18 +132,35 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from fedsaddle.api import reference_solution
-    from fedsaddle.common.problems import DataError
     from fedsaddle.server.local_pool import LocalPool
 
+    _stop_on_sigterm()
+    if args.resume:
+        transport: dict[str, Any] = {"kind": "inprocess", "resumed": True}
+
+        def local_pool(config: RunConfig) -> Any:
+            pool = LocalPool(data=_data_paths(args.data, range(config.problem.num_clients)))
+            transport.update(pool.describe())
+            return pool
+
+        return _resume(args, local_pool, transport, _reference)
+    if not args.config:
+        raise UsageError("simulate needs --config (or --resume RUN_DIR)")
     config = _config(args)
     pool = LocalPool(data=_data_paths(args.data, range(config.problem.num_clients)))
+    return _run(config, pool, pool.describe(), _reference(config, pool))
+
+
+def _reference(config: RunConfig, pool: Any) -> Any:
+    """z* for an in-process run: on real data, solved from every client's data (all at hand here)."""
+    from fedsaddle.api import reference_solution
+    from fedsaddle.common.problems import DataError
+
     try:
         with _naming_memory(config):
-            reference = reference_solution(config, pool.cache)
+            return reference_solution(config, pool.cache)
     except DataError as exc:
         raise UsageError(str(exc)) from None
-    return _run(config, pool, pool.describe(), reference)
 
 
 def _serving(config: RunConfig, listen: str | None) -> Any:
@@ -169,7 +186,7 @@ def _serving(config: RunConfig, listen: str | None) -> Any:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
     if args.resume:
-        return _resume(args)
+        return _resume(args, lambda config: _serving(config, args.listen), {"kind": "grpc", "resumed": True})
     if not args.config:
         raise UsageError("coordinator needs --config (or --resume RUN_DIR)")
     config = _config(args)
@@ -180,23 +197,33 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         pool.close()
 
 
-def _resume(args: argparse.Namespace) -> int:
+def _resume(
+    args: argparse.Namespace,
+    pool_for: Callable[[RunConfig], Any],
+    transport: dict[str, Any],
+    reference_for: Callable[[RunConfig, Any], Any] | None = None,
+) -> int:
+    """Go on with the run in args.resume on the pool `pool_for(config)` makes (its config is the run
+    directory's); `transport` is recorded in the summary."""
     from fedsaddle.progress import Progress
     from fedsaddle.server.checkpoint import CheckpointError
     from fedsaddle.server.coordinator import resume_run
 
     if args.config:
         raise UsageError("--resume takes the config from the run directory; leave out --config")
+    if args.out:
+        raise UsageError("--resume goes on in the run directory it names; leave out --out")
     progress = Progress()
     configs: list[RunConfig] = []
 
-    def pool_for(config: RunConfig) -> Any:
+    def pool_of(config: RunConfig) -> Any:
         configs.append(config)
-        return _serving(config, args.listen)
+        return pool_for(config)
 
     try:
-        transport = {"kind": "grpc", "resumed": True}
-        outcome = resume_run(Path(args.resume), pool_for, transport, progress.rounds, progress.step)
+        outcome = resume_run(
+            Path(args.resume), pool_of, transport, progress.rounds, progress.step, reference_for=reference_for
+        )
     except CheckpointError as exc:
         raise UsageError(f"cannot resume: {exc}") from None
     finally:
@@ -238,13 +265,28 @@ def cmd_local(args: argparse.Namespace) -> int:
     """A coordinator in this process and client processes on loopback."""
     from fedsaddle.launch import loopback_federation
 
-    config = _config(args)
-    if config.transport.tls or config.transport.credentials:
-        raise UsageError("`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens")
     _stop_on_sigterm()
-    data = _data_paths(args.data, range(config.problem.num_clients))
-    federation = loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=True)
-    with federation as (pool, processes):
+
+    def federation(config: RunConfig) -> Any:
+        if config.transport.tls or config.transport.credentials:
+            raise UsageError(
+                "`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens"
+            )
+        data = _data_paths(args.data, range(config.problem.num_clients))
+        return loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=True)
+
+    if args.resume:
+        transport: dict[str, Any] = {"kind": "grpc", "resumed": True}
+        with contextlib.ExitStack() as stack:
+
+            def loopback_pool(config: RunConfig) -> Any:
+                pool, processes = stack.enter_context(federation(config))
+                transport.update(address=pool.address, client_processes=len(processes))
+                return pool
+
+            return _resume(args, loopback_pool, transport)
+    config = _config(args)
+    with federation(config) as (pool, processes):
         transport = {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
         return _run(config, pool, transport, timed=True)
 
@@ -465,7 +507,7 @@ def _print_tables(results: Sequence[AlgorithmResult], config: RunConfig) -> None
 
 
 def _exit_code(outcome: Outcome) -> int:
-    from fedsaddle.server.coordinator import Stopped
+    from fedsaddle.server.driver import Stopped
 
     if outcome.unexpected:
         assert outcome.cause is not None
@@ -492,7 +534,7 @@ def _since_start() -> float:
 
 
 def _stop_on_sigterm() -> None:
-    from fedsaddle.server.coordinator import Stopped
+    from fedsaddle.server.driver import Stopped
 
     def stop(signum: int, frame: object) -> None:
         raise Stopped
@@ -590,12 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    def with_config(p: argparse.ArgumentParser, required: bool) -> None:
-        p.add_argument(
-            "--config",
-            required=required,
-            help="run config, YAML or JSON" + ("" if required else " (default: built-in)"),
-        )
+    def with_config(p: argparse.ArgumentParser, default: str) -> None:
+        p.add_argument("--config", help=f"run config, YAML or JSON ({default})")
         p.add_argument("--out", help="folder for run directories (overrides output.dir)")
 
     def with_data(p: argparse.ArgumentParser, whose: str) -> None:
@@ -607,18 +645,22 @@ def build_parser() -> argparse.ArgumentParser:
             "with {i}, e.g. data/client-{i:03d}.npz (problems on real data; synthetic ones need none)",
         )
 
+    def with_resume(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--resume",
+            metavar="RUN_DIR",
+            help="go on with a run that was stopped, from its last checkpoint (the config is the run directory's)",
+        )
+
     p = command("simulate", "run a config in one process (the in-process transport)", cmd_simulate)
-    with_config(p, required=True)
+    with_config(p, "required, unless --resume")
     with_data(p, "each client's")
+    with_resume(p)
 
     p = command("coordinator", "serve a config to client processes over gRPC", cmd_coordinator)
-    with_config(p, required=False)
+    with_config(p, "required, unless --resume")
     p.add_argument("--listen", type=address(True), help="HOST:PORT to listen on (overrides transport.listen)")
-    p.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="go on with a run that was stopped, from its last checkpoint (the config is the run directory's)",
-    )
+    with_resume(p)
 
     p = command("client", "host clients' data and run their local steps", cmd_client)
     p.add_argument("--coordinator", required=True, type=address(False), help="HOST:PORT of the coordinator")
@@ -636,10 +678,11 @@ def build_parser() -> argparse.ArgumentParser:
     _tls_options(p)
 
     p = command("local", "a coordinator and client processes on 127.0.0.1 (default: the built-in config)", cmd_local)
-    with_config(p, required=False)
+    with_config(p, "default: built-in")
     p.add_argument("--clients-per-process", type=positive_int, default=1, help="clients hosted by each process")
     p.add_argument("--quiet-clients", action="store_true", help="clients log warnings and errors only")
     with_data(p, "each client's")
+    with_resume(p)
 
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
@@ -713,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True
     )
     from fedsaddle.server.config import ConfigError
-    from fedsaddle.server.coordinator import Stopped
+    from fedsaddle.server.driver import Stopped
 
     try:
         code: int = args.func(args)

@@ -30,16 +30,13 @@ from fedsaddle.server.driver import (
     RunStopped,
     StepDone,
     StepHook,
+    Stopped,
     run_algorithm,
 )
 from fedsaddle.server.pool import ClientPool, PoolError
 from fedsaddle.server.report import make_run_dir, strict_json, write_summary
 
 log = logging.getLogger("fedsaddle.coordinator")
-
-
-class Stopped(Exception):
-    """SIGTERM: finish cleanly (outputs written, clients told goodbye)."""
 
 
 @dataclass
@@ -111,10 +108,12 @@ def resume_run(
     transport: dict[str, Any],
     progress: ProgressHook | None = None,
     on_step: StepHook | None = None,
+    reference_for: Any = None,
 ) -> Outcome:
     """Go on with a checkpointed run in `run_dir` on the pool `pool_for(config)` makes.
 
     CheckpointError if it cannot be resumed; then nothing in run_dir has changed.
+    `reference_for(config, pool)`: z* to measure against, as run_config's `reference`.
     """
     config = load_config(run_dir / "config.json")
     stopped = _why_it_stopped(run_dir / "summary.json")
@@ -139,21 +138,23 @@ def resume_run(
     resume = Resume(
         resume.run_id, resume.at, resume.round_id, resume.traffic, records.get(current, []), resume.elapsed_s
     )
-    (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))  # the steps after it run again
-    # A stopped run's summary goes: this run writes its own when it ends, and until then none.
-    (run_dir / "summary.json").unlink(missing_ok=True)
     log.info(
-        "resuming %s from its checkpoint: %s at step %d, round %d%s",
+        "resuming %s from its checkpoint: %s at step %d, after %d rounds%s",
         run_dir,
         current,
         resume.at.steps,
-        resume.round_id,
+        resume.traffic["algorithm"]["rounds"],
         f" (it had stopped: {stopped})" if stopped else "",
     )
-    pool = pool_for(config)
+    pool = pool_for(config)  # (the coordinator's waits for every client to join)
     try:
         first, finished = saved.algorithm_index, saved.finished
-        return _run(config, pool, transport, run_dir, first, finished, resume, progress, None, on_step)
+        reference = None if reference_for is None else reference_for(config, pool)
+        # Only now, with the pool and data in hand, is the run directory changed: the steps after the
+        # checkpoint run again, and a stopped run's summary goes (this run writes its own when it ends).
+        (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+        (run_dir / "summary.json").unlink(missing_ok=True)
+        return _run(config, pool, transport, run_dir, first, finished, resume, progress, reference, on_step)
     finally:
         pool.close()
 

@@ -281,6 +281,14 @@ ProgressHook = Callable[[str, int, int, float], None]
 StepHook = Callable[["Run", StepDone, ClientPool], None]
 
 
+class Stopped(BaseException):
+    """SIGTERM: finish cleanly (outputs written, clients told goodbye).
+
+    A BaseException, as KeyboardInterrupt is: the handler raises it wherever the main thread
+    is, inside a problem's gradient too, and no `except Exception` there may take it for an error.
+    """
+
+
 class RunStopped(Exception):
     """A run ended early by something other than divergence (a lost client, a signal).
 
@@ -374,7 +382,7 @@ def run_algorithm(
                     event = run.advance(answers)
     except Diverged as exc:
         run.stop("diverged", str(exc))
-    except (Exception, KeyboardInterrupt) as exc:  # re-raised below, with the partial result
+    except (Exception, KeyboardInterrupt, Stopped) as exc:  # re-raised below, with the partial result
         run.stop("stopped", str(exc) or type(exc).__name__)
         stopped_by = exc
     traffic = pool.traffic or fresh_traffic(config.problem.num_clients)  # empty if the run never started

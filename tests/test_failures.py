@@ -20,7 +20,8 @@ from conftest import CLIENT_ENV, start_clients, stop_processes
 
 
 class Coordinator:
-    """`fedsaddle coordinator` as a subprocess, its stderr read line by line."""
+    """`fedsaddle coordinator` (or, with `command`, another fedsaddle command: `local`, `simulate`) as a
+    subprocess, its stderr read line by line."""
 
     def __init__(
         self,
@@ -29,11 +30,12 @@ class Coordinator:
         listen: str = "127.0.0.1:0",
         prefix: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        command: str = "coordinator",
     ) -> None:
-        command = [*prefix, sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(config_path)]
-        command += ["--listen", listen, "--out", str(out)]
+        line = [*prefix, sys.executable, "-m", "fedsaddle", command, "--config", str(config_path), "--out", str(out)]
+        command_line = line + (["--listen", listen] if command == "coordinator" else [])
         self.process = subprocess.Popen(
-            command, env=env or CLIENT_ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            command_line, env=env or CLIENT_ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []

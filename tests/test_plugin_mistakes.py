@@ -155,3 +155,20 @@ def test_a_federation_on_a_broken_plugin_fails_before_round_one_naming_the_clien
     # The coordinator says why the run failed; its client processes, in the same terminal, do not repeat it.
     assert done.stderr.count("run failed: client 0") == 1
     assert "the coordinator ended the run as failed" not in done.stderr
+
+
+def test_a_signal_that_lands_inside_a_problem_method_is_not_taken_for_its_mistake() -> None:
+    # SIGTERM's handler raises Stopped (Ctrl-C's KeyboardInterrupt) wherever the main thread is: in
+    # an in-process run, often inside a gradient. It stops the run; it is not the problem's fault.
+    from fedsaddle.server.driver import Stopped
+
+    for signal_raises in (Stopped, KeyboardInterrupt):
+
+        def gradient(self: Toy, data: ClientData, z: Array, raises: type[BaseException] = signal_raises) -> Array:
+            if z.any():
+                raise raises
+            return Toy.gradient(self, data, z)
+
+        shards = shards_with(gradient=gradient)
+        with pytest.raises(signal_raises):
+            shards.gradient(np.ones((4, 2)))

@@ -127,7 +127,7 @@ def test_a_coordinator_killed_between_checkpoints_resumes_bit_identical(
 ) -> None:
     run_dir, code, log, codes = killed_and_resumed(tmp_path, r"fedavg_s\s+round\s+2\d\d/401")
     assert code == 0, log
-    assert re.search(r"resuming .* from its checkpoint: fedavg_s at step \d+, round \d+", log), log
+    assert re.search(r"resuming .* from its checkpoint: fedavg_s at step \d+, after \d+ rounds", log), log
     assert codes == [0, 0, 0]  # never restarted: they reconnected to the new coordinator
     assert_same_as_uninterrupted(run_dir, uninterrupted)
 
@@ -203,9 +203,8 @@ def test_a_run_stopped_by_sigterm_resumes_bit_identical(
     assert first == 0 and failure == "stopped by SIGTERM"
     assert "it can resume the run from its checkpoint (start the clients again then)" in log  # the clients' goodbye
     assert code == 0, log
-    assert re.search(
-        r"resuming .* from its checkpoint: fedavg_s at step \d+, round \d+ \(it had stopped: stopped by SIGTERM\)", log
-    )
+    resuming = r"resuming .* from its checkpoint: fedavg_s at step \d+, after \d+ rounds"
+    assert re.search(resuming + r" \(it had stopped: stopped by SIGTERM\)", log), log
     assert codes == [0, 0, 0, 0, 0, 0]
     assert_same_as_uninterrupted(run_dir, uninterrupted)
 
@@ -219,6 +218,67 @@ def test_a_run_failed_by_a_lost_client_resumes_bit_identical(
     assert "(it had stopped: client 1 (" in log
     assert codes == [1, -signal.SIGKILL, 1, 0, 0, 0]  # the others were told the run failed
     assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def test_fedsaddle_local_resumes_a_run_it_was_stopped_in(
+    tmp_path: Path, uninterrupted: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    path = write_config(tmp_path / "run.yaml", **CONFIG)
+    first = Coordinator(path, tmp_path / "runs", command="local")
+    first.wait_for(r"fedavg_s\s+round\s+2\d\d/401", 120)
+    first.process.send_signal(signal.SIGTERM)
+    code, _ = first.finish(timeout=60)
+    assert code == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "summary.json").read_text())["transport"]["failure"] == "stopped by SIGTERM"
+    done = fedsaddle("local", "--resume", str(run_dir), "--quiet-clients", timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "(it had stopped: stopped by SIGTERM)" in done.stderr
+    assert f"run directory: {run_dir} (resumed)" in done.stdout
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def test_simulate_resumes_a_stopped_private_data_run_once_given_the_data(tmp_path: Path) -> None:
+    shares = split("breast_cancer", 3, "iid", seed=2, out=tmp_path / "data")
+    config = {
+        "name": "private",
+        "problem": {"name": "auc", "num_clients": 3, "features": 30, "positive_rate": shares["positive_rate"]},
+        "weighting": "samples",
+        "evaluate_every": 100,
+        "rounds": 4001,
+        "algorithms": [{"name": "scaffold_s", "gamma_local": 0.04}],
+        "output": {"plot": False, "checkpoint_every": 25},
+    }
+    path = write_config(tmp_path / "run.yaml", **config)
+    pattern = str(tmp_path / "data" / "client-{i:03d}.npz")
+    whole = fedsaddle("simulate", "--config", str(path), "--data", pattern, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    (expected,) = (tmp_path / "whole").iterdir()
+    first = subprocess.Popen(
+        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path), "--data", pattern],
+        cwd=tmp_path,
+        env=CLIENT_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "summary.json").read_text())["transport"]["failure"] == "stopped by SIGTERM"
+    before = digest(run_dir)
+    refused = fedsaddle("simulate", "--resume", str(run_dir), timeout=60)
+    assert refused.returncode == 2 and "needs each client's own data file" in refused.stderr, refused.stderr
+    assert digest(run_dir) == before  # the stopped run's summary and metrics are as they were
+    done = fedsaddle("simulate", "--resume", str(run_dir), "--data", pattern, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (a,) = json.loads((expected / "summary.json").read_text())["algorithms"]
+    (b,) = json.loads((run_dir / "summary.json").read_text())["algorithms"]
+    assert a["z_sha256"] == b["z_sha256"] and a["metrics"] == b["metrics"]
+    assert b["dist_z"] is not None and a["dist_z"] == b["dist_z"]  # z* solved from the data again
+    assert without_time(run_dir / "metrics.jsonl") == without_time(expected / "metrics.jsonl")
 
 
 def test_a_private_data_run_with_evaluation_resumes_bit_identical(tmp_path: Path) -> None:
@@ -246,7 +306,7 @@ def test_a_private_data_run_with_evaluation_resumes_bit_identical(tmp_path: Path
         tmp_path / "killed", r"scaffold_s\s+round\s+1\d\d/301", config=config, data=data
     )
     assert code == 0, log
-    assert re.search(r"resuming .* from its checkpoint: scaffold_s at step \d+, round \d+", log), log
+    assert re.search(r"resuming .* from its checkpoint: scaffold_s at step \d+, after \d+ rounds", log), log
     assert codes == [0, 0, 0]
     (a,) = json.loads((expected / "summary.json").read_text())["algorithms"]
     (b,) = json.loads((run_dir / "summary.json").read_text())["algorithms"]
