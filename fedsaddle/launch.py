@@ -161,6 +161,7 @@ def fork_clients(
     from fedsaddle.cli import ECHOES_COORDINATOR, main
 
     children: list[ForkedClient] = []
+    parent = os.getpid()
     for spec in groups:
         read_end, write_end = os.pipe()
         sys.stdout.flush(), sys.stderr.flush()
@@ -170,6 +171,7 @@ def fork_clients(
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the coordinator's handler
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                _end_with(parent)
                 os.close(write_end)
                 for sibling in children:
                     sibling.release()  # the parent's ends of the siblings' pipes are not this child's
@@ -187,6 +189,20 @@ def fork_clients(
         os.close(read_end)
         children.append(ForkedClient(pid, write_end))
     return children
+
+
+def _end_with(parent: int) -> None:
+    """Have this forked client sent SIGTERM when its parent, the coordinator, dies (Linux), even of
+    a SIGKILL: it would otherwise retry a coordinator that is gone for its whole connect timeout."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before that took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def reap(processes: Sequence[ClientProcess], grace: float = 10.0) -> list[int]:

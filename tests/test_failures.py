@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import signal
@@ -10,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,3 +214,39 @@ def test_a_client_stopped_by_sigterm_exits_cleanly_and_is_named(tmp_path: Path) 
     assert code == 1
     assert re.search(r"run failed: client 0 \(.*\) disconnected (during|before) round \d+", log), log
     assert run.client_codes == [0, 1]  # the stopped client exits cleanly; the other learns the run failed
+
+
+def running(pid: int) -> bool:
+    """Whether a process exists and has not ended (a zombie waits only for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_client_processes_of_fedsaddle_local_end_with_it_even_when_it_is_killed(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path / "run.yaml",
+        problem={"name": "paper_regression", "num_clients": 4, "dim": 10, "s": 1.0},
+        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
+        rounds=1_000_000,
+    )
+    local = Coordinator(path, tmp_path / "runs", command="local")
+    children: list[int] = []
+    try:
+        local.wait_for(r"minibatch_md\s+round", 60)
+        listed = subprocess.run(["ps", "-o", "pid=", "--ppid", str(local.process.pid)], capture_output=True, text=True)
+        children = [int(pid) for pid in listed.stdout.split()]
+        assert len(children) == 4
+        local.process.send_signal(signal.SIGKILL)  # no handler runs: the children are told by the kernel
+        local.process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [pid for pid in children if running(pid)]
+        assert not left, f"client processes {left} outlived their coordinator"  # (not 60 s of retrying)
+    finally:
+        for pid in children:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
