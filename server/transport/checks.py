@@ -71,11 +71,15 @@ def answer_header(
         foreign = sorted(set(claimed) - set(session_indices))
         if foreign:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"this session may not answer for clients {some(foreign)}")
-    if expected is None or header.run_id != expected.run_id:
-        current = expected.run_id if expected else "none is open"
+    if expected is None:
         raise Refusal(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"answer for run {header.run_id[:64]!r}, but the open round belongs to run {current!r}",
+            f"answer to round {header.round_id} of run {header.run_id[:64]!r}, but no round is open",
+        )
+    if header.run_id != expected.run_id:
+        raise Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"answer for run {header.run_id[:64]!r}, but the open round belongs to run {expected.run_id!r}",
         )
     if header.round_id != expected.round_id:
         raise Refusal(
