@@ -136,7 +136,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     _stop_on_sigterm()
     if args.resume:
-        transport: dict[str, Any] = {"kind": "inprocess", "resumed": True}
+        transport: dict[str, Any] = {"kind": "in-process", "resumed": True}
 
         def local_pool(config: RunConfig) -> Any:
             pool = LocalPool(data=_data_paths(args.data, range(config.problem.num_clients)))
