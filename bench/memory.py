@@ -10,6 +10,7 @@ federation's real footprint).
     python bench/memory.py                 # d = 1e6, 10 clients, 10 rounds
     python bench/memory.py --dim 100000
     python bench/memory.py --chunk-bytes 4194304   # memory against chunk size (README)
+    python bench/memory.py --receive-window-mib 1  # a fixed receive window at the coordinator (README)
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=10, help="clients, one process each")
     parser.add_argument("--rounds", type=int, default=10, help="communication rounds")
     parser.add_argument("--chunk-bytes", type=int, default=wire.DEFAULT_CHUNK_BYTES, help="transport.chunk_bytes")
+    parser.add_argument(
+        "--receive-window-mib", type=float, default=0.0, help="transport.limits.receive_window_mib (0: gRPC's own)"
+    )
     args = parser.parse_args()
     config = {
         "name": "memory",
@@ -46,7 +50,7 @@ def main() -> None:
         "sync": {"kind": "fixed", "tau": 5},
         "rounds": args.rounds,
         "output": {"plot": False},
-        "transport": {"chunk_bytes": args.chunk_bytes},
+        "transport": {"chunk_bytes": args.chunk_bytes, "limits": {"receive_window_mib": args.receive_window_mib}},
     }
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "memory.yaml"
@@ -74,7 +78,7 @@ def main() -> None:
     clients = sorted((peaks[p] for p in peaks if roles[p] == "client"), reverse=True)
     print(
         f"memory, fedsaddle local, SCAFFOLD-S, d = {args.dim:g}, {args.clients} client processes, "
-        f"{args.chunk_bytes} B chunks, MiB"
+        f"{args.chunk_bytes} B chunks, receive window {args.receive_window_mib:g} MiB (0: gRPC's own), MiB"
     )
     print(f"  coordinator peak RSS        {peaks.get(local.pid, 0):>6}")
     print(f"  client peak RSS             {' '.join(str(c) for c in clients)}")

@@ -11,6 +11,7 @@ if set).
     python bench/round_latency.py                      # d = 10 and d = 1e6, 10 processes
     python bench/round_latency.py --dims 10 --rounds 500
     python bench/round_latency.py --dims 1e6 --rounds 20 --chunk-bytes 4194304
+    python bench/round_latency.py --dims 1e6 --rounds 20 --receive-window-mib 1
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fedsaddle.launch import reap, start_clients
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientPool, RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.sessions import Limits
 
 
 def time_rounds(pool: ClientPool, z: Array, rounds: int) -> list[float]:
@@ -60,6 +62,9 @@ def main() -> None:
         "--blocks", type=int, default=5, help="the rounds alternate between the three in this many blocks"
     )
     parser.add_argument("--chunk-bytes", type=int, default=wire.DEFAULT_CHUNK_BYTES, help="transport.chunk_bytes")
+    parser.add_argument(
+        "--receive-window-mib", type=float, default=0.0, help="transport.limits.receive_window_mib (0: gRPC's own)"
+    )
     args = parser.parse_args()
     try:  # before any process starts
         wire.check_chunk_bytes(args.chunk_bytes)
@@ -67,7 +72,8 @@ def main() -> None:
         parser.error(f"--chunk-bytes: {exc}")
     n, dims = args.clients, [int(v) for v in args.dims]
     floor = Floor(n)
-    pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600, chunk_bytes=args.chunk_bytes)
+    window = Limits(receive_window_bytes=int(args.receive_window_mib * (1 << 20)))
+    pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600, chunk_bytes=args.chunk_bytes, limits=window)
     processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False)
     local = LocalPool()
     rows = []

@@ -267,6 +267,7 @@ def coordinator_pool(config: RunConfig, listen: str | None = None) -> GrpcPool:
             hello_timeout_s=limits.hello_timeout_s,
             idle_connection_s=limits.idle_connection_s,
             max_undelivered_bytes=int(limits.max_undelivered_mib * (1 << 20)),
+            receive_window_bytes=int(limits.receive_window_mib * (1 << 20)),
         ),
         token_listen=transport.token_listen,
         token_credentials=server_credentials(transport.tls, client_certificates=False) if transport.tls else None,

@@ -182,6 +182,22 @@ class LimitsSpec(_Model):
     max_undelivered_mib: float = Field(
         64.0, gt=0, description="a session whose unread instructions exceed this (or 3 rounds' worth) is dropped"
     )
+    receive_window_mib: float = Field(
+        0.0,
+        ge=0,
+        le=1024,
+        description="what the coordinator takes in of one client's stream before reading it: 0, gRPC's own "
+        "window, which grows with the link; a fixed one (at least 0.0625) bounds the coordinator's memory for "
+        "answers of large vectors, and caps each client's upload at this window per round trip",
+    )
+
+    @model_validator(mode="after")
+    def _window_is_a_window(self) -> LimitsSpec:
+        if 0 < self.receive_window_mib < 0.0625:
+            raise ValueError(
+                f"receive_window_mib must be 0 (gRPC's own) or at least 0.0625 (64 KiB), got {self.receive_window_mib}"
+            )
+        return self
 
 
 class TransportSpec(_Model):

@@ -120,3 +120,25 @@ def test_a_vector_of_ten_million_entries_travels_end_to_end() -> None:
     assert remote.z_sha256 == local.z_sha256
     assert remote.traffic["algorithm"]["bytes_up"] > 2 * 2 * 80_000_000
     assert np.isfinite(remote.dist_z) and remote.dist_z < local.records[0]["dist_z"]
+
+
+def test_a_fixed_receive_window_smaller_than_a_chunk_changes_no_bit() -> None:
+    # 64 KiB windows under 2 MiB chunks of a 2.4 MB vector: every answer flows a window at a time.
+    from fedsaddle.server.transport.sessions import Limits
+
+    problem = {"name": "paper_regression", "num_clients": 3, "dim": 150_000, "s": 5.0}
+    run = config(problem=problem, algorithms=[FIVE[3]], rounds=7, seed=2)
+    with federation(3, limits=Limits(receive_window_bytes=64 << 10)) as pool:
+        remote = run_algorithm(run.algorithms[0], run, pool)
+    assert_same_run(remote, run_algorithm(run.algorithms[0], run, LocalPool()))
+    assert remote.traffic["algorithm"]["bytes_up"] > 7 * 3 * 8 * 300_000
+
+
+def test_the_receive_window_is_gRPCs_own_or_at_least_64_kib() -> None:
+    from fedsaddle.server.config import ConfigError
+
+    fields: dict[str, Any] = dict(problem=PAPER, algorithms=[FIVE[0]])
+    assert config(**fields).transport.limits.receive_window_mib == 0  # gRPC's own
+    assert config(**fields, transport={"limits": {"receive_window_mib": 0.0625}})
+    with pytest.raises(ConfigError, match=r"receive_window_mib must be 0 \(gRPC's own\) or at least 0.0625"):
+        config(**fields, transport={"limits": {"receive_window_mib": 0.01}})

@@ -70,6 +70,13 @@ class Round:
 RoundOutcome = tuple[list[Answer], int, int]  # the answers in client order, bytes sent, bytes received
 
 
+def _window_options(window: int) -> list[tuple[str, int]]:
+    """A fixed HTTP/2 receive window per stream, or none (0). gRPC grows its window with the link's
+    bandwidth-delay product, so that on loopback it takes in whole answers of a million entries from
+    every client before the loop reads them; a fixed one keeps that to one window per client."""
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)] if window else []
+
+
 class GrpcPool(ClientPool):
     """A ClientPool whose clients are processes connected over gRPC."""
 
@@ -148,6 +155,7 @@ class GrpcPool(ClientPool):
             # A connection that never completes its handshake (silent, or not HTTP/2) is closed as soon.
             ("grpc.server_handshake_timeout_ms", int(1000 * limits.idle_connection_s)),
             ("grpc.max_metadata_size", 16 << 10),
+            *_window_options(limits.receive_window_bytes),
         ]
         # Calls beyond this many in all are refused with RESOURCE_EXHAUSTED by gRPC itself.
         calls = limits.max_connections * limits.max_streams_per_connection

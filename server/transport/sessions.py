@@ -32,6 +32,7 @@ class Limits:
     hello_timeout_s: float = 10.0  # a stream without a Hello is closed after this long
     idle_connection_s: float = 30.0  # a connection with no call open is closed after this long
     max_undelivered_bytes: int = 64 << 20  # a session whose unread instructions exceed this is dropped
+    receive_window_bytes: int = 0  # HTTP/2 receive window per stream; 0: gRPC's own, grown with the link
 
 
 class Admission:
