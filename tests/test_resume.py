@@ -68,6 +68,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, A
     return json.loads((run_dir / "summary.json").read_text()), without_time(run_dir / "metrics.jsonl")
 
 
+def resume_coordinator(run_dir: Path, address: str) -> subprocess.Popen[str]:
+    """`fedsaddle coordinator --resume run_dir`, listening on `address` (where its clients look for it)."""
+    command = [sys.executable, "-m", "fedsaddle", "coordinator", "--resume", str(run_dir), "--listen", address]
+    return subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def killed_and_resumed(
     tmp_path: Path,
     kill_when: str,
@@ -93,13 +99,7 @@ def killed_and_resumed(
         first.process.send_signal(signal.SIGKILL)
         first.finish(timeout=30)
         (run_dir,) = (tmp_path / "runs").iterdir()
-        resumed = subprocess.Popen(
-            [sys.executable, "-m", "fedsaddle", "coordinator", "--resume", str(run_dir), "--listen", address],
-            env=CLIENT_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        resumed = resume_coordinator(run_dir, address)
         _, log = resumed.communicate(timeout=300)
     finally:
         codes = stop_processes(clients)
@@ -182,13 +182,7 @@ def stopped_and_resumed(tmp_path: Path, how: str) -> tuple[Path, int, str, int, 
         outputs = [c.communicate(timeout=30)[1].decode() for c in clients if c.returncode != -signal.SIGKILL]
         (run_dir,) = (tmp_path / "runs").iterdir()
         failure = json.loads((run_dir / "summary.json").read_text())["transport"]["failure"]
-        resumed = subprocess.Popen(
-            [sys.executable, "-m", "fedsaddle", "coordinator", "--resume", str(run_dir), "--listen", address],
-            env=CLIENT_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        resumed = resume_coordinator(run_dir, address)
         clients += start_clients()
         _, log = resumed.communicate(timeout=300)
     finally:
@@ -238,19 +232,24 @@ def test_fedsaddle_local_resumes_a_run_it_was_stopped_in(
     assert_same_as_uninterrupted(run_dir, uninterrupted)
 
 
-def test_simulate_resumes_a_stopped_private_data_run_once_given_the_data(tmp_path: Path) -> None:
+def private_run(tmp_path: Path, **fields: Any) -> tuple[dict[str, Any], str]:
+    """AUC on breast cancer split over 3 clients, each with its own file under tmp_path/data, held-out
+    rows evaluated and sample weights: the config (with `fields`), and the --data pattern."""
     shares = split("breast_cancer", 3, "iid", seed=2, out=tmp_path / "data")
     config = {
         "name": "private",
         "problem": {"name": "auc", "num_clients": 3, "features": 30, "positive_rate": shares["positive_rate"]},
         "weighting": "samples",
-        "evaluate_every": 100,
-        "rounds": 4001,
         "algorithms": [{"name": "scaffold_s", "gamma_local": 0.04}],
         "output": {"plot": False, "checkpoint_every": 25},
+        **fields,
     }
+    return config, str(tmp_path / "data" / "client-{i:03d}.npz")
+
+
+def test_simulate_resumes_a_stopped_private_data_run_once_given_the_data(tmp_path: Path) -> None:
+    config, pattern = private_run(tmp_path, evaluate_every=100, rounds=4001)
     path = write_config(tmp_path / "run.yaml", **config)
-    pattern = str(tmp_path / "data" / "client-{i:03d}.npz")
     whole = fedsaddle("simulate", "--config", str(path), "--data", pattern, "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     (expected,) = (tmp_path / "whole").iterdir()
@@ -284,20 +283,9 @@ def test_simulate_resumes_a_stopped_private_data_run_once_given_the_data(tmp_pat
 def test_a_private_data_run_with_evaluation_resumes_bit_identical(tmp_path: Path) -> None:
     # Each client reloads its own file for the resumed run; the evaluations (every 10 steps and
     # the last) come out as in a run that was never interrupted.
-    shares = split("breast_cancer", 3, "iid", seed=2, out=tmp_path / "data")
-    config = {
-        "name": "private",
-        "problem": {"name": "auc", "num_clients": 3, "features": 30, "positive_rate": shares["positive_rate"]},
-        "weighting": "samples",
-        "evaluate_every": 10,
-        "rounds": 301,
-        "sync": {"kind": "random", "p": 0.2},
-        "algorithms": [{"name": "scaffold_s", "gamma_local": 0.04}],
-        "output": {"plot": False, "checkpoint_every": 25},
-    }
-    data = {i: str(tmp_path / "data" / f"client-{i:03d}.npz") for i in range(3)}
+    config, pattern = private_run(tmp_path, evaluate_every=10, rounds=301, sync={"kind": "random", "p": 0.2})
+    data = {i: pattern.format(i=i) for i in range(3)}
     path = write_config(tmp_path / "whole.yaml", **config)
-    pattern = str(tmp_path / "data" / "client-{i:03d}.npz")
     whole = fedsaddle("local", "--config", str(path), "--data", pattern, "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     (expected,) = (tmp_path / "whole").iterdir()
