@@ -230,7 +230,7 @@ def _resume(
         progress.close()
     _print_tables(outcome.results, configs[0])
     print(f"run directory: {outcome.run_dir} (resumed)")
-    return _exit_code(outcome)
+    return _exit_code(outcome, transport)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -468,7 +468,7 @@ def _run(
         if outcome.results:
             _print_tables(outcome.results, config)
         print(f"run directory: {outcome.run_dir}")
-        return _exit_code(outcome)
+        return _exit_code(outcome, transport)
 
 
 @contextlib.contextmanager
@@ -506,7 +506,7 @@ def _print_tables(results: Sequence[AlgorithmResult], config: RunConfig) -> None
         print(rounds)
 
 
-def _exit_code(outcome: Outcome) -> int:
+def _exit_code(outcome: Outcome, transport: dict[str, Any]) -> int:
     from fedsaddle.server.driver import Stopped
 
     if outcome.unexpected:
@@ -515,7 +515,8 @@ def _exit_code(outcome: Outcome) -> int:
     if outcome.failure is None:
         return EXIT_OK
     if isinstance(outcome.cause, Stopped):
-        log.info("stopped by SIGTERM; outputs written, clients told goodbye")
+        told = ", clients told goodbye" if transport.get("kind") == "grpc" else ""
+        log.info("stopped by SIGTERM; outputs written%s", told)
         return EXIT_OK
     if isinstance(outcome.cause, KeyboardInterrupt):
         return EXIT_INTERRUPTED

@@ -258,13 +258,16 @@ def test_simulate_resumes_a_stopped_private_data_run_once_given_the_data(tmp_pat
         cwd=tmp_path,
         env=CLIENT_ENV,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 60
     while not list((tmp_path / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
         time.sleep(0.01)
     first.send_signal(signal.SIGTERM)
-    assert first.wait(timeout=60) == 0
+    _, log = first.communicate(timeout=60)
+    assert first.returncode == 0, log
+    assert "stopped by SIGTERM; outputs written\n" in log  # (no clients to tell)
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "summary.json").read_text())["transport"]["failure"] == "stopped by SIGTERM"
     before = digest(run_dir)
