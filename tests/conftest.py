@@ -69,3 +69,9 @@ def config(**fields: Any) -> RunConfig:
 @pytest.fixture
 def tmp_out(tmp_path: Any) -> Any:
     return tmp_path / "runs"
+
+
+def child_pids(pid: int) -> set[int]:
+    """The processes whose parent is `pid`, now."""
+    found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(p) for p in found.split()}

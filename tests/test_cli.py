@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CLIENT_ENV, fedsaddle, start_clients, strict_json
+from conftest import CLIENT_ENV, child_pids, fedsaddle, start_clients, strict_json
 from test_failures import Coordinator
 
 SMALL: dict[str, Any] = {
@@ -167,11 +167,6 @@ def test_outputs_stay_strict_json_when_the_iterate_overflows(tmp_path: Path) -> 
     assert result["status"] == "diverged" and result["dist_x"] is None
 
 
-def _children(pid: int) -> set[int]:
-    found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return {int(p) for p in found.split()}
-
-
 def test_local_clients_are_processes_of_their_own_and_end_with_the_command(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({**SMALL, "rounds": 1_000_000, "algorithms": SMALL["algorithms"][:1]}))
@@ -182,7 +177,7 @@ def test_local_clients_are_processes_of_their_own_and_end_with_the_command(tmp_p
         for line in local.stderr:
             if "first round done" in line:
                 break
-        clients = _children(local.pid)
+        clients = child_pids(local.pid)
         assert len(clients) == 4  # one process per client, each with a pid of its own
         local.send_signal(signal.SIGTERM)
         _, err = local.communicate(timeout=60)

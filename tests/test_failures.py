@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import CLIENT_ENV, start_clients, stop_processes
+from conftest import CLIENT_ENV, child_pids, start_clients, stop_processes
 
 
 class Coordinator:
@@ -236,8 +236,7 @@ def test_the_client_processes_of_fedsaddle_local_end_with_it_even_when_it_is_kil
     children: list[int] = []
     try:
         local.wait_for(r"minibatch_md\s+round", 60)
-        listed = subprocess.run(["ps", "-o", "pid=", "--ppid", str(local.process.pid)], capture_output=True, text=True)
-        children = [int(pid) for pid in listed.stdout.split()]
+        children = sorted(child_pids(local.process.pid))
         assert len(children) == 4
         local.process.send_signal(signal.SIGKILL)  # no handler runs: the children are told by the kernel
         local.process.wait(timeout=10)
