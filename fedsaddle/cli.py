@@ -135,20 +135,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedsaddle.server.local_pool import LocalPool
 
     _stop_on_sigterm()
+
+    def local_pool(config: RunConfig) -> tuple[Any, dict[str, Any]]:
+        pool = LocalPool(data=_data_paths(args.data, range(config.problem.num_clients)))
+        return pool, pool.describe()
+
     if args.resume:
-        transport: dict[str, Any] = {"kind": "in-process", "resumed": True}
-
-        def local_pool(config: RunConfig) -> Any:
-            pool = LocalPool(data=_data_paths(args.data, range(config.problem.num_clients)))
-            transport.update(pool.describe())
-            return pool
-
-        return _resume(args, local_pool, transport, _reference)
+        return _resume(args, local_pool, _reference)
     if not args.config:
         raise UsageError("simulate needs --config (or --resume RUN_DIR)")
     config = _config(args)
-    pool = LocalPool(data=_data_paths(args.data, range(config.problem.num_clients)))
-    return _run(config, pool, pool.describe(), _reference(config, pool))
+    pool, transport = local_pool(config)
+    return _run(config, pool, transport, _reference(config, pool))
 
 
 def _reference(config: RunConfig, pool: Any) -> Any:
@@ -185,26 +183,30 @@ def _serving(config: RunConfig, listen: str | None) -> Any:
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
+
+    def serving(config: RunConfig) -> tuple[Any, dict[str, Any]]:
+        pool = _serving(config, args.listen)
+        return pool, {"kind": "grpc", "address": pool.address}
+
     if args.resume:
-        return _resume(args, lambda config: _serving(config, args.listen), {"kind": "grpc", "resumed": True})
+        return _resume(args, serving)
     if not args.config:
         raise UsageError("coordinator needs --config (or --resume RUN_DIR)")
     config = _config(args)
-    pool = _serving(config, None)
+    pool, transport = serving(config)
     try:
-        return _run(config, pool, {"kind": "grpc", "address": pool.address})
+        return _run(config, pool, transport)
     finally:
         pool.close()
 
 
 def _resume(
     args: argparse.Namespace,
-    pool_for: Callable[[RunConfig], Any],
-    transport: dict[str, Any],
+    pool_for: Callable[[RunConfig], tuple[Any, dict[str, Any]]],
     reference_for: Callable[[RunConfig, Any], Any] | None = None,
 ) -> int:
-    """Go on with the run in args.resume on the pool `pool_for(config)` makes (its config is the run
-    directory's); `transport` is recorded in the summary."""
+    """Go on with the run in args.resume (its config is the run directory's) on the pool `pool_for(config)`
+    makes, with the transport description the summary records."""
     from fedsaddle.progress import Progress
     from fedsaddle.server.checkpoint import CheckpointError
     from fedsaddle.server.coordinator import resume_run
@@ -214,21 +216,21 @@ def _resume(
     if args.out:
         raise UsageError("--resume goes on in the run directory it names; leave out --out")
     progress = Progress()
-    configs: list[RunConfig] = []
+    made: list[tuple[RunConfig, dict[str, Any]]] = []
 
-    def pool_of(config: RunConfig) -> Any:
-        configs.append(config)
-        return pool_for(config)
+    def pool_of(config: RunConfig) -> tuple[Any, dict[str, Any]]:
+        pool, transport = pool_for(config)
+        made.append((config, transport))
+        return pool, {**transport, "resumed": True}
 
     try:
-        outcome = resume_run(
-            Path(args.resume), pool_of, transport, progress.rounds, progress.step, reference_for=reference_for
-        )
+        outcome = resume_run(Path(args.resume), pool_of, progress.rounds, progress.step, reference_for=reference_for)
     except CheckpointError as exc:
         raise UsageError(f"cannot resume: {exc}") from None
     finally:
         progress.close()
-    _print_tables(outcome.results, configs[0])
+    ((config, transport),) = made
+    _print_tables(outcome.results, config)
     print(f"run directory: {outcome.run_dir} (resumed)")
     return _exit_code(outcome, transport)
 
@@ -266,28 +268,22 @@ def cmd_local(args: argparse.Namespace) -> int:
     from fedsaddle.launch import loopback_federation
 
     _stop_on_sigterm()
+    with contextlib.ExitStack() as stack:  # the federation's processes end with the command
 
-    def federation(config: RunConfig) -> Any:
-        if config.transport.tls or config.transport.credentials:
-            raise UsageError(
-                "`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens"
-            )
-        data = _data_paths(args.data, range(config.problem.num_clients))
-        return loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=True)
+        def federation(config: RunConfig) -> tuple[Any, dict[str, Any]]:
+            if config.transport.tls or config.transport.credentials:
+                raise UsageError(
+                    "`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens"
+                )
+            data = _data_paths(args.data, range(config.problem.num_clients))
+            loopback = loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=True)
+            pool, processes = stack.enter_context(loopback)
+            return pool, {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
 
-    if args.resume:
-        transport: dict[str, Any] = {"kind": "grpc", "resumed": True}
-        with contextlib.ExitStack() as stack:
-
-            def loopback_pool(config: RunConfig) -> Any:
-                pool, processes = stack.enter_context(federation(config))
-                transport.update(address=pool.address, client_processes=len(processes))
-                return pool
-
-            return _resume(args, loopback_pool, transport)
-    config = _config(args)
-    with federation(config) as (pool, processes):
-        transport = {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
+        if args.resume:
+            return _resume(args, federation)
+        config = _config(args)
+        pool, transport = federation(config)
         return _run(config, pool, transport, timed=True)
 
 

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -104,13 +105,13 @@ def run_config(
 
 def resume_run(
     run_dir: Path,
-    pool_for: Any,
-    transport: dict[str, Any],
+    pool_for: Callable[[RunConfig], tuple[ClientPool, dict[str, Any]]],
     progress: ProgressHook | None = None,
     on_step: StepHook | None = None,
-    reference_for: Any = None,
+    reference_for: Callable[[RunConfig, ClientPool], Array | None] | None = None,
 ) -> Outcome:
-    """Go on with a checkpointed run in `run_dir` on the pool `pool_for(config)` makes.
+    """Go on with a checkpointed run in `run_dir` on the pool `pool_for(config)` makes, with the
+    description of its transport that the summary records.
 
     CheckpointError if it cannot be resumed; then nothing in run_dir has changed.
     `reference_for(config, pool)`: z* to measure against, as run_config's `reference`.
@@ -146,7 +147,7 @@ def resume_run(
         resume.traffic["algorithm"]["rounds"],
         f" (it had stopped: {stopped})" if stopped else "",
     )
-    pool = pool_for(config)  # (the coordinator's waits for every client to join)
+    pool, transport = pool_for(config)  # (the coordinator's waits for every client to join)
     try:
         first, finished = saved.algorithm_index, saved.finished
         reference = None if reference_for is None else reference_for(config, pool)
