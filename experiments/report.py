@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsaddle.server.driver import rounds_key
+from fedsaddle.server.driver import convention_words, rounds_key
 
 from .grid import ACCURACIES, NAMES, Best, Grid, Row, best_steps, quartiles
 
@@ -93,7 +93,7 @@ def accuracy_table(rows: Sequence[Row], algorithms: Sequence[str], accuracy: flo
         spread = f"[{q1:.0f}, {'not reached' if not math.isfinite(q3) else f'{q3:.0f}'}]"
         return f"{median:.0f} {spread} ({scale:g}{', ' + variant if variant else ''})"
 
-    counted = "every exchange counted" if grid.convention == "exchanges" else "the paper's convention"
+    counted = convention_words(grid.convention)
     return markdown(
         f"Rounds until ||x - x*|| <= {accuracy:g} ({counted}): median over seeds [interquartile range], at the step "
         "of the grid that gets there fastest with no seed diverging (in parentheses); 'not reached' = not within "

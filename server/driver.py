@@ -87,6 +87,11 @@ def rounds_key(convention: str) -> str:
     return "rounds" if convention == "exchanges" else "paper_rounds"
 
 
+def convention_words(convention: str) -> str:
+    """How tables, plots and reports say which rounds they count."""
+    return "every exchange counted" if convention == "exchanges" else "the paper's convention"
+
+
 # What every step's record holds; any other field is an evaluation metric.
 RECORD_FIELDS = frozenset({"step", "rounds", "paper_rounds", "time_s", "dist_x", "dist_z"})
 
