@@ -116,6 +116,10 @@ def resume_run(
     CheckpointError if it cannot be resumed; then nothing in run_dir has changed.
     `reference_for(config, pool)`: z* to measure against, as run_config's `reference`.
     """
+    if not (run_dir / "config.json").is_file():
+        raise checkpoint.CheckpointError(
+            f"{run_dir} is not a run directory (it has no config.json): give the folder of one run, runs/NAME-TIME"
+        )
     config = load_config(run_dir / "config.json")
     stopped = _why_it_stopped(run_dir / "summary.json")
     state_types = [build(spec, config.sync).state_type for spec in config.algorithms]
@@ -169,7 +173,8 @@ def _why_it_stopped(summary: Path) -> str | None:
         failure = json.loads(summary.read_text())["transport"]["failure"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise checkpoint.CheckpointError(
-            f"{summary} cannot be read ({type(exc).__name__}: {exc}), so whether the run finished is unknown"
+            f"{summary} cannot be read ({type(exc).__name__}: {exc}), so whether the run finished is unknown; "
+            "if it did not, remove that file and resume again"
         ) from exc
     if not failure:
         raise checkpoint.CheckpointError(

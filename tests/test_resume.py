@@ -357,6 +357,9 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_and_nothing_changes(tmp_p
     refused("holds a finished run")
     (run_dir / "summary.json").write_text('{"transport": ')
     refused("summary.json cannot be read (JSONDecodeError")
+    refused_elsewhere = fedsaddle("coordinator", "--resume", str(run_dir.parent), "--listen", address, timeout=60)
+    assert refused_elsewhere.returncode == 2
+    assert f"{run_dir.parent} is not a run directory (it has no config.json)" in refused_elsewhere.stderr
     (run_dir / "summary.json").unlink()
     (run_dir / "checkpoint.npz").unlink()
     refused("has no checkpoint.npz")
