@@ -27,7 +27,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -55,19 +55,21 @@ class LoopRunner:
         """Run the coroutine to its end on the loop, in this thread: its result, or its exception raised here."""
         if _has_running_loop():  # e.g. a notebook's cell: this thread runs a loop of its own
             return self._run_elsewhere(coroutine, timeout)
-        with self._state:
-            self._callers += 1
+        counted = owned = False
+        task: asyncio.Task[T] | None = None
         try:
-            if not self._owner.acquire(blocking=False):  # the keeper has it: ask for it back
-                self.loop.call_soon_threadsafe(self._wanted.set)
-                self._owner.acquire()
-        except BaseException:
-            coroutine.close()
-            self._leave()
-            raise
-        task = self.loop.create_task(coroutine if timeout is None else asyncio.wait_for(coroutine, timeout))
-        guard = self._guard if threading.current_thread() is threading.main_thread() else None
-        try:
+            # A signal's handler that raises must not come between taking the loop and noting it:
+            # the loop would stay taken, and the next call (the goodbye) would wait for it forever.
+            with _signals_deferred():
+                with self._state:
+                    self._callers += 1
+                counted = True
+                if not self._owner.acquire(blocking=False):  # the keeper has it: ask for it back
+                    self.loop.call_soon_threadsafe(self._wanted.set)
+                    self._owner.acquire()
+                owned = True
+            task = self.loop.create_task(coroutine if timeout is None else asyncio.wait_for(coroutine, timeout))
+            guard = self._guard if threading.current_thread() is threading.main_thread() else None
             while True:
                 if guard is not None:
                     guard.enter()
@@ -80,10 +82,14 @@ class LoopRunner:
                     if guard is not None:
                         guard.leave()  # the held signals' handlers: they may raise (else, go on)
         finally:
-            if not task.done():  # a signal's handler raised: the call is abandoned
+            if task is None:
+                coroutine.close()
+            elif not task.done():  # a signal's handler raised: the call is abandoned
                 task.cancel()  # (it unwinds when the loop next runs)
-            self._owner.release()
-            self._leave()
+            if owned:
+                self._owner.release()
+            if counted:
+                self._leave()
 
     def _run_elsewhere(self, coroutine: Coroutine[Any, Any, T], timeout: float | None) -> T:
         """Hand the coroutine to the keeper, which runs the loop while no thread calls `run` itself."""
@@ -132,6 +138,20 @@ class LoopRunner:
                 self.loop.close()
             finally:
                 self._owner.release()
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGTERM and SIGINT wait until the block is over, then are delivered (in the main thread:
+    elsewhere their handlers do not run anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _has_running_loop() -> bool:
