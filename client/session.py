@@ -120,7 +120,10 @@ class ClientSession:
         size = 8 * task.payload_length
         if len(self._payload) < size:
             self._payload = bytearray(size)
-        self._task, self._assembler = task, wire.Assembler(size, into=self._payload)
+        self._task, self._assembler = (
+            task,
+            wire.Assembler(size, into=self._payload, min_piece=wire.min_piece(self.chunk_bytes)),
+        )
         return []
 
     def _chunk(self, chunk: pb.Chunk | wire.RawChunk) -> Iterable[pb.ClientMessage | bytes]:

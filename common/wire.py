@@ -56,6 +56,17 @@ def check_chunk_bytes(chunk_bytes: int) -> int:
     return chunk_bytes
 
 
+MIN_PIECE_BYTES = 4 << 10
+
+
+def min_piece(chunk_bytes: int) -> int:
+    """The least data a Chunk other than a payload's last may carry: 4 KiB, or the session's
+    chunk size if that is smaller. Every message costs its receiver a fixed amount of work, so a
+    payload cut into tiny chunks would cost it many times what the bytes do (at one byte per
+    chunk, a d = 1e4 answer took the coordinator 25 s)."""
+    return min(chunk_bytes, MIN_PIECE_BYTES)
+
+
 def message_limit(chunk_bytes: int) -> int:
     """The gRPC send/receive limit both sides set: a chunk plus headroom.
 
@@ -237,13 +248,19 @@ class Assembler:
     payload and sends little costs little. One buffer of the final size, instead of one
     grown chunk by chunk, leaves no holes of every intermediate size in the heap. A client
     process may pass its own buffer (`into`) and reuse it from task to task.
+
+    Every chunk but the last must carry at least `min_piece` bytes (see min_piece). With
+    `keep=False` the chunks are checked and counted, but not kept: the chunks of a refused
+    answer, read to their end.
     """
 
-    def __init__(self, total_bytes: int, into: bytearray | None = None) -> None:
+    def __init__(self, total_bytes: int, into: bytearray | None = None, min_piece: int = 0, keep: bool = True) -> None:
         if into is not None and len(into) < total_bytes:
             raise ValueError(f"a buffer of {len(into)} bytes cannot hold {total_bytes}")
         self.total = total_bytes
         self.filled = 0
+        self.min_piece = min_piece
+        self.keep = keep
         self._into = None if into is None else memoryview(into)[:total_bytes]
 
     @property
@@ -258,6 +275,14 @@ class Assembler:
             raise WireError(f"chunks overrun the payload: {end} bytes of {self.total}")
         if not chunk.data:
             raise WireError("empty chunk")
+        if end < self.total and len(chunk.data) < self.min_piece:
+            raise WireError(
+                f"a chunk of {len(chunk.data)} bytes before the payload's last: "
+                f"every chunk but the last carries at least {self.min_piece} bytes"
+            )
+        if not self.keep:
+            self.filled = end
+            return
         if self._into is None:
             try:
                 self._into = memoryview(np.empty(self.total, dtype=np.uint8))  # type: ignore[arg-type]

@@ -183,6 +183,64 @@ def test_bad_answers_are_rejected_and_the_run_ends_as_if_they_never_came() -> No
     assert outcome["r"].traffic["algorithm"]["rounds"] == RUN.rounds
 
 
+def chunked_round(hand: HandClient) -> list[pb.ClientMessage]:
+    """Take the next task and its chunks; the good answer's messages: its header, then its chunks."""
+    replies: list[pb.ClientMessage | bytes] = []
+    while not replies:
+        replies = list(hand.state.handle(hand.next()))
+    return [pb.ClientMessage.FromString(r) if isinstance(r, bytes) else r for r in replies]
+
+
+def test_tiny_chunks_are_refused_and_a_refused_answers_chunks_cost_no_more_refusals() -> None:
+    # chunk_bytes 1 KiB (so at least 1 KiB per chunk but the last); answers of 200 entries, 1600 bytes.
+    run = config(**{**RUN.model_dump(), "problem": {**RUN.problem.model_dump(), "dim": 100}, "rounds": 2})
+    outcome: dict[str, AlgorithmResult] = {}
+    with GrpcPool(2, "127.0.0.1:0", chunk_bytes=1024) as pool, grpc.insecure_channel(pool.address) as channel:
+        first, second = HandClient(channel, [0]), HandClient(channel, [1])
+        first.welcome(), second.welcome()
+        pool.wait_for_clients(10)
+        runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
+        runner.start()
+        for round_ in range(run.rounds):
+            good, good_b = chunked_round(first), chunked_round(second)
+            assert [len(m.chunk.data) for m in good[1:]] == [1024, 576]
+            if round_ == 0:
+                first.send(good[0])
+                small = pb.ClientMessage(chunk=pb.Chunk(offset=0, data=good[1].chunk.data[:512]))
+                first.send(small)
+                refused = first.next().rejected
+                assert pb.RejectCode.Name(refused.code) == "INVALID_ARGUMENT"
+                assert refused.details.endswith("every chunk but the last carries at least 1024 bytes")
+                # A refused header (a stale round): its chunks are read and dropped, refused once in all.
+                stale = answer(good[0].answer, round_id=good[0].answer.round_id - 1)
+                for message in (stale, *good[1:]):
+                    first.send(message)
+                assert pb.RejectCode.Name(first.next().rejected.code) == "FAILED_PRECONDITION"
+            for message in (*good, *good_b):
+                (first if message in good else second).send(message)
+        runner.join(timeout=30)
+        assert not runner.is_alive()
+        # The next refusal is that of an answer sent now: none came for the stale answer's chunks.
+        first.send(good[0])
+        assert "but no round is open" in first.next().rejected.details
+    assert outcome["r"].z_sha256 == run_algorithm(run.algorithms[0], run, LocalPool()).z_sha256
+
+
+def test_a_session_whose_messages_are_refused_again_and_again_is_ended_naming_the_first_refusal() -> None:
+    with GrpcPool(1, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
+        hand = HandClient(channel, [0])
+        hand.welcome()
+        for offset in range(40):  # a flood of one-byte chunks
+            hand.send(pb.ClientMessage(chunk=pb.Chunk(offset=offset, data=b"x")))
+        details = [hand.next().rejected.details for _ in range(31)]
+        assert set(details) == {"a Chunk without an Answer before it"}
+        with pytest.raises(grpc.RpcError) as error:
+            hand.next()
+        hand.close()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == "32 messages in a row refused; the first: a Chunk without an Answer before it"
+
+
 def test_an_answer_with_huge_finite_entries_is_used_and_numpy_does_not_warn() -> None:
     # Its squares overflow the fast finiteness test (numeric.all_finite), which then looks entry by entry.
     run = config(**{**RUN.model_dump(), "rounds": 1, "algorithms": [{"name": "minibatch_md", "gamma": 1e-3}]})

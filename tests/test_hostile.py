@@ -3,6 +3,7 @@ and a session that stops reading its stream is dropped and named. Mixed credenti
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import socket
@@ -263,19 +264,21 @@ def test_the_readmes_two_site_example_runs_token_and_certificate_identities_toge
     assert remote == run_algorithm(local_config.algorithms[0], local_config, LocalPool()).z_sha256
 
 
-def test_a_welcome_with_a_chunk_size_out_of_range_ends_the_client_with_an_error_naming_it() -> None:
-    # A coordinator written by hand: it answers the Hello with a Welcome that sets chunk_bytes to 0.
+def hand_coordinator(instructions: list[pb.Instruction]) -> tuple[grpc.Server, int, list[pb.ClientMessage]]:
+    """A coordinator written by hand: after the Hello it sends `instructions`, then reads until the client
+    closes its side. The messages it received come in the list it returns."""
     from concurrent import futures
 
     from fedsaddle.common import wire
 
-    hellos: list[pb.ClientMessage] = []
+    received: list[pb.ClientMessage] = []
 
     def session(requests: Any, context: grpc.ServicerContext) -> Any:
-        hellos.append(pb.ClientMessage.FromString(next(requests)))
-        yield pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=0)).SerializeToString()
-        for _ in requests:  # until the client closes its side
-            pass
+        received.append(pb.ClientMessage.FromString(next(requests)))
+        for instruction in instructions:
+            yield instruction.SerializeToString()
+        for request in requests:
+            received.append(pb.ClientMessage.FromString(request))
 
     handler = grpc.stream_stream_rpc_method_handler(session)
     service, method = wire.SESSION_METHOD.strip("/").split("/")
@@ -283,6 +286,12 @@ def test_a_welcome_with_a_chunk_size_out_of_range_ends_the_client_with_an_error_
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {method: handler}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    return server, port, received
+
+
+def client_against(instructions: list[pb.Instruction]) -> tuple[int, str, list[pb.ClientMessage]]:
+    """Run client 0 against a hand-written coordinator; its exit status, its output and what it sent."""
+    server, port, received = hand_coordinator(instructions)
     client = subprocess.Popen(
         client_command(f"127.0.0.1:{port}", "0", "--connect-timeout", "10"),
         stdout=subprocess.PIPE,
@@ -295,9 +304,35 @@ def test_a_welcome_with_a_chunk_size_out_of_range_ends_the_client_with_an_error_
     finally:
         client.kill()
         server.stop(0)
-    assert hellos and list(hellos[0].hello.client_indices) == [0]
-    assert client.returncode == 1
+    return client.returncode, output, received
+
+
+def test_a_welcome_with_a_chunk_size_out_of_range_ends_the_client_with_an_error_naming_it() -> None:
+    welcome = pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=0))
+    status, output, received = client_against([welcome])
+    assert received and list(received[0].hello.client_indices) == [0]
+    assert status == 1
     assert "the coordinator's Welcome is malformed: chunk_bytes must be between 1024 (1 KiB)" in output
+    assert "Traceback" not in output
+
+
+def test_a_task_in_tiny_chunks_ends_the_client_with_an_error_naming_them() -> None:
+    # A hostile coordinator would make the client pay a message's cost per byte; the client refuses.
+    problem = {"name": "paper_regression", "num_clients": 1, "dim": 100, "s": 1.0}
+    instructions = [
+        pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=1024)),
+        pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=200)),
+        pb.Instruction(task=pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=200)),
+        *(pb.Instruction(chunk=pb.Chunk(offset=i, data=b"\0")) for i in range(3)),
+    ]
+    status, output, received = client_against(instructions)
+    assert [m.WhichOneof("body") for m in received] == ["hello", "ready"]
+    assert received[1].ready.error == ""  # it had loaded its data: the chunks are what it refused
+    assert status == 1
+    assert (
+        "malformed instruction from the coordinator: a chunk of 1 bytes before the payload's last: "
+        "every chunk but the last carries at least 1024 bytes" in output
+    )
     assert "Traceback" not in output
 
 

@@ -195,6 +195,24 @@ def test_the_assembler_refuses_gaps_and_overruns() -> None:
     assert assembler.done and assembler.payload() == b"x" * 8 + b"y" * 8
 
 
+def test_every_chunk_but_the_last_carries_at_least_the_minimum_piece() -> None:
+    assert wire.min_piece(2 << 20) == 4096 and wire.min_piece(1024) == 1024
+    assembler = wire.Assembler(2500, min_piece=1024)
+    with pytest.raises(wire.WireError, match="a chunk of 1023 bytes before the payload's last: every chunk but"):
+        assembler.add(pb.Chunk(offset=0, data=b"x" * 1023))
+    assert assembler.filled == 0  # the refused chunk left nothing behind
+    assembler.add(pb.Chunk(offset=0, data=b"x" * 1024))
+    assembler.add(pb.Chunk(offset=1024, data=b"y" * 1200))
+    assembler.add(pb.Chunk(offset=2224, data=b"z" * 276))  # the last may be short
+    assert assembler.done and bytes(assembler.payload()[1020:1030]) == b"xxxxyyyyyy"
+    # The chunks of a refused answer are checked and counted, not kept.
+    skipped = wire.Assembler(1 << 40, min_piece=1024, keep=False)
+    skipped.add(pb.Chunk(offset=0, data=b"s" * 4096))
+    with pytest.raises(wire.WireError, match="a chunk of 10 bytes before the payload's last"):
+        skipped.add(pb.Chunk(offset=4096, data=b"s" * 10))
+    assert skipped.filled == 4096 and not skipped.done
+
+
 def test_the_assembler_holds_only_what_arrived() -> None:
     # A peer announcing a large payload and sending little costs the process little:
     # the buffer's pages are committed only as chunks fill them.

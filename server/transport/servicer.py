@@ -45,6 +45,20 @@ class Received(NamedTuple):
     chunk: wire.RawChunk | None = None
 
 
+class Incoming(NamedTuple):
+    """A chunked answer being read: its header, the chunks so far and its size on the wire. A refused
+    answer's chunks are still read to its end, checked but not kept (`refused`), and not refused
+    one by one."""
+
+    header: pb.Answer
+    assembler: wire.Assembler
+    size: int
+    refused: bool = False
+
+
+MAX_REFUSED_IN_A_ROW = 32  # a session whose messages are refused this many times running is ended
+
+
 def parse(data: bytes) -> Received:
     chunk = wire.read_chunk(data)
     if chunk is not None:
@@ -83,6 +97,7 @@ class SessionService:
         self.barriers = barriers
         self.welcome = pb.Instruction(welcome=welcome).SerializeToString()
         self.chunk_bytes = welcome.chunk_bytes
+        self.min_piece = wire.min_piece(welcome.chunk_bytes)
         self.authenticator = authenticator
         self.limits = limits or Limits()
         self.shutting_down = False  # set by the pool when it says goodbye and stops the server
@@ -213,7 +228,7 @@ class SessionService:
 
     async def _read(self, session: Session, incoming: AsyncIterator[Received]) -> Refusal | None:
         """Take the session's messages until its stream ends; a Refusal if it broke the protocol."""
-        pending: tuple[pb.Answer, wire.Assembler, int] | None = None  # a chunked answer being assembled
+        pending: Incoming | None = None
         try:
             async for received in incoming:
                 if received.chunk is not None:  # the usual large message, read by hand
@@ -230,8 +245,8 @@ class SessionService:
                     if (starting is None or not starting.accept(session, message.ready)) and self.on_ready:
                         self.on_ready(session, message.ready)
                 elif kind == "answer":
-                    if pending is not None:
-                        self._reject(session, pending[0].round_id, checks.INVALID, "a new Answer before the chunks")
+                    if pending is not None and not pending.refused:
+                        self._reject(session, pending.header.round_id, checks.INVALID, "a new Answer before the chunks")
                     pending = self._answer(session, message.answer, received.size)
                 else:
                     pending = self._piece(session, pending, message.chunk, received.size)
@@ -245,7 +260,7 @@ class SessionService:
         session.end()  # the process closed its side: its session is over
         return None
 
-    def _answer(self, session: Session, header: pb.Answer, size: int) -> tuple[pb.Answer, wire.Assembler, int] | None:
+    def _answer(self, session: Session, header: pb.Answer, size: int) -> Incoming | None:
         round_ = self.barriers.round
         expected = round_.expectation(session) if round_ is not None else None
         try:
@@ -254,34 +269,35 @@ class SessionService:
             )
         except Refusal as refusal:
             self._reject(session, header.round_id, refusal.code, refusal.details)
-            return None
+            if header.payload or not header.payload_length:
+                return None
+            # Its chunks may be on their way (a late answer, say): read them, but refuse only once.
+            skipped = wire.Assembler(8 * header.payload_length, min_piece=self.min_piece, keep=False)
+            return Incoming(header, skipped, size, refused=True)
         payload = header.payload  # (each read of a bytes field is a copy)
         if length and not payload:
-            return header, wire.Assembler(length), size  # chunks follow
+            return Incoming(header, wire.Assembler(length, min_piece=self.min_piece), size)  # chunks follow
         assert round_ is not None and expected is not None
         self._accept(session, round_, expected, header, payload, size)
         return None
 
     def _piece(
-        self,
-        session: Session,
-        pending: tuple[pb.Answer, wire.Assembler, int] | None,
-        chunk: pb.Chunk | wire.RawChunk,
-        size: int,
-    ) -> tuple[pb.Answer, wire.Assembler, int] | None:
+        self, session: Session, pending: Incoming | None, chunk: pb.Chunk | wire.RawChunk, size: int
+    ) -> Incoming | None:
         """A Chunk of the answer being assembled (`pending`); the answer is offered when complete."""
         if pending is None:
             self._reject(session, 0, checks.INVALID, "a Chunk without an Answer before it")
             return None
-        header, assembler, total = pending
+        header, assembler, total, refused = pending
         try:
             assembler.add(chunk)
         except wire.WireError as exc:
             self._reject(session, header.round_id, checks.INVALID, str(exc))
             return None
         if not assembler.done:
-            return header, assembler, total + size
-        self._offer(session, header, assembler.payload(), total + size)
+            return Incoming(header, assembler, total + size, refused)
+        if not refused:
+            self._offer(session, header, assembler.payload(), total + size)
         return None
 
     def _offer(self, session: Session, header: pb.Answer, payload: bytes | memoryview, size: int) -> None:
@@ -311,9 +327,20 @@ class SessionService:
         except Refusal as refusal:
             self._reject(session, header.round_id, refusal.code, refusal.details)
             return
+        session.refused_in_a_row = 0
         round_.accept(session, answer, size)
 
     def _reject(self, session: Session, round_id: int, code: grpc.StatusCode, details: str) -> None:
+        """Tell the session its answer was refused; end it (Refusal) after too many refusals running:
+        each message costs the coordinator work, and a refused one buys nothing."""
+        session.refused_in_a_row += 1
+        if session.refused_in_a_row == 1:
+            session.first_refused = details
+        if session.refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{session.refused_in_a_row} messages in a row refused; the first: {session.first_refused}",
+            )
         self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
         rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
         session.send(pb.Instruction(rejected=rejected).SerializeToString())
