@@ -275,9 +275,10 @@ class Assembler:
             raise WireError(f"chunks overrun the payload: {end} bytes of {self.total}")
         if not chunk.data:
             raise WireError("empty chunk")
-        if end < self.total and len(chunk.data) < self.min_piece:
+        size = len(chunk.data)
+        if end < self.total and size < self.min_piece:
             raise WireError(
-                f"a chunk of {len(chunk.data)} bytes before the payload's last: "
+                f"a chunk of {size} byte{'s' * (size != 1)} before the payload's last: "
                 f"every chunk but the last carries at least {self.min_piece} bytes"
             )
         if not self.keep:

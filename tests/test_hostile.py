@@ -330,7 +330,7 @@ def test_a_task_in_tiny_chunks_ends_the_client_with_an_error_naming_them() -> No
     assert received[1].ready.error == ""  # it had loaded its data: the chunks are what it refused
     assert status == 1
     assert (
-        "malformed instruction from the coordinator: a chunk of 1 bytes before the payload's last: "
+        "malformed instruction from the coordinator: a chunk of 1 byte before the payload's last: "
         "every chunk but the last carries at least 1024 bytes" in output
     )
     assert "Traceback" not in output
