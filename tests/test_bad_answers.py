@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -408,3 +409,31 @@ def test_a_ready_with_an_error_the_wrong_dimension_or_no_samples_stops_the_run_b
             "reported 0 training samples for client 1: weighted by samples, every client must bring some",
         ]
         honest.close(), broken.close()
+
+
+def test_an_answer_that_crosses_the_goodbye_is_refused_without_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    # Ctrl-C or SIGTERM closes the pool while answers are on their way: refusing them is expected, not news.
+    caplog.set_level(logging.DEBUG, logger="fedsaddle.coordinator")
+    pool = GrpcPool(1, "127.0.0.1:0")
+    with grpc.insecure_channel(pool.address) as channel:
+        hand = HandClient(channel, [0])
+        hand.welcome()
+        pool.wait_for_clients(10)
+        run = config(problem={"name": "paper_regression", "num_clients": 1, "dim": 3}, algorithms=RUN.algorithms)
+        first_round = threading.Thread(
+            target=lambda: (pool.start_run(RunInfo("late", run.problem, run.seed, 0.0)), pool.gradients(np.ones(6)))
+        )
+        first_round.start()
+        good = hand.good(hand.next_task())
+        hand.send(pb.ClientMessage(answer=good))
+        first_round.join(timeout=10)
+        closing = threading.Thread(target=pool.close)
+        closing.start()
+        assert hand.next().HasField("goodbye")
+        hand.send(pb.ClientMessage(answer=good))  # it crossed the goodbye
+        hand.close()
+        closing.join(timeout=10)
+    late = [r for r in caplog.records if "as the coordinator stops" in r.getMessage()]
+    assert len(late) == 1 and late[0].levelno == logging.DEBUG
+    assert "but no round is open" in late[0].getMessage()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -341,6 +341,9 @@ class SessionService:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{session.refused_in_a_row} messages in a row refused; the first: {session.first_refused}",
             )
-        self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
+        if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
+            log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
+        else:
+            self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
         rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
         session.send(pb.Instruction(rejected=rejected).SerializeToString())
