@@ -437,3 +437,21 @@ def test_an_answer_that_crosses_the_goodbye_is_refused_without_a_warning(caplog:
     assert len(late) == 1 and late[0].levelno == logging.DEBUG
     assert "but no round is open" in late[0].getMessage()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_second_ready_for_the_run_ends_the_session() -> None:
+    # A Ready answers a RunSpec; more of them would each cost the coordinator a check (and a warning,
+    # when the numeric stack it names changes).
+    with GrpcPool(1, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
+        hand = HandClient(channel, [0])
+        hand.welcome()
+        pool.wait_for_clients(10)
+        run = config(problem={"name": "paper_regression", "num_clients": 1, "dim": 3}, algorithms=RUN.algorithms)
+        pool.start_run(RunInfo("twice", run.problem, run.seed, 0.0))
+        hand.send(pb.ClientMessage(ready=pb.Ready(run_id="twice", dimension=6, numeric_stack="another")))
+        with pytest.raises(grpc.RpcError) as error:
+            hand.next()
+        hand.close()
+        assert pool.numeric_stacks() != {"another": [0]}
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == "a second Ready for run 'twice'"

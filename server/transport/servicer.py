@@ -241,6 +241,11 @@ class SessionService:
                     what = "bytes that are not a ClientMessage" if message is None else f"an unexpected {kind}"
                     raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{what} ({received.size} bytes)")
                 if kind == "ready":
+                    run_id = message.ready.run_id
+                    if run_id and run_id == session.ready_run:  # a Ready answers a RunSpec, once
+                        raise Refusal(
+                            grpc.StatusCode.INVALID_ARGUMENT, f"a second Ready for run {printable(run_id, 64)!r}"
+                        )
                     starting = self.barriers.starting
                     if (starting is None or not starting.accept(session, message.ready)) and self.on_ready:
                         self.on_ready(session, message.ready)
