@@ -231,7 +231,12 @@ def test_a_session_whose_messages_are_refused_again_and_again_is_ended_naming_th
     with GrpcPool(1, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
         hand = HandClient(channel, [0])
         hand.welcome()
-        for offset in range(40):  # a flood of one-byte chunks
+        # Answers refused for their timing do not count (a straggler's come after its rounds closed) ...
+        late = pb.ClientMessage(answer=pb.Answer(run_id="r", round_id=7, client_indices=[0], payload=b"\0" * 8))
+        for _ in range(40):
+            hand.send(late)
+        assert [pb.RejectCode.Name(hand.next().rejected.code) for _ in range(40)] == ["FAILED_PRECONDITION"] * 40
+        for offset in range(40):  # ... malformed ones do: a flood of one-byte chunks
             hand.send(pb.ClientMessage(chunk=pb.Chunk(offset=offset, data=b"x")))
         details = [hand.next().rejected.details for _ in range(31)]
         assert set(details) == {"a Chunk without an Answer before it"}

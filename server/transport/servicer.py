@@ -56,7 +56,10 @@ class Incoming(NamedTuple):
     refused: bool = False
 
 
-MAX_REFUSED_IN_A_ROW = 32  # a session whose messages are refused this many times running is ended
+# A session whose answers are refused as malformed, or as not its to give, this many times running is
+# ended. Answers refused for their timing (a round already closed: a straggler's) do not count.
+MAX_REFUSED_IN_A_ROW = 32
+_MISBEHAVING = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
 
 
 def parse(data: bytes) -> Received:
@@ -336,16 +339,17 @@ class SessionService:
         round_.accept(session, answer, size)
 
     def _reject(self, session: Session, round_id: int, code: grpc.StatusCode, details: str) -> None:
-        """Tell the session its answer was refused; end it (Refusal) after too many refusals running:
-        each message costs the coordinator work, and a refused one buys nothing."""
-        session.refused_in_a_row += 1
-        if session.refused_in_a_row == 1:
-            session.first_refused = details
-        if session.refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
-            raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{session.refused_in_a_row} messages in a row refused; the first: {session.first_refused}",
-            )
+        """Tell the session its answer was refused; end it (Refusal) after too many malformed or foreign
+        messages running: each costs the coordinator work, and buys nothing."""
+        if code in _MISBEHAVING:
+            session.refused_in_a_row += 1
+            if session.refused_in_a_row == 1:
+                session.first_refused = details
+            if session.refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{session.refused_in_a_row} messages in a row refused; the first: {session.first_refused}",
+                )
         if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
             log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
         else:
