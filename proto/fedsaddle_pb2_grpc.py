@@ -51,9 +51,10 @@ class CoordinatorServicer:
         INVALID_ARGUMENT    the first message is not a valid Hello (no indices,
         repeated or out-of-range indices, another protocol
         version), or bytes that are not a ClientMessage, or a
-        message that breaks the order above, or 32 answers
-        or chunks in a row were refused as INVALID_ARGUMENT
-        or PERMISSION_DENIED (details name the first reason).
+        message that breaks the order above (a second Ready
+        for a run, say), or 32 of its messages were refused
+        in one round since its last accepted answer (details
+        name the first reason).
         ALREADY_EXISTS      an index of the Hello is held by another live session.
         UNAUTHENTICATED     credentials are configured and the call proves no
         identity (no or unknown token, unknown certificate).

@@ -227,24 +227,46 @@ def test_tiny_chunks_are_refused_and_a_refused_answers_chunks_cost_no_more_refus
     assert outcome["r"].z_sha256 == run_algorithm(run.algorithms[0], run, LocalPool()).z_sha256
 
 
-def test_a_session_whose_messages_are_refused_again_and_again_is_ended_naming_the_first_refusal() -> None:
-    with GrpcPool(1, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
-        hand = HandClient(channel, [0])
-        hand.welcome()
-        # Answers refused for their timing do not count (a straggler's come after its rounds closed) ...
-        late = pb.ClientMessage(answer=pb.Answer(run_id="r", round_id=7, client_indices=[0], payload=b"\0" * 8))
-        for _ in range(40):
-            hand.send(late)
-        assert [pb.RejectCode.Name(hand.next().rejected.code) for _ in range(40)] == ["FAILED_PRECONDITION"] * 40
-        for offset in range(40):  # ... malformed ones do: a flood of one-byte chunks
-            hand.send(pb.ClientMessage(chunk=pb.Chunk(offset=offset, data=b"x")))
-        details = [hand.next().rejected.details for _ in range(31)]
-        assert set(details) == {"a Chunk without an Answer before it"}
+def test_a_straggler_refused_once_a_round_stays_and_a_flood_of_refusals_in_one_round_ends_the_session() -> None:
+    pool = GrpcPool(2, "127.0.0.1:0", straggler_deadline_s=0.05, min_clients=1)
+    with grpc.insecure_channel(pool.address) as channel:
+        straggler, prompt = HandClient(channel, [0]), HandClient(channel, [1])
+        straggler.welcome(), prompt.welcome()
+        pool.wait_for_clients(10)
+        run = config(problem={"name": "paper_regression", "num_clients": 2, "dim": 3}, algorithms=RUN.algorithms)
+        rounds = threading.Thread(
+            target=lambda: (
+                pool.start_run(RunInfo("slow", run.problem, run.seed, 0.0)),
+                [pool.gradients(np.ones(6)) for _ in range(40)],
+            )
+        )
+        rounds.start()
+        codes = []
+        task = straggler.next_task()
+        for i in range(40):  # its answer always comes after the round closed without it: refused, once a round
+            late = straggler.good(task)
+            prompt.send(pb.ClientMessage(answer=prompt.good(prompt.next_task())))
+            if i < 39:
+                task = straggler.next_task()  # the next round's task: this one is closed
+                straggler.send(pb.ClientMessage(answer=late))
+                codes.append(pb.RejectCode.Name(straggler.next().rejected.code))
+        rounds.join(timeout=30)
+        assert not rounds.is_alive() and pool.missing() == []
+        # A flood of one-byte chunks while no round is open: the 32nd refusal ends the session.
+        for offset in range(40):
+            straggler.send(pb.ClientMessage(chunk=pb.Chunk(offset=offset, data=b"x")))
+        details = []
         with pytest.raises(grpc.RpcError) as error:
-            hand.next()
-        hand.close()
+            while True:
+                details.append(straggler.next().rejected.details)
+        straggler.close(), prompt.close()
+        pool.close()
+    assert codes == ["FAILED_PRECONDITION"] * 39
+    assert details == ["a Chunk without an Answer before it"] * 31
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.value.details() == "32 messages in a row refused; the first: a Chunk without an Answer before it"
+    assert error.value.details() == (
+        "32 messages refused while no round was open; the first: a Chunk without an Answer before it"
+    )
 
 
 def test_an_answer_with_huge_finite_entries_is_used_and_numpy_does_not_warn() -> None:

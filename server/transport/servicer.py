@@ -56,10 +56,9 @@ class Incoming(NamedTuple):
     refused: bool = False
 
 
-# A session whose answers are refused as malformed, or as not its to give, this many times running is
-# ended. Answers refused for their timing (a round already closed: a straggler's) do not count.
-MAX_REFUSED_IN_A_ROW = 32
-_MISBEHAVING = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+# A session refused this many times in one round (since its last accepted answer) is ended. An honest
+# one is refused once or twice in a round at most: a straggler's answer that comes after the round closed.
+MAX_REFUSED_IN_A_ROUND = 32
 
 
 def parse(data: bytes) -> Received:
@@ -335,21 +334,25 @@ class SessionService:
         except Refusal as refusal:
             self._reject(session, header.round_id, refusal.code, refusal.details)
             return
-        session.refused_in_a_row = 0
+        session.refused = 0
         round_.accept(session, answer, size)
 
     def _reject(self, session: Session, round_id: int, code: grpc.StatusCode, details: str) -> None:
-        """Tell the session its answer was refused; end it (Refusal) after too many malformed or foreign
-        messages running: each costs the coordinator work, and buys nothing."""
-        if code in _MISBEHAVING:
-            session.refused_in_a_row += 1
-            if session.refused_in_a_row == 1:
-                session.first_refused = details
-            if session.refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
-                raise Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{session.refused_in_a_row} messages in a row refused; the first: {session.first_refused}",
-                )
+        """Tell the session its answer was refused; end it (Refusal) after too many refusals in one round:
+        each message costs the coordinator work, and a refused one buys nothing."""
+        round_ = self.barriers.round
+        in_round = round_.what if round_ is not None else ""
+        if session.refused_in != in_round:
+            session.refused, session.refused_in = 0, in_round
+        session.refused += 1
+        if session.refused == 1:
+            session.first_refused = details
+        if session.refused >= MAX_REFUSED_IN_A_ROUND:
+            where = f"in {in_round}" if in_round else "while no round was open"
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{session.refused} messages refused {where}; the first: {session.first_refused}",
+            )
         if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
             log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
         else:

@@ -112,7 +112,8 @@ class Session:
     dropped: Refusal | None = None  # why the coordinator ended it
     ready_run: str | None = None  # the run this session's clients are loaded for (it said Ready)
     listed: tuple[int, ...] | None = None  # the indices in the Hello's order, when that is not index order
-    refused_in_a_row: int = 0  # messages refused as malformed or foreign since the last accepted answer
+    refused: int = 0  # messages refused in round `refused_in` since its last accepted answer
+    refused_in: str = ""  # that round ("" while none is open)
     first_refused: str = ""  # why the first of them was
 
     @property
