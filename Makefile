@@ -49,6 +49,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/paper_sweep.py
 	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/abuse.py
+	$(BIN)/python bench/chunk_flood.py
 
 # The multi-container federation for real: podman builds the images, docker-compose runs
 # docker-compose.yml through podman's Docker API, the result must equal `fedsaddle simulate`.
