@@ -482,3 +482,19 @@ def test_a_second_ready_for_the_run_ends_the_session() -> None:
         assert pool.numeric_stacks() != {"another": [0]}
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details() == "a second Ready for run 'twice'"
+
+
+def test_readys_for_a_run_not_under_way_count_as_refused() -> None:
+    with GrpcPool(1, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
+        hand = HandClient(channel, [0])
+        hand.welcome()
+        pool.wait_for_clients(10)
+        for _ in range(40):
+            hand.send(pb.ClientMessage(ready=pb.Ready(run_id="other", dimension=6)))
+        with pytest.raises(grpc.RpcError) as error:
+            hand.next()
+        hand.close()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == (
+        "32 messages refused while no round was open; the first: a Ready for run 'other', not under way"
+    )

@@ -345,24 +345,26 @@ class GrpcPool(ClientPool):
             self._resend(session, [self._spec])
             log.info("%s rejoined; sent it run %s", session.describe(), self.run.run_id if self.run else "?")
 
-    def _on_ready(self, session: Session, ready: pb.Ready) -> None:
-        """A rejoining session is loaded: let it take its place in the open round, and resend the task."""
+    def _on_ready(self, session: Session, ready: pb.Ready) -> bool:
+        """A rejoining session is loaded: let it take its place in the open round, and resend the task.
+        False if the Ready is not for the run under way."""
         run = self.run
         if run is None or ready.run_id != run.run_id:
-            return
+            return False
         problem = self._problem_with(session, ready, run)
         round_ = self.barriers.round
         if problem is not None:
             if round_ is not None:
                 round_.fail(PoolError(problem))
             log.error("%s", problem)
-            return
+            return True
         session.ready_run = run.run_id
         self._note_stack(session, ready)  # it may have come back on another machine, or another build
         self._warn_if_stacks_differ(run.run_id)
         if round_ is not None and round_.replace(session) is not None:
             clients = len(round_.expected[session.id].indices)
             self._resend(session, round_.task_for(session), clients, round_.floats_per_client * clients)
+        return True
 
     def _exchange(
         self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None

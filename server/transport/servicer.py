@@ -107,7 +107,8 @@ class SessionService:
         self.admission = Admission(self.limits.max_streams_per_peer, self.limits.max_pending_hellos)
         self.refusals = RefusalLog(log)
         self.on_join: Callable[[Session], None] | None = None  # e.g. send a rejoining session the current run
-        self.on_ready: Callable[[Session, pb.Ready], None] | None = None  # a Ready outside a run's start
+        # A Ready outside a run's start (a rejoining session's): whether it was for the run under way.
+        self.on_ready: Callable[[Session, pb.Ready], bool] | None = None
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         session = grpc.stream_stream_rpc_method_handler(
@@ -249,8 +250,11 @@ class SessionService:
                             grpc.StatusCode.INVALID_ARGUMENT, f"a second Ready for run {printable(run_id, 64)!r}"
                         )
                     starting = self.barriers.starting
-                    if (starting is None or not starting.accept(session, message.ready)) and self.on_ready:
-                        self.on_ready(session, message.ready)
+                    taken = starting is not None and starting.accept(session, message.ready)
+                    if not taken and self.on_ready is not None:
+                        taken = self.on_ready(session, message.ready)
+                    if not taken:  # (a late one is possible: a RunSpec resent as a run ended)
+                        self._count_refusal(session, f"a Ready for run {printable(run_id, 64)!r}, not under way")
                 elif kind == "answer":
                     if pending is not None and not pending.refused:
                         self._reject(session, pending.header.round_id, checks.INVALID, "a new Answer before the chunks")
@@ -340,6 +344,16 @@ class SessionService:
     def _reject(self, session: Session, round_id: int, code: grpc.StatusCode, details: str) -> None:
         """Tell the session its answer was refused; end it (Refusal) after too many refusals in one round:
         each message costs the coordinator work, and a refused one buys nothing."""
+        self._count_refusal(session, details)
+        if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
+            log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
+        else:
+            self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
+        rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
+        session.send(pb.Instruction(rejected=rejected).SerializeToString())
+
+    def _count_refusal(self, session: Session, details: str) -> None:
+        """Count a message refused or ignored; Refusal once the session has had too many in this round."""
         round_ = self.barriers.round
         in_round = round_.what if round_ is not None else ""
         if session.refused_in != in_round:
@@ -353,9 +367,3 @@ class SessionService:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{session.refused} messages refused {where}; the first: {session.first_refused}",
             )
-        if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
-            log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
-        else:
-            self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
-        rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
-        session.send(pb.Instruction(rejected=rejected).SerializeToString())
