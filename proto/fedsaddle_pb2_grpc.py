@@ -53,7 +53,8 @@ class CoordinatorServicer:
         version), or bytes that are not a ClientMessage, or a
         message that breaks the order above (a second Ready
         for a run, say), or 32 of its messages were refused
-        in one round since its last accepted answer (details
+        in one round since its last accepted answer, a Ready
+        for a run not under way counting as refused (details
         name the first reason).
         ALREADY_EXISTS      an index of the Hello is held by another live session.
         UNAUTHENTICATED     credentials are configured and the call proves no
