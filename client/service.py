@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 
 import grpc
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import blas, wire
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
-from fedsaddle.common.worker import ShardCache
+from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 log = logging.getLogger("fedsaddle.client")
@@ -112,6 +113,14 @@ def _channel(options: ClientOptions) -> grpc.aio.Channel:
     if options.credentials is not None:
         return grpc.aio.secure_channel(options.coordinator, options.credentials, options=channel_options)
     return grpc.aio.insecure_channel(options.coordinator, options=channel_options)
+
+
+class Stopped(BaseException):
+    """SIGTERM came while a task computed: raised there, it ends the computation and the session (not
+    an Exception: nothing on the way may take it for a failure of the task)."""
+
+
+_EXECUTE = Worker.execute.__code__  # the frame a SIGTERM finds when it comes during a task
 
 
 class _Lost(Exception):
@@ -218,12 +227,25 @@ def serve(options: ClientOptions) -> None:
     async def session() -> None:
         task = asyncio.current_task()
         assert task is not None
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        loop = asyncio.get_running_loop()
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            # A task computes in the loop's thread, and the loop takes no callback until it ends: a
+            # task of many local steps (or a hostile coordinator's billions) would outlast the SIGTERM.
+            while frame is not None:
+                if frame.f_code is _EXECUTE:
+                    raise Stopped
+                frame = frame.f_back
+            loop.call_soon_threadsafe(task.cancel)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
         trimmer = asyncio.ensure_future(return_freed_memory())
         try:
             await run_client(options)
         except asyncio.CancelledError:
             log.info("stopped by SIGTERM; session closed")
+        except Stopped:
+            log.info("stopped by SIGTERM during a task; session closed")
         finally:
             trimmer.cancel()
 

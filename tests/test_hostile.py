@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -341,3 +342,43 @@ def test_a_pool_refuses_a_chunk_size_out_of_range_before_it_starts_anything() ->
     with pytest.raises(ValueError, match=r"chunk_bytes must be between 1024 \(1 KiB\) and 67108864 \(64 MiB\), got 0$"):
         GrpcPool(2, "127.0.0.1:0", chunk_bytes=0)
     assert threading.active_count() == threads
+
+
+def test_sigterm_stops_a_client_in_the_middle_of_a_task_of_billions_of_steps() -> None:
+    # A task computes in the client's event-loop thread; SIGTERM must not wait for it to end.
+    problem = {"name": "paper_regression", "num_clients": 1, "dim": 3, "s": 1.0}
+    endless = pb.LocalSteps(steps=2**31, gamma_local=1e-9, decay=pb.CONSTANT, correction=pb.NONE)
+    server, port, received = hand_coordinator(
+        [
+            pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=1 << 20)),
+            pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=6)),
+            pb.Instruction(
+                task=pb.Task(
+                    run_id="r", round_id=1, kind=pb.LOCAL_STEPS, local=endless, payload_length=6, payload=bytes(48)
+                )
+            ),
+        ]
+    )
+    client = subprocess.Popen(
+        client_command(f"127.0.0.1:{port}", "0", "--connect-timeout", "10"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=CLIENT_ENV,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(received) < 2 and time.monotonic() < deadline:  # the Hello, then the Ready
+            time.sleep(0.05)
+        time.sleep(1.0)  # well into the steps
+        client.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        output, _ = client.communicate(timeout=20)
+        took = time.monotonic() - stopped
+    finally:
+        client.kill()
+        server.stop(0)
+    assert [m.WhichOneof("body") for m in received] == ["hello", "ready"]
+    assert client.returncode == 0, output
+    assert took < 10
+    assert "Traceback" not in output
