@@ -228,8 +228,11 @@ def serve(options: ClientOptions) -> None:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
+        stopped_by = "SIGINT"  # asyncio.run cancels the session on Ctrl-C
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            nonlocal stopped_by
+            stopped_by = "SIGTERM"
             # A task computes in the loop's thread, and the loop takes no callback until it ends: a
             # task of many local steps (or a hostile coordinator's billions) would outlast the SIGTERM.
             while frame is not None:
@@ -243,7 +246,7 @@ def serve(options: ClientOptions) -> None:
         try:
             await run_client(options)
         except asyncio.CancelledError:
-            log.info("stopped by SIGTERM; session closed")
+            log.info("stopped by %s; session closed", stopped_by)
         except Stopped:
             log.info("stopped by SIGTERM during a task; session closed")
         finally:

@@ -170,7 +170,9 @@ def fork_clients(
             code = 1
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the coordinator's handler
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+                # Ctrl-C reaches the whole process group; it is the coordinator's to act on (it stops the
+                # run and says goodbye). A client that left on its own would fail the run first.
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
                 _end_with(parent)
                 os.close(write_end)
                 for sibling in children:

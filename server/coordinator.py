@@ -219,15 +219,13 @@ def _run(
         except RunStopped as stop:
             outcome.results.append(stop.result)
             outcome.cause = stop.cause
-            if isinstance(stop.cause, Stopped):
-                outcome.failure = "stopped by SIGTERM"
-                pool.farewell = "the coordinator was stopped by SIGTERM" + (
+            if isinstance(stop.cause, Stopped | KeyboardInterrupt):
+                outcome.failure = "stopped by SIGTERM" if isinstance(stop.cause, Stopped) else "interrupted"
+                pool.farewell = f"the coordinator was {outcome.failure}" + (
                     "; it can resume the run from its checkpoint (start the clients again then)"
                     if config.output.checkpoint_every > 0
                     else ""
                 )
-            elif isinstance(stop.cause, KeyboardInterrupt):
-                outcome.failure = "interrupted"
             else:
                 outcome.failure = str(stop.cause)
                 pool.failure = outcome.failure

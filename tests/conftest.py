@@ -37,8 +37,8 @@ def fedsaddle(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[s
     )
 
 
-def start_clients(address: str, groups: Sequence[str]) -> list[subprocess.Popen[bytes]]:
-    return launch.start_clients(address, groups)
+def start_clients(address: str, groups: Sequence[str], quiet: bool = True) -> list[subprocess.Popen[bytes]]:
+    return launch.start_clients(address, groups, quiet=quiet)
 
 
 def stop_processes(processes: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> list[int]:

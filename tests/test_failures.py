@@ -32,11 +32,17 @@ class Coordinator:
         prefix: Sequence[str] = (),
         env: dict[str, str] | None = None,
         command: str = "coordinator",
+        own_group: bool = False,
     ) -> None:
         line = [*prefix, sys.executable, "-m", "fedsaddle", command, "--config", str(config_path), "--out", str(out)]
         command_line = line + (["--listen", listen] if command == "coordinator" else [])
         self.process = subprocess.Popen(
-            command_line, env=env or CLIENT_ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            command_line,
+            env=env or CLIENT_ENV,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=own_group,  # a process group of its own, as a terminal's command has
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -97,7 +103,9 @@ class UnderWay:
 
 
 @contextmanager
-def run_under_way(tmp_path: Path, algorithm: dict[str, Any], num_clients: int, **transport: Any) -> Iterator[UnderWay]:
+def run_under_way(
+    tmp_path: Path, algorithm: dict[str, Any], num_clients: int, quiet_clients: bool = True, **transport: Any
+) -> Iterator[UnderWay]:
     """Start `fedsaddle coordinator` and one client process per client; yield once rounds are going."""
     config = write_config(
         tmp_path / "run.yaml",
@@ -109,7 +117,7 @@ def run_under_way(tmp_path: Path, algorithm: dict[str, Any], num_clients: int, *
     )
     coordinator = Coordinator(config, tmp_path / "runs")
     address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
-    state = UnderWay(coordinator, start_clients(address, [str(i) for i in range(num_clients)]))
+    state = UnderWay(coordinator, start_clients(address, [str(i) for i in range(num_clients)], quiet=quiet_clients))
     try:
         coordinator.wait_for(r"round\s+\d+/1000000", 60)
         yield state
@@ -207,6 +215,20 @@ def test_sigterm_stops_every_process_cleanly_with_outputs_written(tmp_path: Path
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) > 1
 
 
+def test_ctrl_c_stops_the_coordinator_and_its_clients_are_told_it_was_interrupted(tmp_path: Path) -> None:
+    with run_under_way(tmp_path, {"name": "fedavg_s", "gamma_local": 0.01}, 2, quiet_clients=False) as run:
+        run.coordinator.process.send_signal(signal.SIGINT)
+        code, log = run.coordinator.finish(timeout=30)
+    assert code == 130, log
+    assert run.client_codes == [0, 0], run.client_logs
+    # Not "the run is over": a client's operator must not read a Ctrl-C as a finished run.
+    assert all("coordinator says goodbye" in c and "the coordinator was interrupted" in c for c in run.client_logs), (
+        run.client_logs
+    )
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    assert yaml.safe_load((run_dir / "summary.json").read_text())["transport"]["failure"] == "interrupted"
+
+
 def test_a_client_stopped_by_sigterm_exits_cleanly_and_is_named(tmp_path: Path) -> None:
     with run_under_way(tmp_path, {"name": "minibatch_md", "gamma": 0.01}, 2) as run:
         run.clients[0].send_signal(signal.SIGTERM)
@@ -223,6 +245,27 @@ def running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_ctrl_c_on_fedsaddle_local_stops_the_run_and_not_its_clients_first(tmp_path: Path) -> None:
+    # A terminal's Ctrl-C goes to the whole process group: the coordinator stops the run and says
+    # goodbye; clients that left on their own SIGINT would fail the run before it could.
+    path = write_config(
+        tmp_path / "run.yaml",
+        problem={"name": "paper_regression", "num_clients": 4, "dim": 10, "s": 1.0},
+        algorithms=[{"name": "scaffold_s", "gamma_local": 0.01}],
+        rounds=1_000_000,
+    )
+    local = Coordinator(path, tmp_path / "runs", command="local", own_group=True)
+    local.wait_for(r"scaffold_s\s+round", 60)
+    children = sorted(child_pids(local.process.pid))
+    os.killpg(local.process.pid, signal.SIGINT)
+    code, log = local.finish(timeout=30)
+    output = local.process.stdout.read() if local.process.stdout else ""
+    assert code == 130, log
+    assert "run failed" not in log and "Traceback" not in log, log
+    assert "[stopped]" in output
+    assert not [pid for pid in children if running(pid)]
 
 
 def test_the_client_processes_of_fedsaddle_local_end_with_it_even_when_it_is_killed(tmp_path: Path) -> None:
