@@ -217,6 +217,14 @@ def test_tiny_chunks_are_refused_and_a_refused_answers_chunks_cost_no_more_refus
                 for message in (stale, *good[1:]):
                     first.send(message)
                 assert pb.RejectCode.Name(first.next().rejected.code) == "FAILED_PRECONDITION"
+                # ... but not beyond what its clients could send: chunks of a header claiming more are refused.
+                huge = answer(good[0].answer, round_id=good[0].answer.round_id - 1, payload_length=10**12)
+                for message in (huge, good[1]):
+                    first.send(message)
+                assert [first.next().rejected.details for _ in range(2)] == [
+                    "stale answer for round 0; the coordinator is waiting on round 1",
+                    "a Chunk without an Answer before it",
+                ]
             for message in (*good, *good_b):
                 (first if message in good else second).send(message)
         runner.join(timeout=30)

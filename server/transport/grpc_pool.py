@@ -234,6 +234,7 @@ class GrpcPool(ClientPool):
 
         Returns the clients' sample counts by index, when the run asked for them."""
         self._spec, self._counts = spec, None
+        self.service.entries_per_client = run.dimension
         sessions = await self._present(f"before run {run.run_id}", None)
         barrier = RunStart(list(sessions), f"the start of run {run.run_id}", self.rejoin_timeout_s, run_id=run.run_id)
         self.barriers.starting = barrier

@@ -100,6 +100,9 @@ class SessionService:
         self.welcome = pb.Instruction(welcome=welcome).SerializeToString()
         self.chunk_bytes = welcome.chunk_bytes
         self.min_piece = wire.min_piece(welcome.chunk_bytes)
+        # The run's dimension (set by the pool): a refused answer's chunks are read and dropped up to
+        # what a session's clients could send, no further.
+        self.entries_per_client = 0
         self.authenticator = authenticator
         self.limits = limits or Limits()
         self.shutting_down = False  # set by the pool when it says goodbye and stops the server
@@ -280,8 +283,9 @@ class SessionService:
             )
         except Refusal as refusal:
             self._reject(session, header.round_id, refusal.code, refusal.details)
-            if header.payload or not header.payload_length:
-                return None
+            most = len(session.indices) * self.entries_per_client
+            if header.payload or not 0 < header.payload_length <= most:
+                return None  # (chunks that follow are refused one by one)
             # Its chunks may be on their way (a late answer, say): read them, but refuse only once.
             skipped = wire.Assembler(8 * header.payload_length, min_piece=self.min_piece, keep=False)
             return Incoming(header, skipped, size, refused=True)
