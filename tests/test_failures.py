@@ -247,17 +247,23 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_ctrl_c_on_fedsaddle_local_stops_the_run_and_not_its_clients_first(tmp_path: Path) -> None:
-    # A terminal's Ctrl-C goes to the whole process group: the coordinator stops the run and says
-    # goodbye; clients that left on their own SIGINT would fail the run before it could.
+def local_under_way(tmp_path: Path, algorithm: dict[str, Any], own_group: bool = False) -> Coordinator:
+    """`fedsaddle local` with 4 client processes, once its rounds are going."""
     path = write_config(
         tmp_path / "run.yaml",
         problem={"name": "paper_regression", "num_clients": 4, "dim": 10, "s": 1.0},
-        algorithms=[{"name": "scaffold_s", "gamma_local": 0.01}],
+        algorithms=[algorithm],
         rounds=1_000_000,
     )
-    local = Coordinator(path, tmp_path / "runs", command="local", own_group=True)
-    local.wait_for(r"scaffold_s\s+round", 60)
+    local = Coordinator(path, tmp_path / "runs", command="local", own_group=own_group)
+    local.wait_for(rf"{algorithm['name']}\s+round", 60)
+    return local
+
+
+def test_ctrl_c_on_fedsaddle_local_stops_the_run_and_not_its_clients_first(tmp_path: Path) -> None:
+    # A terminal's Ctrl-C goes to the whole process group: the coordinator stops the run and says
+    # goodbye; clients that left on their own SIGINT would fail the run before it could.
+    local = local_under_way(tmp_path, {"name": "scaffold_s", "gamma_local": 0.01}, own_group=True)
     children = sorted(child_pids(local.process.pid))
     os.killpg(local.process.pid, signal.SIGINT)
     code, log = local.finish(timeout=30)
@@ -269,16 +275,9 @@ def test_ctrl_c_on_fedsaddle_local_stops_the_run_and_not_its_clients_first(tmp_p
 
 
 def test_the_client_processes_of_fedsaddle_local_end_with_it_even_when_it_is_killed(tmp_path: Path) -> None:
-    path = write_config(
-        tmp_path / "run.yaml",
-        problem={"name": "paper_regression", "num_clients": 4, "dim": 10, "s": 1.0},
-        algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
-        rounds=1_000_000,
-    )
-    local = Coordinator(path, tmp_path / "runs", command="local")
+    local = local_under_way(tmp_path, {"name": "minibatch_md", "gamma": 0.01})
     children: list[int] = []
     try:
-        local.wait_for(r"minibatch_md\s+round", 60)
         children = sorted(child_pids(local.process.pid))
         assert len(children) == 4
         local.process.send_signal(signal.SIGKILL)  # no handler runs: the children are told by the kernel
