@@ -6,7 +6,8 @@ pool, passed through as bytes), and a reader that takes the process's messages:
 Ready goes to the run-start barrier, an Answer (with its Chunks) is checked
 (checks.py) and offered to the open round (rounds.py). A refused answer gets a
 Rejected instruction and changes nothing. A message that breaks the protocol
-ends the stream with INVALID_ARGUMENT.
+ends the stream with INVALID_ARGUMENT, as do too many refused ones in one round
+(every message costs the coordinator work, a refused one buys nothing).
 """
 
 from __future__ import annotations
