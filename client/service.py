@@ -28,6 +28,7 @@ import numpy as np
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import blas, wire
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
+from fedsaddle.common.stop import Stopped
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -113,11 +114,6 @@ def _channel(options: ClientOptions) -> grpc.aio.Channel:
     if options.credentials is not None:
         return grpc.aio.secure_channel(options.coordinator, options.credentials, options=channel_options)
     return grpc.aio.insecure_channel(options.coordinator, options=channel_options)
-
-
-class Stopped(BaseException):
-    """SIGTERM came while a task computed: raised there, it ends the computation and the session (not
-    an Exception: nothing on the way may take it for a failure of the task)."""
 
 
 _EXECUTE = Worker.execute.__code__  # the frame a SIGTERM finds when it comes during a task

@@ -503,7 +503,7 @@ def _print_tables(results: Sequence[AlgorithmResult], config: RunConfig) -> None
 
 
 def _exit_code(outcome: Outcome, transport: dict[str, Any]) -> int:
-    from fedsaddle.server.driver import Stopped
+    from fedsaddle.common.stop import Stopped
 
     if outcome.unexpected:
         assert outcome.cause is not None
@@ -531,7 +531,7 @@ def _since_start() -> float:
 
 
 def _stop_on_sigterm() -> None:
-    from fedsaddle.server.driver import Stopped
+    from fedsaddle.common.stop import Stopped
 
     def stop(signum: int, frame: object) -> None:
         raise Stopped
@@ -752,8 +752,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True
     )
+    from fedsaddle.common.stop import Stopped
     from fedsaddle.server.config import ConfigError
-    from fedsaddle.server.driver import Stopped
 
     try:
         code: int = args.func(args)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from fedsaddle.common.numeric import Array
+from fedsaddle.common.stop import Stopped
 from fedsaddle.server import checkpoint
 from fedsaddle.server.algorithms import build
 from fedsaddle.server.config import RunConfig, load_config
@@ -31,7 +32,6 @@ from fedsaddle.server.driver import (
     RunStopped,
     StepDone,
     StepHook,
-    Stopped,
     run_algorithm,
 )
 from fedsaddle.server.pool import ClientPool, PoolError

@@ -24,6 +24,7 @@ import numpy as np
 from fedsaddle.common import seeding
 from fedsaddle.common.numeric import Array, row_norms, sha256
 from fedsaddle.common.problems import make_problem, solution
+from fedsaddle.common.stop import Stopped
 from fedsaddle.common.tasks import EvaluateTask, Task
 from fedsaddle.server.algorithms import Algorithm, Answers, StepCost, build
 from fedsaddle.server.config import AlgorithmSpec, RunConfig
@@ -284,14 +285,6 @@ class Run:
 
 ProgressHook = Callable[[str, int, int, float], None]
 StepHook = Callable[["Run", StepDone, ClientPool], None]
-
-
-class Stopped(BaseException):
-    """SIGTERM: finish cleanly (outputs written, clients told goodbye).
-
-    A BaseException, as KeyboardInterrupt is: the handler raises it wherever the main thread
-    is, inside a problem's gradient too, and no `except Exception` there may take it for an error.
-    """
 
 
 class RunStopped(Exception):

@@ -160,7 +160,7 @@ def test_a_federation_on_a_broken_plugin_fails_before_round_one_naming_the_clien
 def test_a_signal_that_lands_inside_a_problem_method_is_not_taken_for_its_mistake() -> None:
     # SIGTERM's handler raises Stopped (Ctrl-C's KeyboardInterrupt) wherever the main thread is: in
     # an in-process run, often inside a gradient. It stops the run; it is not the problem's fault.
-    from fedsaddle.server.driver import Stopped
+    from fedsaddle.common.stop import Stopped
 
     for signal_raises in (Stopped, KeyboardInterrupt):
 
