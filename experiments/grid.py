@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from fedsaddle.server.config import RunConfig, parse_config
-from fedsaddle.server.driver import AlgorithmResult, run_algorithm
+from fedsaddle.server.driver import AlgorithmResult, convention_words, run_algorithm
 from fedsaddle.server.pool import ClientPool
 
 from .batch import BatchRun, run_batches
@@ -166,7 +166,7 @@ class Grid:
         seed_text = (
             f"seeds {seeds[0]}-{seeds[-1]}" if seeds == tuple(range(seeds[0], seeds[-1] + 1)) else f"seeds {seeds}"
         )
-        counted = "every exchange counted" if self.convention == "exchanges" else "paper convention"
+        counted = convention_words(self.convention)
         return (
             f"n = 10, d = 10, lambda = 1e-5, tau = {self.tau}, sigma = 0; {len(seeds)} {seed_text}; "
             f"{self.rounds} rounds ({counted})"
