@@ -164,6 +164,9 @@ class ClientSession:
         except MemoryError as exc:  # the problem's size is the coordinator's to choose, this machine's memory is not
             return self._cannot(run, f"not enough memory for this process's clients' data: {exc}")
         self.worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
+        # Tasks are bounded by what the data gives, not by what the RunSpec claims: a coordinator that
+        # said a trillion and went on despite this Ready would have this process allocate terabytes.
+        self._dimension = shards.dimension
         self._tasks, self._said = 0, time.monotonic()
         stack = blas.numeric_stack()
         log.info("run %s: clients %s ready (dimension %d; %s)", run.run_id, list(self.indices), shards.dimension, stack)

@@ -94,6 +94,25 @@ def test_a_task_larger_than_the_runs_vectors_is_refused_before_anything_is_alloc
         state.handle(pb.Instruction(task=header))
 
 
+def test_tasks_are_bounded_by_the_datas_dimension_not_by_what_the_run_spec_claims() -> None:
+    # A coordinator that claims a trillion entries, is told 8 in the Ready, and sends such a task anyway:
+    # the client refuses it before allocating (it used to try, and die of a bare MemoryError).
+    state = ClientSession((1,))
+    state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
+    spec = PaperRegressionSpec(num_clients=5, dim=4, s=1.0)
+    run = pb.RunSpec(run_id="r", problem_json=spec.model_dump_json(), synthetic_seed=1, dimension=10**12)
+    (ready,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(ready, pb.ClientMessage) and ready.ready.dimension == 8 and not ready.ready.error
+    header = pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=10**12)
+    with pytest.raises(ClientError, match=f"a task of {10**12} float64 entries; run 'r' allows at most 16$"):
+        state.handle(pb.Instruction(task=header))
+    # A task the data's size takes is answered: 8 entries from this process's one client.
+    gradient = pb.GradientParams(batch=1)
+    task = pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, gradient=gradient, payload_length=8, payload=bytes(64))
+    (answer,) = state.handle(pb.Instruction(task=task))
+    assert pb.ClientMessage.FromString(answer).answer.payload_length == 8
+
+
 @pytest.mark.parametrize("chunk_bytes", [0, 1023, (64 << 20) + 1])
 def test_a_welcome_with_a_chunk_size_out_of_range_is_refused_and_changes_nothing(chunk_bytes: int) -> None:
     state = session()

@@ -347,6 +347,25 @@ def test_a_task_in_tiny_chunks_ends_the_client_with_an_error_naming_them() -> No
     assert "Traceback" not in output
 
 
+def test_a_task_larger_than_the_clients_data_ends_the_client_with_an_error_naming_it() -> None:
+    # The RunSpec claims 10^12 entries; the client's data gives 6, and its Ready says so. A coordinator
+    # that goes on anyway cannot make the client allocate what it claimed.
+    problem = {"name": "paper_regression", "num_clients": 1, "dim": 3, "s": 1.0}
+    instructions = [
+        pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=1 << 20)),
+        pb.Instruction(
+            run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=10**12)
+        ),
+        pb.Instruction(task=pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=10**12)),
+    ]
+    status, output, received = client_against(instructions)
+    assert [m.WhichOneof("body") for m in received] == ["hello", "ready"]
+    assert received[1].ready.dimension == 6 and not received[1].ready.error
+    assert status == 1
+    assert f"the coordinator sent a task of {10**12} float64 entries; run 'r' allows at most 12" in output
+    assert "Traceback" not in output
+
+
 def test_a_pool_refuses_a_chunk_size_out_of_range_before_it_starts_anything() -> None:
     threads = threading.active_count()
     with pytest.raises(ValueError, match=r"chunk_bytes must be between 1024 \(1 KiB\) and 67108864 \(64 MiB\), got 0$"):
