@@ -771,7 +771,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         from fedsaddle.server.pool import PoolError
 
-        print(f"fedsaddle: {'run failed' if isinstance(exc, PoolError) else 'error'}: {exc}", file=sys.stderr)
+        what = str(exc) or type(exc).__name__  # (a MemoryError says nothing else)
+        print(f"fedsaddle: {'run failed' if isinstance(exc, PoolError) else 'error'}: {what}", file=sys.stderr)
         return EXIT_RUN_FAILED
     return code
 

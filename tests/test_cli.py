@@ -315,3 +315,19 @@ def test_the_rounds_table_shows_a_start_within_reach_and_a_run_stopped_before_it
     assert header.split() == ["algorithm", "10", "1e-03"]
     assert first.split() == ["ran", "0", "3"]  # within 10 from the start: 0 rounds
     assert second.split() == ["stopped", "-", "-"]
+
+
+def test_an_unforeseen_error_that_has_no_words_is_named_by_its_kind() -> None:
+    # A bare MemoryError says nothing (numpy's say how much): the command says at least what it was.
+    script = (
+        "import sys\n"
+        "from fedsaddle import cli\n"
+        "def out_of_memory(args):\n"
+        "    raise MemoryError\n"
+        "cli.cmd_show_config = out_of_memory\n"
+        "sys.exit(cli.main(['show-config']))\n"
+    )
+    env = {k: v for k, v in CLIENT_ENV.items() if k != "FEDSADDLE_TRACEBACK"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr == "fedsaddle: error: MemoryError\n"
