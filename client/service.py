@@ -29,6 +29,7 @@ from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import blas, wire
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.stop import Stopped
+from fedsaddle.common.text import printable
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -83,7 +84,7 @@ class UnknownHost(Fatal):
 def diagnose(error: grpc.aio.AioRpcError, options: ClientOptions) -> tuple[type[Fatal] | None, str]:
     """(the Fatal kind it is, or None if retrying may help; the cause in words a person can act on)
     for a failed session attempt."""
-    code, details = error.code(), error.details() or ""
+    code, details = error.code(), printable(error.details() or "", 1024)  # the coordinator's words, bounded
     where = options.coordinator
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return Fatal, f"the coordinator at {where} refused this client's credentials: {code.name}: {details}"

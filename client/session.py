@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from fedsaddle.common import blas, wire
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec
+from fedsaddle.common.text import printable
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -42,6 +43,7 @@ class ClientSession:
         self._answers = wire.AnswerWriter(0)  # made anew by the Welcome, with its chunk size
         self.run: pb.RunSpec | None = None
         self._run_id, self._dimension = "", 0  # the run's, read once (not per task)
+        self._run_name = ""  # its id as logs show it: the coordinator's text, bounded and escaped
         self.worker: Worker | None = None
         self.shards = shards or ShardCache(size=2)  # holds the clients' data files and the trusted plugins
         self.goodbye: pb.Goodbye | None = None
@@ -81,7 +83,8 @@ class ClientSession:
             except ValueError as exc:
                 raise ClientError(f"the coordinator's Welcome is malformed: {exc}") from None
             self._federation_size = instruction.welcome.num_clients
-            log.info("joined federation %s as clients %s", instruction.welcome.federation_id, list(self.indices))
+            federation = printable(instruction.welcome.federation_id, 64)
+            log.info("joined federation %s as clients %s", federation, list(self.indices))
             return []
         if kind == "run":
             return [pb.ClientMessage(ready=self._start_run(instruction.run))]
@@ -90,17 +93,14 @@ class ClientSession:
         if kind == "rejected":
             rejected = instruction.rejected
             code = pb.RejectCode.Name(rejected.code) if rejected.code in pb.RejectCode.values() else rejected.code
-            log.warning("round %d: answer refused: %s: %s", rejected.round_id, code, rejected.details)
+            log.warning("round %d: answer refused: %s: %s", rejected.round_id, code, printable(rejected.details, 1024))
             return []
         if kind == "goodbye":
             self.goodbye = instruction.goodbye
+            reason = printable(instruction.goodbye.reason, 1024)
             if instruction.goodbye.outcome == pb.FAILED:
-                raise RunFailed(f"the coordinator ended the run as failed: {instruction.goodbye.reason}")
-            log.info(
-                "coordinator says goodbye (%d tasks answered in the last run): %s",
-                self._tasks,
-                instruction.goodbye.reason,
-            )
+                raise RunFailed(f"the coordinator ended the run as failed: {reason}")
+            log.info("coordinator says goodbye (%d tasks answered in the last run): %s", self._tasks, reason)
             return []
         raise ClientError(f"unknown instruction {kind!r}")
 
@@ -115,7 +115,7 @@ class ClientSession:
         if task.payload_length > limit:
             raise ClientError(
                 f"the coordinator sent a task of {task.payload_length} float64 entries; "
-                f"run {task.run_id!r} allows at most {limit}"
+                f"run {self._run_name!r} allows at most {limit}"
             )
         size = 8 * task.payload_length
         if len(self._payload) < size:
@@ -140,6 +140,7 @@ class ClientSession:
         """Load this process's clients' data for the run; Ready says what it gives, or why it cannot."""
         self.run, self.worker = run, None
         self._run_id, self._dimension = run.run_id, int(run.dimension)
+        self._run_name = printable(run.run_id, 64)
         try:
             try:
                 problem = json.loads(run.problem_json)
@@ -169,19 +170,21 @@ class ClientSession:
         self._dimension = shards.dimension
         self._tasks, self._said = 0, time.monotonic()
         stack = blas.numeric_stack()
-        log.info("run %s: clients %s ready (dimension %d; %s)", run.run_id, list(self.indices), shards.dimension, stack)
+        log.info(
+            "run %s: clients %s ready (dimension %d; %s)", self._run_name, list(self.indices), shards.dimension, stack
+        )
         return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts, numeric_stack=stack)
 
     def _cannot(self, run: pb.RunSpec, reason: str) -> pb.Ready:
-        log.error("cannot serve run %s: %s", run.run_id, reason)
+        log.error("cannot serve run %s: %s", self._run_name, printable(reason, 1024))
         return pb.Ready(run_id=run.run_id, error=reason)
 
     def _check_run(self, run_id: str) -> None:
         """ClientError unless a task of run `run_id` belongs to the run this process announced itself Ready for."""
         if self.run is None or run_id != self._run_id:
-            raise ClientError(f"task for run {run_id!r} before its RunSpec")
+            raise ClientError(f"task for run {printable(run_id, 64)!r} before its RunSpec")
         if self.worker is None:
-            raise ClientError(f"task for run {run_id!r}, which this process could not start")
+            raise ClientError(f"task for run {self._run_name!r}, which this process could not start")
 
     def _execute(self, message: pb.Task, payload: bytes | memoryview, own: bool = False) -> Iterable[bytes]:
         """Run a task; `own`: its payload is this session's buffer, which the worker may write over."""
@@ -199,5 +202,5 @@ class ClientSession:
         now = time.monotonic()
         if now - self._said >= self.heartbeat_s:
             self._said = now
-            log.info("run %s: %d tasks answered, now at round %d", run_id, self._tasks, round_id)
+            log.info("run %s: %d tasks answered, now at round %d", self._run_name, self._tasks, round_id)
         return answer

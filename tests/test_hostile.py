@@ -270,9 +270,12 @@ def _idle(client: subprocess.Popen[str], received: list[pb.ClientMessage]) -> No
     pass
 
 
-def hand_coordinator(instructions: list[pb.Instruction]) -> tuple[grpc.Server, int, list[pb.ClientMessage]]:
-    """A coordinator written by hand: after the Hello it sends `instructions`, then reads until the client
-    closes its side. The messages it received come in the list it returns."""
+def hand_coordinator(
+    instructions: list[pb.Instruction], end: tuple[grpc.StatusCode, str] | None = None
+) -> tuple[grpc.Server, int, list[pb.ClientMessage]]:
+    """A coordinator written by hand: after the Hello it sends `instructions`, then ends the stream with
+    status `end` if given, else reads until the client closes its side. The messages it received come
+    in the list it returns."""
     from concurrent import futures
 
     from fedsaddle.common import wire
@@ -283,6 +286,8 @@ def hand_coordinator(instructions: list[pb.Instruction]) -> tuple[grpc.Server, i
         received.append(pb.ClientMessage.FromString(next(requests)))
         for instruction in instructions:
             yield instruction.SerializeToString()
+        if end is not None:
+            context.abort(*end)
         for request in requests:
             received.append(pb.ClientMessage.FromString(request))
 
@@ -298,12 +303,14 @@ def hand_coordinator(instructions: list[pb.Instruction]) -> tuple[grpc.Server, i
 def client_against(
     instructions: list[pb.Instruction],
     meanwhile: Callable[[subprocess.Popen[str], list[pb.ClientMessage]], None] = _idle,
+    quiet: bool = True,
+    end: tuple[grpc.StatusCode, str] | None = None,
 ) -> tuple[int, str, list[pb.ClientMessage]]:
-    """Run client 0 against a hand-written coordinator, doing `meanwhile` while it runs; its exit status,
-    its output and what it sent."""
-    server, port, received = hand_coordinator(instructions)
+    """Run client 0 against a hand-written coordinator (`hand_coordinator`), doing `meanwhile` while it
+    runs; its exit status, its output (warnings and errors, or everything if not `quiet`) and what it sent."""
+    server, port, received = hand_coordinator(instructions, end)
     client = subprocess.Popen(
-        client_command(f"127.0.0.1:{port}", "0", "--connect-timeout", "10"),
+        client_command(f"127.0.0.1:{port}", "0", "--connect-timeout", "10", quiet=quiet),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -364,6 +371,38 @@ def test_a_task_larger_than_the_clients_data_ends_the_client_with_an_error_namin
     assert status == 1
     assert f"the coordinator sent a task of {10**12} float64 entries; run 'r' allows at most 12" in output
     assert "Traceback" not in output
+
+
+def test_a_coordinators_words_reach_the_clients_log_bounded_and_escaped() -> None:
+    # Ids and reasons are the coordinator's text: megabytes of it, or escape sequences that would
+    # clear or retitle the operator's terminal, must not reach the log as they came.
+    problem = {"name": "paper_regression", "num_clients": 1, "dim": 3, "s": 1.0}
+    run_id = "r\x1b[31m" * 10_000
+    instructions = [
+        pb.Instruction(welcome=pb.Welcome(federation_id="\x1b[2J" + "f" * 100_000, num_clients=1, chunk_bytes=1 << 20)),
+        pb.Instruction(run=pb.RunSpec(run_id=run_id, problem_json=json.dumps(problem), synthetic_seed=0, dimension=6)),
+        pb.Instruction(rejected=pb.Rejected(round_id=1, code=pb.INVALID_ARGUMENT, details="\x1b[5m" * 200_000)),
+        pb.Instruction(goodbye=pb.Goodbye(reason="\x1b]0;pwned\x07" + "b" * 100_000, outcome=pb.FAILED)),
+    ]
+    status, output, received = client_against(instructions, quiet=False)
+    assert [m.WhichOneof("body") for m in received] == ["hello", "ready"]
+    assert received[1].ready.run_id == run_id  # answered as sent: only what is shown is changed
+    assert status == 1
+    assert "\x1b" not in output and "\x07" not in output
+    assert max(len(line) for line in output.splitlines()) < 2000
+    assert "joined federation \\x1b[2Jffff" in output
+    assert "run r\\x1b[31mr\\x1b[31m" in output and "ready (dimension 6" in output
+    assert "answer refused: INVALID_ARGUMENT: \\x1b[5m\\x1b[5m" in output
+    assert "the coordinator ended the run as failed: \\x1b]0;pwned\\x07bbbb" in output
+    assert "more characters)" in output
+    assert "Traceback" not in output
+
+
+def test_a_coordinators_refusal_reaches_the_clients_log_escaped() -> None:
+    status, output, _ = client_against([], end=(grpc.StatusCode.INVALID_ARGUMENT, "no\x1b[2J\x1b]0;pwned\x07"))
+    assert status == 1
+    assert "\x1b" not in output and "\x07" not in output
+    assert "refused this client: no\\x1b[2J\\x1b]0;pwned\\x07" in output
 
 
 def test_a_pool_refuses_a_chunk_size_out_of_range_before_it_starts_anything() -> None:

@@ -29,8 +29,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedsaddle.common.indices import parse_indices, some
+from fedsaddle.common.text import printable
 from fedsaddle.server.config import ConfigError, TlsSpec, describe_errors
-from fedsaddle.server.transport.refusal import Refusal, printable
+from fedsaddle.server.transport.refusal import Refusal
 
 
 def token_hash(token: str) -> str:

@@ -30,12 +30,12 @@ from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
+from fedsaddle.common.text import printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo, round_traffic
 from fedsaddle.server.transport.auth import Authenticator
 from fedsaddle.server.transport.checks import Expectation
 from fedsaddle.server.transport.loop import LoopRunner
-from fedsaddle.server.transport.refusal import printable
 from fedsaddle.server.transport.rounds import Barriers, OpenRound, RunStart
 from fedsaddle.server.transport.servicer import SERVICE, SessionService
 from fedsaddle.server.transport.sessions import Limits, Overflow, Registry, Session

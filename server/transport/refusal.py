@@ -1,8 +1,7 @@
-"""The one refusal type of the transport, and how peer-supplied text is made safe to show.
+"""The one refusal type of the transport, and the rate-limited log of refusals.
 
-Anything a peer sends (its name, indices, metadata) can be huge or full of
-control characters; `printable` bounds and escapes it before it reaches a log
-line or a status message, so a peer cannot flood the logs or break them.
+Anything a peer sends (its name, indices, metadata) goes through
+`common.text.printable` before it reaches a log line or a status message.
 """
 
 from __future__ import annotations
@@ -13,17 +12,6 @@ import time
 import grpc
 
 DETAILS_LIMIT = 1024  # bytes of text in a status or Rejected message
-
-
-def printable(text: str | bytes, limit: int = 256) -> str:
-    """`text` with control characters escaped, cut to about `limit` characters."""
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", errors="replace")
-    cut = text[:limit]
-    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
-    if len(text) > limit:
-        escaped += f"... ({len(text) - limit} more characters)"
-    return escaped
 
 
 class Refusal(Exception):

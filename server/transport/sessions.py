@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from fedsaddle.common.indices import some
+from fedsaddle.common.text import printable
 from fedsaddle.server.pool import ClientLost
 from fedsaddle.server.transport.auth import Identity
-from fedsaddle.server.transport.refusal import Refusal, printable
+from fedsaddle.server.transport.refusal import Refusal
 
 
 @dataclass(frozen=True)
