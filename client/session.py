@@ -144,7 +144,7 @@ class ClientSession:
         try:
             try:
                 problem = json.loads(run.problem_json)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deeply to parse)
                 raise ValueError(f"the coordinator's problem is not JSON: {exc}") from None
             spec = parse_spec(problem, self.shards.trusted)
             n = self._federation_size

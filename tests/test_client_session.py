@@ -156,6 +156,11 @@ def test_a_run_whose_problem_has_another_client_count_than_the_federation_is_ref
         ("null", "the problem must be a mapping of fields, got NoneType"),
         ("{", "the coordinator's problem is not JSON: Expecting property name"),
         ('{"name": 5}', "the problem needs a `name`"),
+        ("[" * 100_000, "the coordinator's problem is not JSON: maximum recursion depth exceeded"),
+        (
+            '{"name": "paper_regression", "num_clients": 5, "dim": 4, "s": Infinity}',
+            "the coordinator's problem does not validate here: Input should be a finite number",
+        ),
     ],
 )
 def test_a_run_spec_whose_problem_is_not_a_problem_is_refused_in_ready(problem_json: str, error: str) -> None:

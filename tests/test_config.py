@@ -39,6 +39,21 @@ def test_probability_outside_zero_one_names_the_field() -> None:
     assert parse_config({**VALID, "sync": {"kind": "random", "p": 1}}).sync.p == 1  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"algorithms": [{"name": "minibatch_md", "gamma": float("inf")}]}, "algorithms[0].gamma"),
+        ({**VALID, "problem": {"name": "paper_regression", "s": float("inf")}}, "problem.s"),
+        ({**VALID, "gradient_noise": float("nan")}, "gradient_noise"),
+        ({**VALID, "transport": {"round_timeout_s": float("inf")}}, "transport.round_timeout_s"),
+    ],
+)
+def test_infinity_and_nan_are_refused_naming_the_field(data: dict[str, Any], field: str) -> None:
+    # (s = inf used to start a run that warned of NaNs and diverged; gamma = inf failed with
+    # "gamma must be > 0, got inf" as a run error, not as the config's.)
+    assert f"{field}: Input should be a finite number" in error_of(data)
+
+
 def test_unknown_algorithm_lists_the_known_ones() -> None:
     message = error_of({"algorithms": [{"name": "fedprox", "gamma": 0.1}]})
     assert "algorithms[0]: unknown name 'fedprox'" in message

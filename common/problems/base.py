@@ -56,7 +56,7 @@ __all__ = ["ClientData", "DataError", "DataProblem", "Problem", "ProblemSpec", "
 class ProblemSpec(BaseModel):
     """The public part of a problem: its name and hyper-parameters, as the config gives them."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(description="the problem's registered name")
     num_clients: int = Field(10, ge=1, description="n, the number of clients")
