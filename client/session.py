@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pydantic import ValidationError
 
 from fedsaddle.common import blas, wire
+from fedsaddle.common.indices import some
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec
 from fedsaddle.common.text import printable
 from fedsaddle.common.worker import ShardCache, Worker
@@ -194,8 +195,12 @@ class ClientSession:
         task = wire.decode_task(message, payload, self._dimension, writable=own)
         # Only the clients the task names take part, when it names some (a sampled round).
         clients = tuple(message.client_indices) or None
-        if clients is not None and not set(clients) <= set(self.indices):
-            raise ClientError(f"the task names clients {list(clients)[:8]}, not all hosted here")
+        if clients is not None:
+            named = set(clients)
+            if not named <= set(self.indices):
+                raise ClientError(f"the task names clients {some(clients)}, not all hosted here")
+            if len(named) < len(clients):  # each would be computed and sent again: an answer of any size
+                raise ClientError(f"the task names clients {some(clients)}, some more than once")
         round_id = message.round_id
         answer = self._answers.encode(run_id, round_id, self.worker.execute(task, round_id, clients))
         self._tasks += 1

@@ -113,6 +113,31 @@ def test_tasks_are_bounded_by_the_datas_dimension_not_by_what_the_run_spec_claim
     assert pb.ClientMessage.FromString(answer).answer.payload_length == 8
 
 
+@pytest.mark.parametrize(
+    ("clients", "error"),
+    [
+        ([4, 2], r"the task names clients \[2, 4\], not all hosted here"),
+        ([1] * 100_000, r"the task names clients \[1, 1, 1, 1, 1, 1, 1, 1, ... and 99992 more\], some more than once"),
+    ],
+)
+def test_a_task_must_name_hosted_clients_each_once(clients: list[int], error: str) -> None:
+    # A client named 100 000 times would be computed and sent 100 000 times: a 100 kB task, a 4.8 GB answer.
+    state = session()
+    gradient = pb.GradientParams(batch=1)
+    z = np.ones(2 * DIM).tobytes()
+    task = pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, gradient=gradient, payload_length=2 * DIM, payload=z)
+    del task.client_indices[:]
+    task.client_indices.extend(clients)
+    with pytest.raises(ClientError, match=f"^{error}$"):
+        state.handle(pb.Instruction(task=task))
+    # The session goes on: the same task naming client 4 once is answered for it alone.
+    del task.client_indices[:]
+    task.client_indices.append(4)
+    (header, *_) = state.handle(pb.Instruction(task=task))
+    assert isinstance(header, bytes)
+    assert list(pb.ClientMessage.FromString(header).answer.client_indices) == [4]
+
+
 @pytest.mark.parametrize("chunk_bytes", [0, 1023, (64 << 20) + 1])
 def test_a_welcome_with_a_chunk_size_out_of_range_is_refused_and_changes_nothing(chunk_bytes: int) -> None:
     state = session()
