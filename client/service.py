@@ -21,9 +21,11 @@ import socket
 import time
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import NamedTuple
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import blas, wire
@@ -128,10 +130,22 @@ class _Lost(Exception):
         self.joined = joined
 
 
-def _parse(data: bytes) -> pb.Instruction | wire.RawChunk:
+class _Garbled(NamedTuple):
+    """A message that is not an Instruction (its size): the session ends on it. (gRPC would log an
+    exception raised while parsing with its traceback, and hand the loop None.)"""
+
+    size: int
+
+
+def _parse(data: bytes) -> pb.Instruction | wire.RawChunk | _Garbled:
     """A Chunk is read by hand, as a view into the message (no copy); anything else by protobuf."""
     chunk = wire.read_chunk(data)
-    return chunk if chunk is not None else pb.Instruction.FromString(data)
+    if chunk is not None:
+        return chunk
+    try:
+        return pb.Instruction.FromString(data)
+    except DecodeError:
+        return _Garbled(len(data))
 
 
 async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: ShardCache) -> None:
@@ -146,6 +160,10 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
         await call.write(session.hello(options.name or f"{socket.gethostname()}:{os.getpid()}"))
         async for instruction in call:
             joined = True
+            if isinstance(instruction, _Garbled):
+                raise Fatal(
+                    f"malformed instruction from the coordinator: {instruction.size} bytes that are not an Instruction"
+                )
             for message in session.handle(instruction):
                 await call.write(message)
             if session.over:

@@ -271,11 +271,11 @@ def _idle(client: subprocess.Popen[str], received: list[pb.ClientMessage]) -> No
 
 
 def hand_coordinator(
-    instructions: list[pb.Instruction], end: tuple[grpc.StatusCode, str] | None = None
+    instructions: list[pb.Instruction | bytes], end: tuple[grpc.StatusCode, str] | None = None
 ) -> tuple[grpc.Server, int, list[pb.ClientMessage]]:
-    """A coordinator written by hand: after the Hello it sends `instructions`, then ends the stream with
-    status `end` if given, else reads until the client closes its side. The messages it received come
-    in the list it returns."""
+    """A coordinator written by hand: after the Hello it sends `instructions` (bytes as they are), then
+    ends the stream with status `end` if given, else reads until the client closes its side. The
+    messages it received come in the list it returns."""
     from concurrent import futures
 
     from fedsaddle.common import wire
@@ -285,7 +285,7 @@ def hand_coordinator(
     def session(requests: Any, context: grpc.ServicerContext) -> Any:
         received.append(pb.ClientMessage.FromString(next(requests)))
         for instruction in instructions:
-            yield instruction.SerializeToString()
+            yield instruction if isinstance(instruction, bytes) else instruction.SerializeToString()
         if end is not None:
             context.abort(*end)
         for request in requests:
@@ -301,7 +301,7 @@ def hand_coordinator(
 
 
 def client_against(
-    instructions: list[pb.Instruction],
+    instructions: list[pb.Instruction | bytes],
     meanwhile: Callable[[subprocess.Popen[str], list[pb.ClientMessage]], None] = _idle,
     quiet: bool = True,
     end: tuple[grpc.StatusCode, str] | None = None,
@@ -403,6 +403,20 @@ def test_a_coordinators_refusal_reaches_the_clients_log_escaped() -> None:
     assert status == 1
     assert "\x1b" not in output and "\x07" not in output
     assert "refused this client: no\\x1b[2J\\x1b]0;pwned\\x07" in output
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\xff\xff\xff\xff\x0f\x01", b"\x22\x05\x08\x00\x12", b"\x22\x0b\x08" + b"\xff" * 10 + b"\x01"],
+    ids=["not protobuf", "a truncated chunk", "a chunk offset of 11 varint bytes"],
+)
+def test_bytes_that_are_not_an_instruction_end_the_client_with_an_error_naming_them(garbage: bytes) -> None:
+    welcome = pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=1 << 20))
+    status, output, received = client_against([welcome, garbage])
+    assert [m.WhichOneof("body") for m in received] == ["hello"]
+    assert status == 1
+    assert f"malformed instruction from the coordinator: {len(garbage)} bytes that are not an Instruction" in output
+    assert "Traceback" not in output and "NoneType" not in output
 
 
 def test_a_pool_refuses_a_chunk_size_out_of_range_before_it_starts_anything() -> None:
