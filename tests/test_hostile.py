@@ -270,12 +270,15 @@ def _idle(client: subprocess.Popen[str], received: list[pb.ClientMessage]) -> No
     pass
 
 
+READ = None  # in a hand coordinator's instructions: read the client's next message before going on
+
+
 def hand_coordinator(
-    instructions: list[pb.Instruction | bytes], end: tuple[grpc.StatusCode, str] | None = None
+    instructions: list[pb.Instruction | bytes | None], end: tuple[grpc.StatusCode, str] | None = None
 ) -> tuple[grpc.Server, int, list[pb.ClientMessage]]:
-    """A coordinator written by hand: after the Hello it sends `instructions` (bytes as they are), then
-    ends the stream with status `end` if given, else reads until the client closes its side. The
-    messages it received come in the list it returns."""
+    """A coordinator written by hand: after the Hello it sends `instructions` (bytes as they are; READ
+    waits for the client's next message), then ends the stream with status `end` if given, else reads
+    until the client closes its side. The messages it received come in the list it returns."""
     from concurrent import futures
 
     from fedsaddle.common import wire
@@ -285,7 +288,10 @@ def hand_coordinator(
     def session(requests: Any, context: grpc.ServicerContext) -> Any:
         received.append(pb.ClientMessage.FromString(next(requests)))
         for instruction in instructions:
-            yield instruction if isinstance(instruction, bytes) else instruction.SerializeToString()
+            if instruction is READ:
+                received.append(pb.ClientMessage.FromString(next(requests)))
+            else:
+                yield instruction if isinstance(instruction, bytes) else instruction.SerializeToString()
         if end is not None:
             context.abort(*end)
         for request in requests:
@@ -301,7 +307,7 @@ def hand_coordinator(
 
 
 def client_against(
-    instructions: list[pb.Instruction | bytes],
+    instructions: list[pb.Instruction | bytes | None],
     meanwhile: Callable[[subprocess.Popen[str], list[pb.ClientMessage]], None] = _idle,
     quiet: bool = True,
     end: tuple[grpc.StatusCode, str] | None = None,
@@ -340,6 +346,7 @@ def test_a_task_in_tiny_chunks_ends_the_client_with_an_error_naming_them() -> No
     instructions = [
         pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=1024)),
         pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=200)),
+        READ,  # the Ready, before what ends the client
         pb.Instruction(task=pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=200)),
         *(pb.Instruction(chunk=pb.Chunk(offset=i, data=b"\0")) for i in range(3)),
     ]
@@ -363,6 +370,7 @@ def test_a_task_larger_than_the_clients_data_ends_the_client_with_an_error_namin
         pb.Instruction(
             run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=10**12)
         ),
+        READ,  # the Ready, before what ends the client
         pb.Instruction(task=pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=10**12)),
     ]
     status, output, received = client_against(instructions)
@@ -381,6 +389,7 @@ def test_a_coordinators_words_reach_the_clients_log_bounded_and_escaped() -> Non
     instructions = [
         pb.Instruction(welcome=pb.Welcome(federation_id="\x1b[2J" + "f" * 100_000, num_clients=1, chunk_bytes=1 << 20)),
         pb.Instruction(run=pb.RunSpec(run_id=run_id, problem_json=json.dumps(problem), synthetic_seed=0, dimension=6)),
+        READ,  # the Ready, before what ends the client
         pb.Instruction(rejected=pb.Rejected(round_id=1, code=pb.INVALID_ARGUMENT, details="\x1b[5m" * 200_000)),
         pb.Instruction(goodbye=pb.Goodbye(reason="\x1b]0;pwned\x07" + "b" * 100_000, outcome=pb.FAILED)),
     ]
