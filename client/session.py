@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable
 
@@ -143,6 +144,8 @@ class ClientSession:
         self._run_id, self._dimension = run.run_id, int(run.dimension)
         self._run_name = printable(run.run_id, 64)
         try:
+            if not (math.isfinite(run.gradient_noise) and run.gradient_noise >= 0):
+                raise ValueError(f"the run's gradient noise must be finite and >= 0, got {run.gradient_noise}")
             try:
                 problem = json.loads(run.problem_json)
             except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deeply to parse)

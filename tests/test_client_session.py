@@ -196,6 +196,19 @@ def test_a_run_spec_whose_problem_is_not_a_problem_is_refused_in_ready(problem_j
     assert not _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 4}).error
 
 
+@pytest.mark.parametrize("noise", [-1.0, float("nan"), float("inf")])
+def test_a_run_spec_with_gradient_noise_that_is_no_deviation_is_refused_in_ready(noise: float) -> None:
+    # (-1 ended the client with a ValueError; NaN was taken for exact gradients, inf made every answer diverge.)
+    state = session()
+    spec = PaperRegressionSpec(num_clients=5, dim=4, s=1.0)
+    run = pb.RunSpec(run_id="noisy", problem_json=spec.model_dump_json(), synthetic_seed=1, gradient_noise=noise)
+    (reply,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(reply, pb.ClientMessage)
+    assert reply.ready.error == f"the run's gradient noise must be finite and >= 0, got {noise}"
+    assert state.worker is None
+    assert not _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 4}).error
+
+
 def test_a_running_session_says_in_its_log_how_far_it_is(caplog: pytest.LogCaptureFixture) -> None:
     state = session()
     state.heartbeat_s = 0.0  # a line per task (60 s in a real client)
