@@ -12,6 +12,7 @@ serialized Instructions) and sends the same bytes to every session.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -374,6 +375,9 @@ def decode_task(
             raise WireError(f"unknown correction {local.correction}")
         if local.decay not in _DECAY_NAME:
             raise WireError(f"unknown step decay {local.decay}")
+        for name, value in (("gamma_local", local.gamma_local), ("theta", local.theta)):
+            if not (math.isfinite(value) and value >= 0):
+                raise WireError(f"{name} must be finite and >= 0, got {value}")
         values = from_bytes(payload, (2 if scaffold else 1) * dimension, writable)
         return LocalStepsTask(
             z_start=values[:dimension],

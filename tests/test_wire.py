@@ -169,6 +169,28 @@ def test_anything_but_a_plain_chunk_is_left_to_protobuf() -> None:
     assert pb.Instruction.FromString(others[2]).chunk == pb.Chunk(offset=8, data=b"abc")
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("gamma_local", float("nan")),
+        ("gamma_local", float("inf")),
+        ("gamma_local", -0.1),
+        ("theta", float("nan")),
+        ("theta", -1.0),
+    ],
+)
+def test_local_steps_with_a_step_or_weight_that_is_no_number_are_refused(field: str, value: float) -> None:
+    # (A NaN step made every answer "diverged", as if the step were too large.)
+    local = pb.LocalSteps(steps=2, gamma_local=0.1, decay=pb.CONSTANT, correction=pb.NONE)
+    setattr(local, field, value)
+    task = pb.Task(run_id="r", round_id=1, kind=pb.LOCAL_STEPS, local=local, payload_length=4)
+    with pytest.raises(wire.WireError, match=f"^{field} must be finite and >= 0, got {value}$"):
+        wire.decode_task(task, np.ones(4).tobytes(), 4)
+    setattr(local, field, 0.0)  # both may be 0: the minibatch regime, and no Catalyst regularizer
+    task.local.CopyFrom(local)
+    assert isinstance(wire.decode_task(task, np.ones(4).tobytes(), 4), LocalStepsTask)
+
+
 def test_answers_with_bad_vectors_are_refused_with_the_reason() -> None:
     header = pb.Answer(client_indices=[3, 4], payload_length=8)
     values = np.ones(8)
