@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from fedsaddle.common import blas, wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec
-from fedsaddle.common.text import printable
+from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -46,6 +46,7 @@ class ClientSession:
         self.run: pb.RunSpec | None = None
         self._run_id, self._dimension = "", 0  # the run's, read once (not per task)
         self._run_name = ""  # its id as logs show it: the coordinator's text, bounded and escaped
+        self._refusals = RefusalLog(log)  # a coordinator's flood of Rejected costs the log a few lines
         self.worker: Worker | None = None
         self.shards = shards or ShardCache(size=2)  # holds the clients' data files and the trusted plugins
         self.goodbye: pb.Goodbye | None = None
@@ -95,7 +96,9 @@ class ClientSession:
         if kind == "rejected":
             rejected = instruction.rejected
             code = pb.RejectCode.Name(rejected.code) if rejected.code in pb.RejectCode.values() else rejected.code
-            log.warning("round %d: answer refused: %s: %s", rejected.round_id, code, printable(rejected.details, 1024))
+            self._refusals.warn(
+                "round %d: answer refused: %s: %s", rejected.round_id, code, printable(rejected.details, 1024)
+            )
             return []
         if kind == "goodbye":
             self.goodbye = instruction.goodbye

@@ -407,6 +407,16 @@ def test_a_coordinators_words_reach_the_clients_log_bounded_and_escaped() -> Non
     assert "Traceback" not in output
 
 
+def test_a_coordinators_flood_of_refusals_costs_the_clients_log_a_few_lines() -> None:
+    welcome = pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=1 << 20))
+    rejected = pb.Instruction(rejected=pb.Rejected(round_id=1, code=pb.INVALID_ARGUMENT, details="no"))
+    goodbye = pb.Instruction(goodbye=pb.Goodbye(reason="that was all", outcome=pb.FAILED))
+    status, output, _ = client_against([welcome, *[rejected] * 500, goodbye])
+    assert status == 1
+    assert output.count("answer refused: INVALID_ARGUMENT: no") == 20  # the first 20 of 500 in 10 s
+    assert "the coordinator ended the run as failed: that was all" in output
+
+
 def test_a_coordinators_refusal_reaches_the_clients_log_escaped() -> None:
     status, output, _ = client_against([], end=(grpc.StatusCode.INVALID_ARGUMENT, "no\x1b[2J\x1b]0;pwned\x07"))
     assert status == 1

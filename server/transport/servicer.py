@@ -22,11 +22,11 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from fedsaddle.common import wire
-from fedsaddle.common.text import printable
+from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.transport import checks
 from fedsaddle.server.transport.auth import Authenticator, Identity
-from fedsaddle.server.transport.refusal import Refusal, RefusalLog
+from fedsaddle.server.transport.refusal import Refusal
 from fedsaddle.server.transport.rounds import Barriers, OpenRound
 from fedsaddle.server.transport.sessions import Admission, Limits, Overflow, Registry, Session
 
