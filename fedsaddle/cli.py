@@ -83,7 +83,9 @@ def number(low: float, inclusive: bool) -> Callable[[str], float]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
         if not (value >= low if inclusive else value > low) or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>=' if inclusive else '>'} {low:g}, got {text!r}"
+            )
         return value
 
     return check

@@ -235,7 +235,14 @@ def test_global_flags_work_before_and_after_the_command() -> None:
         (["coordinator", "--config", "x.yaml", "--listen", "0.0.0.0:70000"], "port must be a number from 0 to 65535"),
         (["client", "--coordinator", "localhost", "--clients", "0"], "must be HOST:PORT, got 'localhost'"),
         (["client", "--coordinator", "h:1", "--clients", "2-1"], "client indices must look like"),
-        (["client", "--coordinator", "h:1", "--clients", "0", "--connect-timeout", "-1"], "must be > 0, got '-1'"),
+        (
+            ["client", "--coordinator", "h:1", "--clients", "0", "--connect-timeout", "-1"],
+            "must be a finite number > 0, got '-1'",
+        ),
+        (
+            ["client", "--coordinator", "h:1", "--clients", "0", "--connect-timeout", "inf"],
+            "must be a finite number > 0, got 'inf'",
+        ),
         (["client", "--coordinator", "h:1", "--clients", "0", "--cert", "c.pem"], "--cert and --key need --ca"),
         (["simulate", "--config", "/nonexistent.yaml"], "cannot read config /nonexistent.yaml"),
     ],
