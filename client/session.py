@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Iterable
 
@@ -147,8 +146,6 @@ class ClientSession:
         self._run_id, self._dimension = run.run_id, int(run.dimension)
         self._run_name = printable(run.run_id, 64)
         try:
-            if not (math.isfinite(run.gradient_noise) and run.gradient_noise >= 0):
-                raise ValueError(f"the run's gradient noise must be finite and >= 0, got {run.gradient_noise}")
             try:
                 problem = json.loads(run.problem_json)
             except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deeply to parse)
@@ -165,13 +162,14 @@ class ClientSession:
                 if sample_counts is None:
                     raise ValueError(f"problem {spec.name} has no per-client sample counts to weight by")
                 counts = sample_counts()
+            worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
         except ValidationError as exc:
             return self._cannot(run, f"the coordinator's problem does not validate here: {exc.errors()[0]['msg']}")
         except (ProblemNotFound, DataError, ValueError) as exc:
             return self._cannot(run, str(exc))
         except MemoryError as exc:  # the problem's size is the coordinator's to choose, this machine's memory is not
             return self._cannot(run, f"not enough memory for this process's clients' data: {exc}")
-        self.worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
+        self.worker = worker
         # Tasks are bounded by what the data gives, not by what the RunSpec claims: a coordinator that
         # said a trillion and went on despite this Ready would have this process allocate terabytes.
         self._dimension = shards.dimension

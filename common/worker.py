@@ -7,6 +7,7 @@ same arithmetic on the same data.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -53,8 +54,8 @@ class Worker:
         reuse_answers: bool = False,
         scratch_tasks: bool = False,
     ) -> None:
-        if gradient_noise < 0:
-            raise ValueError(f"gradient_noise must be >= 0, got {gradient_noise}")
+        if not (math.isfinite(gradient_noise) and gradient_noise >= 0):  # (NaN would pass for exact gradients)
+            raise ValueError(f"the run's gradient noise must be finite and >= 0, got {gradient_noise}")
         self.shards = shards
         self.batched = not isinstance(seed, int)
         self.seeds: tuple[int, ...] = tuple(seed) if not isinstance(seed, int) else (seed,)
