@@ -124,3 +124,45 @@ def test_a_pool_is_usable_from_a_thread_that_runs_an_event_loop_of_its_own() -> 
             return missing
 
         assert asyncio.run(cell()) == []
+
+
+class TrippingLock:
+    """The loop's lock, with a SIGTERM sent as the main thread takes it: its handler runs in the main
+    thread while it takes the loop, whichever thread the kernel handed the signal to."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock, self.tripped = lock, False
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self.lock.acquire(blocking, timeout)
+        if got and not self.tripped and threading.current_thread() is threading.main_thread():
+            self.tripped = True
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # (a handler that raises does so here, or once the loop is taken)
+        return got
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def test_a_sigterm_that_lands_as_the_caller_takes_the_loop_leaves_it_free() -> None:
+    # A handler that raised between taking the loop's lock and noting it left the lock taken: the next
+    # call (the goodbye, after SIGTERM) waited for it forever.
+    runner = LoopRunner()
+    runner._owner = TrippingLock(runner._owner)  # type: ignore[assignment]
+
+    async def answer() -> str:
+        return "answered"
+
+    try:
+        with sigterm_raises():
+            with pytest.raises(Terminated):
+                runner.run(answer())
+            assert runner._owner.tripped  # type: ignore[attr-defined]
+            after: list[str] = []
+            caller = threading.Thread(target=lambda: after.append(runner.run(answer())), daemon=True)
+            caller.start()
+            caller.join(timeout=10)
+            assert after == ["answered"]
+    finally:
+        runner.close()

@@ -16,7 +16,8 @@ A signal handler that raises (SIGTERM's Stopped, Ctrl-C's KeyboardInterrupt) mus
 not raise inside the loop, where asyncio would catch it in a callback or pin it on
 whichever task was running. While the main thread runs the loop, SIGTERM and
 SIGINT are held: the loop stops at once, and the handler runs outside it, in the
-caller's frame, as it would have had the loop been elsewhere.
+caller's frame, as it would have had the loop been elsewhere. They are held too
+while it takes the loop, so that a handler that raises cannot leave it taken.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ class LoopRunner:
             return self._run_elsewhere(coroutine, timeout)
         counted = owned = False
         task: asyncio.Task[T] | None = None
+        guard = self._guard if threading.current_thread() is threading.main_thread() else None
         try:
             # A signal's handler that raises must not come between taking the loop and noting it:
             # the loop would stay taken, and the next call (the goodbye) would wait for it forever.
-            with _signals_deferred():
+            with guard.deferred() if guard is not None else contextlib.nullcontext():
                 with self._state:
                     self._callers += 1
                 counted = True
@@ -69,7 +71,6 @@ class LoopRunner:
                     self._owner.acquire()
                 owned = True
             task = self.loop.create_task(coroutine if timeout is None else asyncio.wait_for(coroutine, timeout))
-            guard = self._guard if threading.current_thread() is threading.main_thread() else None
             while True:
                 if guard is not None:
                     guard.enter()
@@ -140,20 +141,6 @@ class LoopRunner:
                 self._owner.release()
 
 
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """SIGTERM and SIGINT wait until the block is over, then are delivered (in the main thread:
-    elsewhere their handlers do not run anyway)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 def _has_running_loop() -> bool:
     try:
         asyncio.get_running_loop()
@@ -163,40 +150,59 @@ def _has_running_loop() -> bool:
 
 
 class _SignalGuard:
-    """Holds SIGTERM and SIGINT while the main thread runs the loop (see the module's docstring).
+    """Holds SIGTERM and SIGINT while the main thread takes the loop and while it runs it (see the
+    module's docstring).
 
-    It wraps the handlers once and re-wraps only a handler installed since: a
+    Held at Python's level, not by a signal mask: a signal the main thread masks goes
+    to another thread, and Python still runs its handler in the main thread, wherever
+    that is. It wraps the handlers once and re-wraps only a handler installed since: a
     round costs two getsignal calls, not four system calls."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.deferring = False  # the main thread takes the loop now
         self.inside = False  # the main thread runs the loop now
         self.held: list[int] = []
         self._generation = 0  # a stop requested in one run must not stop the next
         self._original: dict[int, Callable[[int, Any], Any]] = {}
         self._handler = self._handle  # one bound method, so that `is` recognizes it
 
-    def enter(self) -> None:
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """The signals that come in the block are held; their handlers run after it, and may raise there."""
         for number in HELD_SIGNALS:
             current = signal.getsignal(number)
             if current is not self._handler and callable(current):
                 self._original[number] = current
                 signal.signal(number, self._handler)
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+            self._deliver()
+
+    def enter(self) -> None:
         self.inside = True
 
     def leave(self) -> None:
         """Out of the loop: run the handlers of the signals held, which may raise here."""
         self.inside = False
         self._generation += 1
+        self._deliver()
+
+    def _deliver(self) -> None:
         held, self.held = self.held, []
         for number in held:
             self._original[number](number, None)
 
     def _handle(self, number: int, frame: Any) -> None:
-        if not self.inside:
+        if not (self.inside or self.deferring):
             self._original[number](number, frame)
             return
         self.held.append(number)
+        if not self.inside:
+            return
         generation = self._generation
 
         def stop() -> None:
