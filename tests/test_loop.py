@@ -166,3 +166,27 @@ def test_a_sigterm_that_lands_as_the_caller_takes_the_loop_leaves_it_free() -> N
             assert after == ["answered"]
     finally:
         runner.close()
+
+
+def test_a_signal_that_lands_as_the_call_ends_leaves_no_stop_behind_for_the_next_run() -> None:
+    # The held signal's wake-up ran, then the call's task ended in the same turn of the loop: asyncio's
+    # own "stop when done" callback was left queued, and stopped whoever ran the loop next (the
+    # keeper thread, which logged "Event loop stopped before Future completed", or the goodbye).
+    runner = LoopRunner(idle_s=60)  # the keeper never takes the loop here: the main thread runs it next
+
+    async def call() -> str:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler queues its wake-up behind this step
+        await asyncio.sleep(0)  # the step that ends the call is queued behind the wake-up
+        return "answered"
+
+    async def after() -> str:
+        await asyncio.sleep(0.05)
+        return "answered after"
+
+    try:
+        with sigterm_raises():
+            with pytest.raises(Terminated):
+                runner.run(call())
+            assert runner.run(after()) == "answered after"
+    finally:
+        runner.close()

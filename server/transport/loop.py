@@ -71,17 +71,13 @@ class LoopRunner:
                     self._owner.acquire()
                 owned = True
             task = self.loop.create_task(coroutine if timeout is None else asyncio.wait_for(coroutine, timeout))
+            if guard is None:
+                return self.loop.run_until_complete(task)
             while True:
-                if guard is not None:
-                    guard.enter()
-                try:
-                    return self.loop.run_until_complete(task)
-                except RuntimeError:
-                    if guard is None or not guard.held:  # not stopped by a held signal: a real error
-                        raise
-                finally:
-                    if guard is not None:
-                        guard.leave()  # the held signals' handlers: they may raise (else, go on)
+                self._run_until_done_or_held(task, guard)  # the held signals' handlers may raise here
+                if task.done():
+                    return task.result()
+                # (else a handler ran and did not raise: go on waiting)
         finally:
             if task is None:
                 coroutine.close()
@@ -91,6 +87,26 @@ class LoopRunner:
                 self._owner.release()
             if counted:
                 self._leave()
+
+    def _run_until_done_or_held(self, task: asyncio.Task[Any], guard: _SignalGuard) -> None:
+        """Run the loop until the task is done or a held signal comes, then run the held handlers.
+
+        A held signal wakes a future of this call's own, never `loop.stop()`: a stop that came in the
+        turn the task ended would leave asyncio's own stop for the task queued, to stop whoever ran the
+        loop next (the keeper, or the goodbye's call) before its future was done."""
+        woken = self.loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        task.add_done_callback(wake)
+        guard.enter(wake)
+        try:
+            self.loop.run_until_complete(woken)
+        finally:
+            task.remove_done_callback(wake)
+            guard.leave()
 
     def _run_elsewhere(self, coroutine: Coroutine[Any, Any, T], timeout: float | None) -> T:
         """Hand the coroutine to the keeper, which runs the loop while no thread calls `run` itself."""
@@ -161,9 +177,8 @@ class _SignalGuard:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.deferring = False  # the main thread takes the loop now
-        self.inside = False  # the main thread runs the loop now
         self.held: list[int] = []
-        self._generation = 0  # a stop requested in one run must not stop the next
+        self._wake: Callable[[], None] | None = None  # while the main thread runs the loop: ends that run
         self._original: dict[int, Callable[[int, Any], Any]] = {}
         self._handler = self._handle  # one bound method, so that `is` recognizes it
 
@@ -182,13 +197,13 @@ class _SignalGuard:
             self.deferring = False
             self._deliver()
 
-    def enter(self) -> None:
-        self.inside = True
+    def enter(self, wake: Callable[[], None]) -> None:
+        """The main thread runs the loop until `wake` is called (on the loop)."""
+        self._wake = wake
 
     def leave(self) -> None:
         """Out of the loop: run the handlers of the signals held, which may raise here."""
-        self.inside = False
-        self._generation += 1
+        self._wake = None
         self._deliver()
 
     def _deliver(self) -> None:
@@ -197,19 +212,13 @@ class _SignalGuard:
             self._original[number](number, None)
 
     def _handle(self, number: int, frame: Any) -> None:
-        if not (self.inside or self.deferring):
+        wake = self._wake
+        if wake is None and not self.deferring:
             self._original[number](number, frame)
             return
         self.held.append(number)
-        if not self.inside:
-            return
-        generation = self._generation
-
-        def stop() -> None:
-            if self.inside and self._generation == generation:
-                self.loop.stop()
-
-        self.loop.call_soon_threadsafe(stop)  # (wakes the loop if it waits in select)
+        if wake is not None:
+            self.loop.call_soon_threadsafe(wake)  # (wakes the loop if it waits in select)
 
     def restore(self) -> None:
         """Put back the handlers it wrapped (main thread only)."""
