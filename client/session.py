@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from fedsaddle.common import blas, wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec
+from fedsaddle.common.tasks import EvaluateTask
 from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
@@ -197,6 +198,11 @@ class ClientSession:
         self._check_run(run_id)
         assert self.worker is not None
         task = wire.decode_task(message, payload, self._dimension, writable=own)
+        if isinstance(task, EvaluateTask) and not self.worker.evaluates:
+            raise ClientError(
+                f"the coordinator sent an evaluation task for run {self._run_name!r}, "
+                "whose problem has no evaluation metrics (no held-out data)"
+            )
         # Only the clients the task names take part, when it names some (a sampled round).
         clients = tuple(message.client_indices) or None
         if clients is not None:

@@ -10,7 +10,7 @@ import pytest
 from fedsaddle.client.session import ClientError, ClientSession
 from fedsaddle.common import wire
 from fedsaddle.common.problems import PaperRegressionSpec, parse_spec
-from fedsaddle.common.tasks import GradientTask, LocalStepsTask
+from fedsaddle.common.tasks import EvaluateTask, GradientTask, LocalStepsTask
 from fedsaddle.common.worker import Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -222,3 +222,16 @@ def test_a_running_session_says_in_its_log_how_far_it_is(caplog: pytest.LogCaptu
     said = [record.getMessage() for record in caplog.records]
     assert said[:3] == [f"run r: {k} tasks answered, now at round {k}" for k in (1, 2, 3)]
     assert said[3] == "coordinator says goodbye (3 tasks answered in the last run): the run is over"
+
+
+def test_an_evaluation_task_for_a_problem_without_metrics_is_malformed_and_changes_nothing() -> None:
+    state = session()  # the paper's regression: no held-out data
+    z = np.ones(2 * DIM)
+    (piece,) = wire.encode_task("r", 1, EvaluateTask(z, ("test_mse",)), 1 << 20)
+    with pytest.raises(ClientError, match=r"^the coordinator sent an evaluation task for run 'r', whose"):
+        state.handle(pb.Instruction.FromString(piece))
+    # The session goes on: the next gradient task is answered.
+    (piece,) = wire.encode_task("r", 2, GradientTask(z, batch=1), 1 << 20)
+    (header, *_) = state.handle(pb.Instruction.FromString(piece))
+    assert isinstance(header, bytes)
+    assert pb.ClientMessage.FromString(header).answer.round_id == 2
