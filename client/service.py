@@ -119,7 +119,9 @@ def _channel(options: ClientOptions) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(options.coordinator, options=channel_options)
 
 
-_EXECUTE = Worker.execute.__code__  # the frame a SIGTERM finds when it comes during a task
+# The frames a SIGTERM finds when it comes while the loop's thread computes: a task, or a run's data
+# being loaded or generated (a coordinator's synthetic problem may take hours to generate).
+_COMPUTING = frozenset({Worker.execute.__code__, ClientSession._start_run.__code__})
 
 
 class _Lost(Exception):
@@ -243,28 +245,37 @@ def serve(options: ClientOptions) -> None:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
-        stopped_by = "SIGINT"  # asyncio.run cancels the session on Ctrl-C
+        stopped_by = ""
 
-        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
             nonlocal stopped_by
-            stopped_by = "SIGTERM"
+            if stopped_by and signum == signal.SIGINT:  # a second Ctrl-C: the user will not wait
+                raise KeyboardInterrupt
+            stopped_by = signal.Signals(signum).name
             # A task computes in the loop's thread, and the loop takes no callback until it ends: a
-            # task of many local steps (or a hostile coordinator's billions) would outlast the SIGTERM.
+            # task of many local steps (or a hostile coordinator's billions) would outlast the signal,
+            # as would the data of a synthetic problem of a billion clients.
             while frame is not None:
-                if frame.f_code is _EXECUTE:
+                if frame.f_code in _COMPUTING:
                     raise Stopped
                 frame = frame.f_back
             loop.call_soon_threadsafe(task.cancel)
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+        signal.signal(signal.SIGTERM, on_signal)
+        # (Ctrl-C stays ignored where it was: `fedsaddle local`'s clients leave it to their coordinator.)
+        sigint = signal.getsignal(signal.SIGINT)
+        if sigint is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, on_signal)
         trimmer = asyncio.ensure_future(return_freed_memory())
         try:
             await run_client(options)
         except asyncio.CancelledError:
-            log.info("stopped by %s; session closed", stopped_by)
+            log.info("stopped by %s; session closed", stopped_by or "cancellation")
         except Stopped:
-            log.info("stopped by SIGTERM during a task; session closed")
+            log.info("stopped by %s while computing; session closed", stopped_by)
         finally:
             trimmer.cancel()
+            if sigint is not None:
+                signal.signal(signal.SIGINT, sigint)
 
     asyncio.run(session())

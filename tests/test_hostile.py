@@ -445,8 +445,9 @@ def test_a_pool_refuses_a_chunk_size_out_of_range_before_it_starts_anything() ->
     assert threading.active_count() == threads
 
 
-def test_sigterm_stops_a_client_in_the_middle_of_a_task_of_billions_of_steps() -> None:
-    # A task computes in the client's event-loop thread; SIGTERM must not wait for it to end.
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_a_client_in_the_middle_of_a_task_of_billions_of_steps(stop: signal.Signals) -> None:
+    # A task computes in the client's event-loop thread; SIGTERM or one Ctrl-C must not wait for it to end.
     problem = {"name": "paper_regression", "num_clients": 1, "dim": 3, "s": 1.0}
     endless = pb.LocalSteps(steps=2**31, gamma_local=1e-9, decay=pb.CONSTANT, correction=pb.NONE)
     instructions = [
@@ -464,10 +465,36 @@ def test_sigterm_stops_a_client_in_the_middle_of_a_task_of_billions_of_steps() -
         while len(received) < 2 and time.monotonic() < deadline:  # the Hello, then the Ready
             time.sleep(0.05)
         time.sleep(1.0)  # well into the steps
-        client.send_signal(signal.SIGTERM)
+        client.send_signal(stop)
 
     # It exits within client_against's wait, where the task alone would take hours.
-    status, output, received = client_against(instructions, stop_it)
+    status, output, received = client_against(instructions, stop_it, quiet=False)
     assert [m.WhichOneof("body") for m in received] == ["hello", "ready"]
     assert status == 0, output
+    assert f"stopped by {stop.name} while computing; session closed" in output, output
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_a_client_generating_the_data_of_a_billion_clients(stop: signal.Signals) -> None:
+    # Every client of the paper's regression draws all n clients' b'_j to center its own: a coordinator
+    # that announces a billion clients keeps the client computing for hours, before any Ready.
+    n = 10**9
+    problem = {"name": "paper_regression", "num_clients": n, "dim": 10, "s": 1.0}
+    instructions = [
+        pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=n, chunk_bytes=1 << 20)),
+        pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=20)),
+    ]
+
+    def stop_it(client: subprocess.Popen[str], received: list[pb.ClientMessage]) -> None:
+        deadline = time.monotonic() + 30
+        while not received and time.monotonic() < deadline:  # the Hello
+            time.sleep(0.05)
+        time.sleep(1.5)  # well into the data
+        client.send_signal(stop)
+
+    status, output, received = client_against(instructions, stop_it, quiet=False)
+    assert [m.WhichOneof("body") for m in received] == ["hello"]
+    assert status == 0, output
+    assert f"stopped by {stop.name} while computing; session closed" in output, output
     assert "Traceback" not in output
