@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from fedsaddle.common import blas, wire
 from fedsaddle.common.indices import some
-from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec
+from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec, problem_class
 from fedsaddle.common.tasks import EvaluateTask
 from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.common.worker import ShardCache, Worker
@@ -46,6 +46,7 @@ class ClientSession:
         self.run: pb.RunSpec | None = None
         self._run_id, self._dimension = "", 0  # the run's, read once (not per task)
         self._run_name = ""  # its id as logs show it: the coordinator's text, bounded and escaped
+        self._metrics: tuple[str, ...] = ()  # its problem's evaluation metrics: an EVALUATE's answer layout
         self._refusals = RefusalLog(log)  # a coordinator's flood of Rejected costs the log a few lines
         self.worker: Worker | None = None
         self.shards = shards or ShardCache(size=2)  # holds the clients' data files and the trusted plugins
@@ -157,6 +158,7 @@ class ClientSession:
                 raise ValueError(f"the run's problem has {spec.num_clients} clients; the federation has {n}")
             seed = run.synthetic_seed if run.HasField("synthetic_seed") else None
             shards = self.shards.get(spec, seed, self.indices)
+            self._metrics = problem_class(spec.name, spec.plugin, self.shards.trusted).metric_names
             counts: list[int] = []
             if run.want_sample_counts:
                 sample_counts = getattr(shards, "sample_counts", None)
@@ -181,6 +183,18 @@ class ClientSession:
         )
         return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts, numeric_stack=stack)
 
+    def _other_metrics(self, asked: tuple[str, ...]) -> str:
+        """The error for an evaluation task whose metrics are not the run's problem's (the answer's layout)."""
+        if not self._metrics:
+            return (
+                f"the coordinator sent an evaluation task for run {self._run_name!r}, "
+                "whose problem has no evaluation metrics (no held-out data)"
+            )
+        return (
+            f"the coordinator asked run {self._run_name!r} for the metrics {printable(repr(list(asked)), 200)}; "
+            f"its problem computes {list(self._metrics)}"
+        )
+
     def _cannot(self, run: pb.RunSpec, reason: str) -> pb.Ready:
         log.error("cannot serve run %s: %s", self._run_name, printable(reason, 1024))
         return pb.Ready(run_id=run.run_id, error=reason)
@@ -198,11 +212,8 @@ class ClientSession:
         self._check_run(run_id)
         assert self.worker is not None
         task = wire.decode_task(message, payload, self._dimension, writable=own)
-        if isinstance(task, EvaluateTask) and not self.worker.evaluates:
-            raise ClientError(
-                f"the coordinator sent an evaluation task for run {self._run_name!r}, "
-                "whose problem has no evaluation metrics (no held-out data)"
-            )
+        if isinstance(task, EvaluateTask) and task.metric_names != self._metrics:
+            raise ClientError(self._other_metrics(task.metric_names))
         # Only the clients the task names take part, when it names some (a sampled round).
         clients = tuple(message.client_indices) or None
         if clients is not None:

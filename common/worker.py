@@ -83,11 +83,6 @@ class Worker:
     def indices(self) -> tuple[int, ...]:
         return self.shards.indices
 
-    @property
-    def evaluates(self) -> bool:
-        """Whether its problem has evaluation metrics (held-out data) for an EvaluateTask."""
-        return hasattr(self.shards, "evaluate") and not self.batched
-
     def select(self, runs: Sequence[int]) -> Worker:
         """A worker over some runs of this batch (same data and seeds for those runs)."""
         selected = Worker.__new__(Worker)
@@ -128,10 +123,11 @@ class Worker:
         return Answer(indices, vectors, objective)
 
     def _evaluate(self, task: EvaluateTask) -> Answer:
-        if not self.evaluates:
+        evaluate = getattr(self.shards, "evaluate", None)
+        if evaluate is None or self.batched:
             raise ValueError("this problem has no evaluation metrics (no held-out data)")
         with np.errstate(all="ignore"):
-            values, counts = self.shards.evaluate(task.z)  # type: ignore[attr-defined]
+            values, counts = evaluate(task.z)
         # A client whose metrics are not defined (e.g. one class only in its held-out rows) takes no part.
         defined = np.isfinite(values).all(axis=1)
         return Answer(self.indices, np.where(defined[:, None], values, 0.0), counts=np.where(defined, counts, 0.0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from fedsaddle.client.session import ClientError, ClientSession
 from fedsaddle.common import wire
 from fedsaddle.common.problems import PaperRegressionSpec, parse_spec
 from fedsaddle.common.tasks import EvaluateTask, GradientTask, LocalStepsTask
-from fedsaddle.common.worker import Worker
+from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 DIM = 3000  # z has 6000 entries: 48 kB, chunked at 16 kB
@@ -224,14 +225,40 @@ def test_a_running_session_says_in_its_log_how_far_it_is(caplog: pytest.LogCaptu
     assert said[3] == "coordinator says goodbye (3 tasks answered in the last run): the run is over"
 
 
-def test_an_evaluation_task_for_a_problem_without_metrics_is_malformed_and_changes_nothing() -> None:
-    state = session()  # the paper's regression: no held-out data
-    z = np.ones(2 * DIM)
-    (piece,) = wire.encode_task("r", 1, EvaluateTask(z, ("test_mse",)), 1 << 20)
-    with pytest.raises(ClientError, match=r"^the coordinator sent an evaluation task for run 'r', whose"):
+def data_session(tmp_path: Path) -> ClientSession:
+    """Client 0 of 2 on its own linear-regression file, with held-out rows (metric test_mse)."""
+    rng = np.random.default_rng(0)
+    x, x_test = rng.standard_normal((50, 3)), rng.standard_normal((10, 3))
+    np.savez(tmp_path / "c0.npz", X=x, y=x.sum(axis=1), X_test=x_test, y_test=x_test.sum(axis=1))
+    state = ClientSession((0,), ShardCache(data={0: tmp_path / "c0.npz"}))
+    state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=2, chunk_bytes=16_000)))
+    spec = parse_spec({"name": "linear_regression", "num_clients": 2, "features": 3})
+    (ready,) = state.handle(pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=spec.model_dump_json())))
+    assert isinstance(ready, pb.ClientMessage) and ready.ready.dimension == 6 and not ready.ready.error
+    return state
+
+
+@pytest.mark.parametrize(
+    ("data", "names", "error"),
+    [
+        (False, ("test_mse",), r"the coordinator sent an evaluation task for run 'r', whose problem has no evaluation"),
+        (True, ("test_auc",), r"the coordinator asked run 'r' for the metrics \['test_auc'\]; its problem computes"),
+        (True, ("test_mse",) * 3, r"the coordinator asked run 'r' for the metrics \['test_mse', 'test_mse', 'test"),
+    ],
+)
+def test_an_evaluation_task_for_other_metrics_than_the_problems_is_malformed_and_changes_nothing(
+    tmp_path: Path, data: bool, names: tuple[str, ...], error: str
+) -> None:
+    # The answer holds one value per metric the task names: the problem's must be the ones named.
+    state = data_session(tmp_path) if data else session()
+    z = np.ones(6 if data else 2 * DIM)
+    (piece,) = wire.encode_task("r", 1, EvaluateTask(z, names), 1 << 20)
+    with pytest.raises(ClientError, match=f"^{error}"):
         state.handle(pb.Instruction.FromString(piece))
-    # The session goes on: the next gradient task is answered.
-    (piece,) = wire.encode_task("r", 2, GradientTask(z, batch=1), 1 << 20)
+    # The session goes on: the next task is answered.
+    task = EvaluateTask(z, ("test_mse",)) if data else GradientTask(z, batch=1)
+    (piece,) = wire.encode_task("r", 2, task, 1 << 20)
     (header, *_) = state.handle(pb.Instruction.FromString(piece))
     assert isinstance(header, bytes)
-    assert pb.ClientMessage.FromString(header).answer.round_id == 2
+    answer = pb.ClientMessage.FromString(header).answer
+    assert answer.round_id == 2 and answer.payload_length == len(state.indices) * (1 if data else 2 * DIM)
