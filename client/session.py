@@ -158,7 +158,7 @@ class ClientSession:
                 raise ValueError(f"the run's problem has {spec.num_clients} clients; the federation has {n}")
             seed = run.synthetic_seed if run.HasField("synthetic_seed") else None
             shards = self.shards.get(spec, seed, self.indices)
-            self._metrics = problem_class(spec.name, spec.plugin, self.shards.trusted).metric_names
+            self._metrics = tuple(problem_class(spec.name, spec.plugin, self.shards.trusted).metric_names)
             counts: list[int] = []
             if run.want_sample_counts:
                 sample_counts = getattr(shards, "sample_counts", None)
