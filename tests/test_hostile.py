@@ -490,7 +490,7 @@ def test_a_signal_stops_a_client_generating_the_data_of_a_billion_clients(stop: 
         deadline = time.monotonic() + 30
         while not received and time.monotonic() < deadline:  # the Hello
             time.sleep(0.05)
-        time.sleep(1.5)  # well into the data
+        time.sleep(3.0)  # well into the data (it starts at once: no message says so)
         client.send_signal(stop)
 
     status, output, received = client_against(instructions, stop_it, quiet=False)
