@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 MAX_INDICES = 1_000_000  # no federation here has more clients; bounds what a typo can allocate
+INDEX_LIMIT = 2**32 - 1  # n travels as a uint32 (Welcome.num_clients): every index is below it
 
 
 def parse_indices(text: str) -> tuple[int, ...]:
@@ -30,6 +31,8 @@ def parse_indices(text: str) -> tuple[int, ...]:
         raise ValueError(f"client indices must look like '3', '0,2,5' or '0-4', got {text!r}") from None
     if any(i < 0 for i in indices):
         raise ValueError(f"client indices must be >= 0, got {text!r}")
+    if any(i >= INDEX_LIMIT for i in indices):
+        raise ValueError(f"client indices must be below {INDEX_LIMIT} (n is a uint32 on the wire), got {text!r}")
     return tuple(sorted(indices))
 
 

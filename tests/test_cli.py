@@ -235,6 +235,8 @@ def test_global_flags_work_before_and_after_the_command() -> None:
         (["coordinator", "--config", "x.yaml", "--listen", "0.0.0.0:70000"], "port must be a number from 0 to 65535"),
         (["client", "--coordinator", "localhost", "--clients", "0"], "must be HOST:PORT, got 'localhost'"),
         (["client", "--coordinator", "h:1", "--clients", "2-1"], "client indices must look like"),
+        (["client", "--coordinator", "h:1", "--clients", "4294967295"], "client indices must be below 4294967295"),
+        (["new-token", "--name", "a", "--clients", "0,99999999999999999999"], "client indices must be below"),
         (
             ["client", "--coordinator", "h:1", "--clients", "0", "--connect-timeout", "-1"],
             "must be a finite number > 0, got '-1'",
