@@ -259,7 +259,8 @@ def serve(options: ClientOptions) -> None:
                 if frame.f_code in _COMPUTING:
                     raise Stopped
                 frame = frame.f_back
-            loop.call_soon_threadsafe(task.cancel)
+            with contextlib.suppress(RuntimeError):  # (the loop is closed: the session is over already)
+                loop.call_soon_threadsafe(task.cancel)
 
         signal.signal(signal.SIGTERM, on_signal)
         # (Ctrl-C stays ignored where it was: `fedsaddle local`'s clients leave it to their coordinator.)
