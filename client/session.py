@@ -212,7 +212,7 @@ class ClientSession:
         self._check_run(run_id)
         assert self.worker is not None
         task = wire.decode_task(message, payload, self._dimension, writable=own)
-        if isinstance(task, EvaluateTask) and task.metric_names != self._metrics:
+        if isinstance(task, EvaluateTask) and (not self._metrics or task.metric_names != self._metrics):
             raise ClientError(self._other_metrics(task.metric_names))
         # Only the clients the task names take part, when it names some (a sampled round).
         clients = tuple(message.client_indices) or None

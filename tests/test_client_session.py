@@ -242,6 +242,7 @@ def data_session(tmp_path: Path) -> ClientSession:
     ("data", "names", "error"),
     [
         (False, ("test_mse",), r"the coordinator sent an evaluation task for run 'r', whose problem has no evaluation"),
+        (False, (), r"the coordinator sent an evaluation task for run 'r', whose problem has no evaluation"),
         (True, ("test_auc",), r"the coordinator asked run 'r' for the metrics \['test_auc'\]; its problem computes"),
         (True, ("test_mse",) * 3, r"the coordinator asked run 'r' for the metrics \['test_mse', 'test_mse', 'test"),
     ],
