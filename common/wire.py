@@ -153,6 +153,9 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+_UINT64 = (1 << 64) - 1
+
+
 def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
     """The varint at `pos` and the position after it; IndexError or ValueError if malformed."""
     value = shift = 0
@@ -161,7 +164,7 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
         pos += 1
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return value, pos
+            return value & _UINT64, pos  # (protobuf too keeps a 10-byte varint's low 64 bits)
         shift += 7
         if shift >= 64:
             raise ValueError("varint too long")
