@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 import warnings
@@ -488,6 +489,10 @@ def test_a_second_ready_for_the_run_ends_the_session() -> None:
             hand.next()
         hand.close()
         assert pool.numeric_stacks() != {"another": [0]}
+        # The run names the client and why its session ended, not only that it left.
+        lost = r"client 0 \(hand at .*\) was ended by the coordinator \(a second Ready for run 'twice'\) before round 1"
+        with pytest.raises(ClientLost, match=lost):
+            pool.gradients(np.ones(6))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details() == "a second Ready for run 'twice'"
 
@@ -506,3 +511,101 @@ def test_readys_for_a_run_not_under_way_count_as_refused() -> None:
     assert error.value.details() == (
         "32 messages refused while no round was open; the first: a Ready for run 'other', not under way"
     )
+
+
+def _garbled(good: pb.Answer, rng: np.random.Generator) -> pb.ClientMessage:
+    """A message a hostile or broken client might send in place of its answer `good`."""
+
+    def pick(options: list[Any]) -> Any:
+        return options[int(rng.integers(len(options)))]
+
+    kind = rng.random()
+    if kind < 0.2:
+        return pb.ClientMessage(chunk=pb.Chunk(offset=pick([0, 8, 2**64 - 1]), data=bytes(pick([0, 1, 8, 4096]))))
+    if kind < 0.3:
+        ready = pb.Ready(run_id=pick(["", good.run_id, "y"]), dimension=pick([0, 6, 2**64 - 1]), error=pick(["", "x"]))
+        return pb.ClientMessage(ready=ready)
+    if kind < 0.35:
+        return pb.ClientMessage(hello=pb.Hello(protocol_version=pb.PROTOCOL_VERSION_2, client_indices=[0]))
+    bad = pb.Answer()
+    bad.CopyFrom(good)
+    values = np.frombuffer(good.payload, dtype="<f8")
+    for _ in range(int(rng.integers(1, 4))):
+        field = pick(["run_id", "round_id", "client_indices", "payload_length", "payload", "objective", "diverged"])
+        if field == "run_id":
+            bad.run_id = pick(["", "\x1b[2J", "r" * 100_000, good.run_id + "x"])
+        elif field == "round_id":
+            bad.round_id = pick([0, good.round_id - 1, good.round_id + 1, 2**64 - 1])
+        elif field == "client_indices":
+            del bad.client_indices[:]
+            bad.client_indices.extend(pick([[], [1], [0, 0], [2**32 - 1], [0, 1]]))
+        elif field == "payload_length":
+            bad.payload_length = pick([0, good.payload_length + 1, 2**64 - 1])
+        elif field == "payload":
+            bad.payload = pick([b"", good.payload[:-1], good.payload + b"\0", np.full_like(values, np.nan).tobytes()])
+        elif field == "objective":
+            bad.objective = pick([b"\0" * 7, np.array([np.nan]).tobytes(), b"\0" * 16])
+        else:
+            bad.diverged = not bad.diverged
+    return pb.ClientMessage(answer=bad)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_client_that_sends_anything_before_its_answers_cannot_change_the_run_or_break_the_coordinator(
+    seed: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Up to 4 garbled messages before each good answer, drawn from the seed. Whatever they are, the run
+    # ends as a clean one, or ends naming client 0 and why (its session ended for breaking the protocol,
+    # or an answer that says it diverged): never another result, a hang or a traceback.
+    caplog.set_level(logging.WARNING)
+    rng = np.random.default_rng(seed)
+    pool = GrpcPool(2, "127.0.0.1:0", round_timeout_s=20)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = run_algorithm(RUN.algorithms[0], RUN, pool)
+        except Exception as exc:
+            outcome["error"] = exc
+
+    channel = grpc.insecure_channel(pool.address)
+    try:
+        hostile, honest = HandClient(channel, [0]), HandClient(channel, [1])
+        hostile.welcome(), honest.welcome()
+        pool.wait_for_clients(10)
+        runner = threading.Thread(target=run)
+        runner.start()
+        hostile_alive = True
+        while runner.is_alive():
+            try:
+                instruction = honest.next(timeout=0.5)
+            except (queue.Empty, AssertionError, grpc.RpcError):  # (the run ended)
+                continue
+            if not instruction.HasField("task"):
+                continue
+            honest.send(pb.ClientMessage(answer=honest.good(instruction.task)))
+            while hostile_alive:
+                try:
+                    instruction = hostile.next(timeout=5)
+                except (queue.Empty, AssertionError, grpc.RpcError):  # its session was ended
+                    hostile_alive = False
+                    break
+                if instruction.HasField("task"):
+                    good = hostile.good(instruction.task)
+                    for _ in range(int(rng.integers(5))):
+                        hostile.send(_garbled(good, rng))
+                    hostile.send(pb.ClientMessage(answer=good))
+                    break
+        runner.join(timeout=60)
+        assert not runner.is_alive()
+    finally:
+        pool.close()
+        channel.close()
+    assert "Traceback" not in caplog.text and not any(r.exc_info for r in caplog.records), caplog.text
+    if "error" in outcome:
+        assert re.match(r"client 0 \(hand at .*\) was ended by the coordinator \(.+\)", str(outcome["error"]))
+    elif outcome["result"].status == "diverged":
+        assert "client 0" in outcome["result"].detail or "clients [0]" in outcome["result"].detail
+    else:
+        assert outcome["result"].status == "ok"
+        assert outcome["result"].z_sha256 == run_algorithm(RUN.algorithms[0], RUN, LocalPool()).z_sha256

@@ -182,7 +182,13 @@ class SessionService:
                 failure = Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
         finally:
             reader.cancel()
-            self._close(session, "ended its session" if session.closing else "disconnected")
+            if session.closing:
+                why = "ended its session"
+            elif failure is not None:  # the run that fails for it says why, not just that it left
+                why = f"was ended by the coordinator ({failure.details})"
+            else:
+                why = "disconnected"
+            self._close(session, why)
         if failure is not None:
             log.warning("ended the session of %s: %s", session.describe(), failure.details)
             await _end(context, failure)
