@@ -5,6 +5,7 @@ arrives while the main thread runs the loop is raised after it, not inside it.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -190,3 +191,39 @@ def test_a_signal_that_lands_as_the_call_ends_leaves_no_stop_behind_for_the_next
             assert runner.run(after()) == "answered after"
     finally:
         runner.close()
+
+
+class PollerCompletionQueue:
+    """Named as gRPC's completion queue is, whose callback asyncio names by its qualified name."""
+
+    def _handle_events(self) -> None:
+        raise RuntimeError("Event loop is closed")  # its event belonged to a loop closed earlier
+
+
+def another_callback() -> None:
+    raise RuntimeError("Event loop is closed")
+
+
+def test_grpcs_late_event_for_a_closed_loop_is_no_error_and_other_callbacks_errors_still_are(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A process that opened pools one after another: gRPC's completion queue, shared by their loops,
+    # can hand this loop an event of an earlier pool, whose loop is closed. asyncio logged it as an error.
+    caplog.set_level(logging.DEBUG)
+    runner = LoopRunner()
+
+    async def callbacks() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(PollerCompletionQueue()._handle_events)
+        loop.call_soon(another_callback)
+        await asyncio.sleep(0.01)
+
+    try:
+        runner.run(callbacks())
+    finally:
+        runner.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "another_callback" in errors[0].getMessage(), caplog.text
+    assert [r.getMessage() for r in caplog.records if r.name == "fedsaddle.coordinator"] == [
+        "dropped a gRPC event of an event loop closed earlier"
+    ]
