@@ -445,6 +445,26 @@ def test_a_pool_refuses_a_chunk_size_out_of_range_before_it_starts_anything() ->
     assert set(threading.enumerate()) - before == set()
 
 
+def signal_while_computing(
+    instructions: list[pb.Instruction | bytes | None], stop: signal.Signals, messages: int, settle_s: float
+) -> list[str | None]:
+    """Run client 0 against `instructions`; `settle_s` after it has sent `messages` messages, send it
+    `stop`. It must stop at once (within client_against's wait), cleanly, saying so. The kinds it sent."""
+
+    def stop_it(client: subprocess.Popen[str], received: list[pb.ClientMessage]) -> None:
+        deadline = time.monotonic() + 30
+        while len(received) < messages and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(settle_s)
+        client.send_signal(stop)
+
+    status, output, received = client_against(instructions, stop_it, quiet=False)
+    assert status == 0, output
+    assert f"stopped by {stop.name} while computing; session closed" in output, output
+    assert "Traceback" not in output
+    return [m.WhichOneof("body") for m in received]
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_a_client_in_the_middle_of_a_task_of_billions_of_steps(stop: signal.Signals) -> None:
     # A task computes in the client's event-loop thread; SIGTERM or one Ctrl-C must not wait for it to end.
@@ -460,19 +480,8 @@ def test_a_signal_stops_a_client_in_the_middle_of_a_task_of_billions_of_steps(st
         ),
     ]
 
-    def stop_it(client: subprocess.Popen[str], received: list[pb.ClientMessage]) -> None:
-        deadline = time.monotonic() + 30
-        while len(received) < 2 and time.monotonic() < deadline:  # the Hello, then the Ready
-            time.sleep(0.05)
-        time.sleep(1.0)  # well into the steps
-        client.send_signal(stop)
-
-    # It exits within client_against's wait, where the task alone would take hours.
-    status, output, received = client_against(instructions, stop_it, quiet=False)
-    assert [m.WhichOneof("body") for m in received] == ["hello", "ready"]
-    assert status == 0, output
-    assert f"stopped by {stop.name} while computing; session closed" in output, output
-    assert "Traceback" not in output
+    # 1 s after its Ready it is well into the steps, which alone would take hours.
+    assert signal_while_computing(instructions, stop, messages=2, settle_s=1.0) == ["hello", "ready"]
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
@@ -486,15 +495,5 @@ def test_a_signal_stops_a_client_generating_the_data_of_a_billion_clients(stop: 
         pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=20)),
     ]
 
-    def stop_it(client: subprocess.Popen[str], received: list[pb.ClientMessage]) -> None:
-        deadline = time.monotonic() + 30
-        while not received and time.monotonic() < deadline:  # the Hello
-            time.sleep(0.05)
-        time.sleep(3.0)  # well into the data (it starts at once: no message says so)
-        client.send_signal(stop)
-
-    status, output, received = client_against(instructions, stop_it, quiet=False)
-    assert [m.WhichOneof("body") for m in received] == ["hello"]
-    assert status == 0, output
-    assert f"stopped by {stop.name} while computing; session closed" in output, output
-    assert "Traceback" not in output
+    # 3 s after its Hello it is well into the data (it starts at once: no message says so).
+    assert signal_while_computing(instructions, stop, messages=1, settle_s=3.0) == ["hello"]
