@@ -35,10 +35,10 @@ from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem, solution, stack_shards
 from fedsaddle.common.tasks import GradientTask, LocalStepsTask, Task
 from fedsaddle.common.worker import ShardCache, Worker
-from fedsaddle.server.algorithms.base import Answers, aggregate
+from fedsaddle.server.algorithms.base import RoundAnswers, aggregate
 from fedsaddle.server.config import AlgorithmSpec, RunConfig
 from fedsaddle.server.driver import AlgorithmResult, Run, StepDone, distances, make_run
-from fedsaddle.server.pool import RoundTraffic, fresh_traffic, round_traffic, sample_clients
+from fedsaddle.server.pool import RoundTally, fresh_traffic, round_traffic, sample_clients
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class _Member:
             raise ValueError(f"problem {member.config.problem.name} has no known solution to measure against")
         self.z_star: Array = z_star
         self.rounds = 0
-        self.traffic: Counter[RoundTraffic] = Counter()
+        self.traffic: Counter[RoundTally] = Counter()
         self.event: Task | StepDone | None = None
         self.weights: Array | None = None  # the clients' sample counts, when the run weights by samples
 
@@ -201,7 +201,7 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
     n, dimension = vectors.shape[1], vectors.shape[2]
     everyone = round_traffic(tasks[0], n, dimension)
     with np.errstate(over="ignore", invalid="ignore"):
-        # Every run's aggregate at once: the same rule, per run, as Answers.mean() alone.
+        # Every run's aggregate at once: the same rule, per run, as RoundAnswers.mean() alone.
         weights = first.weights  # one for the whole group (the groups are made so)
         means = aggregate(vectors, weights)
         objective_means = None if objective is None else aggregate(objective[:, :, None], weights)[:, 0].tolist()
@@ -224,7 +224,7 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
                 member.event = None
                 continue
             if sampled is None:
-                answers = Answers(
+                answers = RoundAnswers(
                     vectors[i],
                     None if objective is None else objective[i],
                     weights,
@@ -232,7 +232,7 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
                 )
             else:  # as a sampled run alone: only the drawn clients' rows, aggregated on their own
                 chosen = list(sampled)
-                answers = Answers(
+                answers = RoundAnswers(
                     vectors[i][chosen],
                     None if objective is None else objective[i][chosen],
                     None if weights is None else weights[chosen],

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from fedsaddle.server.config import RunConfig, parse_config
-from fedsaddle.server.driver import AlgorithmResult, convention_words, run_algorithm
+from fedsaddle.server.config import RoundConvention, RunConfig, parse_config
+from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.pool import ClientPool
 
 from .batch import BatchRun, run_batches
@@ -113,12 +113,16 @@ class Grid:
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     step_scales: tuple[float, ...] | None = None  # one grid for every algorithm; None: STEP_GRIDS
     rounds: int = 500
-    convention: str = "exchanges"
+    convention: RoundConvention = RoundConvention.EXCHANGES
     tau: int = 20
     algorithms: tuple[str, ...] = SWEPT
     entries: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: PAPER_ENTRIES)
     variants: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=lambda: VARIANTS)
     overrides: dict[str, Any] = field(default_factory=dict)  # extra config fields, e.g. init
+
+    def __post_init__(self) -> None:
+        # Grid(convention="paper") is the same grid as Grid(convention=RoundConvention.PAPER).
+        object.__setattr__(self, "convention", RoundConvention(self.convention))
 
     def scales(self, algorithm: str) -> tuple[float, ...]:
         if self.step_scales is not None:
@@ -166,7 +170,7 @@ class Grid:
         seed_text = (
             f"seeds {seeds[0]}-{seeds[-1]}" if seeds == tuple(range(seeds[0], seeds[-1] + 1)) else f"seeds {seeds}"
         )
-        counted = convention_words(self.convention)
+        counted = self.convention.words
         return (
             f"n = 10, d = 10, lambda = 1e-5, tau = {self.tau}, sigma = 0; {len(seeds)} {seed_text}; "
             f"{self.rounds} rounds ({counted})"
@@ -179,7 +183,7 @@ class Row:
 
     key: dict[str, Any]
     result: AlgorithmResult
-    convention: str = "exchanges"  # the grid's: how its rounds are counted
+    convention: RoundConvention = RoundConvention.EXCHANGES  # the grid's: how its rounds are counted
 
     def rounds_to(self, accuracy: float) -> int | None:
         return self.result.rounds_to(accuracy, self.convention)

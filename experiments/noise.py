@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsaddle.common.worker import ShardCache
+from fedsaddle.server.config import RoundConvention
 from fedsaddle.server.driver import AlgorithmResult
 
 from .batch import run_batch
@@ -69,12 +70,12 @@ def run_noise(
             cells.append(f"{fmt(median)} [{fmt(q1)}, {fmt(q3)}]" if length else "diverged")
         rows.append((f"{sigma:g}", cells))
         ax.set_title(rf"$\sigma = {sigma:g}$")
-        ax.set_xlabel(axis_label("exchanges"))
+        ax.set_xlabel(axis_label(RoundConvention.EXCHANGES))
         ax.grid(True, which="both", alpha=0.3)
     seed_text = f"seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
     fig.suptitle(
         f"Gradient noise: s = {s:g}, step 0.1/max(s,1) for every method, tau = 20, n = 10, d = 10, {seed_text}; "
-        f"median over seeds. {convention_note('exchanges')}",
+        f"median over seeds. {convention_note(RoundConvention.EXCHANGES)}",
         fontsize=8,
         wrap=True,
     )

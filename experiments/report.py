@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsaddle.server.driver import convention_words, rounds_key
+from fedsaddle.server.config import RoundConvention
 
 from .grid import ACCURACIES, NAMES, Best, Grid, Row, best_steps, quartiles
 
@@ -93,7 +93,7 @@ def accuracy_table(rows: Sequence[Row], algorithms: Sequence[str], accuracy: flo
         spread = f"[{q1:.0f}, {'not reached' if not math.isfinite(q3) else f'{q3:.0f}'}]"
         return f"{median:.0f} {spread} ({scale:g}{', ' + variant if variant else ''})"
 
-    counted = convention_words(grid.convention)
+    counted = grid.convention.words
     return markdown(
         f"Rounds until ||x - x*|| <= {accuracy:g} ({counted}): median over seeds [interquartile range], at the step "
         "of the grid that gets there fastest with no seed diverging (in parentheses); 'not reached' = not within "
@@ -138,14 +138,14 @@ MARKERS = {
 DIST_LABEL = r"$\|x - x^\star\|$"
 
 
-def axis_label(convention: str) -> str:
-    return (
-        "communication rounds (every exchange)" if convention == "exchanges" else "communication rounds (paper's count)"
-    )
+def axis_label(convention: RoundConvention) -> str:
+    if convention is RoundConvention.PAPER:
+        return "communication rounds (paper's count)"
+    return "communication rounds (every exchange)"
 
 
-def convention_note(convention: str) -> str:
-    if convention == "exchanges":
+def convention_note(convention: RoundConvention) -> str:
+    if convention is not RoundConvention.PAPER:
         return (
             "A round is every coordinator-clients exchange: SCAFFOLD-S and Catalyst spend 2 per sync "
             "(+1 at the start), Mirror-prox 2 per step, MD and FedAvg-S 1."
@@ -174,7 +174,7 @@ def figure_curves(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = rounds_key(grid.convention)
+    key = grid.convention.record_key
     fig, axes = plt.subplots(1, len(s_values), figsize=(4.2 * len(s_values), 4.0), dpi=110, sharey=True)
     lines = {}
     for ax, s in zip(np.atleast_1d(axes), s_values, strict=True):

@@ -331,6 +331,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progress: Progress) -> int:
     from fedsaddle.experiments.grid import STEP_SCALES, VARIANTS, Grid, run_grid, run_rows_on
     from fedsaddle.experiments.report import write_report
+    from fedsaddle.server.config import RoundConvention
 
     grpc = args.transport == "grpc"
     default_s = (0.0, 5.0, 10.0) if grpc else tuple(float(s) for s in range(16))
@@ -338,7 +339,7 @@ def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progres
         s_values=tuple(args.s) if args.s else default_s,
         seeds=tuple(range(args.seeds if args.seeds else (1 if grpc else 5))),
         rounds=args.rounds or 500,
-        convention=args.convention,
+        convention=RoundConvention(args.convention),
         tau=args.tau,
         overrides={"init": args.init},
         # Over gRPC every point runs again through client processes: the paper's own grid only.
@@ -696,6 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--s", type=non_negative_float, nargs="+", help="values of s (default 0..15; 0 5 10 with --transport grpc)"
     )
     p.add_argument("--rounds", type=positive_int, help="communication budget per run (default 500; 1000 for problems)")
+    # The names of RoundConvention's members (server/config.py is not imported until a command needs it).
     p.add_argument("--convention", choices=["exchanges", "paper"], default="exchanges", help="what a round is")
     p.add_argument("--tau", type=positive_int, default=20, help="local steps per sync")
     p.add_argument("--init", choices=["ones", "zeros", "random"], default="ones", help="starting point z0")

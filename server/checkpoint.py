@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsaddle.server.algorithms.base import StepCost, _build, _flatten
+from fedsaddle.server.algorithms.base import StepCost, build_state, flatten_state
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.driver import AlgorithmResult, Resume, StepDone
 from fedsaddle.server.pool import TrafficCounts
@@ -61,7 +61,7 @@ class Checkpoint:
 def write(run_dir: Path, checkpoint: Checkpoint) -> None:
     """Write the checkpoint atomically (the previous one stays until the new one is complete)."""
     resume = checkpoint.resume
-    arrays, scalars = _flatten(resume.at.state)
+    arrays, scalars = flatten_state(resume.at.state)
     meta = {
         "format": FORMAT,
         "config_sha256": checkpoint.config_sha256,
@@ -123,7 +123,7 @@ def read(run_dir: Path, config: RunConfig, state_types: list[type]) -> Checkpoin
         )
     state_arrays = {k.removeprefix("state/"): v for k, v in arrays.items() if k.startswith("state/")}
     try:
-        state = _build(state_types[index], meta["state"], state_arrays)
+        state = build_state(state_types[index], meta["state"], state_arrays)
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: the algorithm state is incomplete ({exc})") from None
     try:  # read back as the pool will, so that a damaged count is refused before anything starts

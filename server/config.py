@@ -9,8 +9,9 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -34,9 +35,34 @@ from fedsaddle.common.problems import (
     problem_class,
 )
 
+if TYPE_CHECKING:
+    from fedsaddle.server.algorithms.base import StepCost
+
 
 class ConfigError(ValueError):
     """An invalid run configuration; the message names every bad field."""
+
+
+class RoundConvention(StrEnum):
+    """What a communication round is, for the budget, the records and the tables (README, Communication
+    accounting). Every choice that depends on the convention is made here."""
+
+    EXCHANGES = "exchanges"  # every coordinator <-> clients exchange is a round
+    PAPER = "paper"  # the paper's count: one per sync or MD step, two per Mirror-prox step
+
+    def rounds_of(self, cost: StepCost) -> int:
+        """The rounds a step (or a run so far) of this cost spends in this convention."""
+        return cost.paper if self is RoundConvention.PAPER else cost.exchanges
+
+    @property
+    def record_key(self) -> str:
+        """The field of a step's record that counts rounds in this convention."""
+        return "paper_rounds" if self is RoundConvention.PAPER else "rounds"
+
+    @property
+    def words(self) -> str:
+        """How tables, plots and reports say which rounds they count."""
+        return "the paper's convention" if self is RoundConvention.PAPER else "every exchange counted"
 
 
 class _Model(BaseModel):
@@ -282,8 +308,8 @@ class RunConfig(_Model):
     algorithms: list[AlgorithmSpec] = Field(min_length=1)
     sync: SyncSpec = Field(default_factory=FixedSync)
     rounds: int = Field(500, ge=1, description="communication budget, counted as `round_convention` says")
-    round_convention: Literal["exchanges", "paper"] = Field(
-        "exchanges",
+    round_convention: RoundConvention = Field(
+        RoundConvention.EXCHANGES,
         description="exchanges: every coordinator<->clients exchange is a round; "
         "paper: one per sync or MD step, two per Mirror-prox step",
     )

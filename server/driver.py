@@ -26,8 +26,8 @@ from fedsaddle.common.numeric import Array, row_norms, sha256
 from fedsaddle.common.problems import make_problem, solution
 from fedsaddle.common.stop import Stopped
 from fedsaddle.common.tasks import EvaluateTask, Task
-from fedsaddle.server.algorithms import Algorithm, Answers, StepCost, build
-from fedsaddle.server.config import AlgorithmSpec, RunConfig
+from fedsaddle.server.algorithms import Algorithm, RoundAnswers, StepCost, build
+from fedsaddle.server.config import AlgorithmSpec, RoundConvention, RunConfig
 from fedsaddle.server.pool import ClientPool, Diverged, RunInfo, fresh_traffic
 
 # A run has diverged when its iterate is not finite, or when its distance to z* has
@@ -49,22 +49,26 @@ class StepDone(NamedTuple):
 Event = Task | StepDone
 
 
-def fits(spent: StepCost, cost: StepCost, budget: int, paper: bool) -> bool:
+def fits(spent: StepCost, cost: StepCost, budget: int, convention: RoundConvention) -> bool:
     """Whether a step of `cost` after `spent` stays within the round budget (counted by the convention)."""
-    return (spent.paper + cost.paper if paper else spent.exchanges + cost.exchanges) <= budget
+    return convention.rounds_of(StepCost(spent.exchanges + cost.exchanges, spent.paper + cost.paper)) <= budget
 
 
 def run_loop(
-    algorithm: Algorithm[Any], z0: Array, seed: int, budget: int, convention: str, start: StepDone | None = None
+    algorithm: Algorithm[Any],
+    z0: Array,
+    seed: int,
+    budget: int,
+    convention: RoundConvention,
+    start: StepDone | None = None,
 ) -> Generator[Event, Any, None]:
     """Init, then one step at a time while the next step fits the budget (counted by `convention`).
 
     `start`: go on from a step boundary reached before (a resumed run), instead of init.
     """
-    paper = convention == "paper"
     if start is None:
         exchanges, paper_rounds = init = algorithm.init_cost()
-        if not fits(StepCost(0, 0), init, budget, paper):
+        if not fits(StepCost(0, 0), init, budget, convention):
             return
         state = yield from algorithm.init(z0, seed)
         yield StepDone(0, state, StepCost(exchanges, paper_rounds))
@@ -73,7 +77,7 @@ def run_loop(
         steps, state, (exchanges, paper_rounds) = start
     while True:
         cost = algorithm.step_cost(state)
-        if not fits(StepCost(exchanges, paper_rounds), cost, budget, paper):
+        if not fits(StepCost(exchanges, paper_rounds), cost, budget, convention):
             return
         state = yield from algorithm.step(state)
         exchanges, paper_rounds, steps = exchanges + cost.exchanges, paper_rounds + cost.paper, steps + 1
@@ -81,16 +85,6 @@ def run_loop(
 
 
 # -- a run and its outcome ------------------------------------------------------------------
-
-
-def rounds_key(convention: str) -> str:
-    """The record field that counts rounds in a convention: every exchange, or the paper's count."""
-    return "rounds" if convention == "exchanges" else "paper_rounds"
-
-
-def convention_words(convention: str) -> str:
-    """How tables, plots and reports say which rounds they count."""
-    return "every exchange counted" if convention == "exchanges" else "the paper's convention"
 
 
 # What every step's record holds; any other field is an evaluation metric.
@@ -130,11 +124,13 @@ class AlgorithmResult:
             last.update(record_metrics(record))
         return last
 
-    def rounds_to(self, accuracy: float, convention: str = "exchanges", distance: str = "dist_x") -> int | None:
+    def rounds_to(
+        self, accuracy: float, convention: RoundConvention = RoundConvention.EXCHANGES, distance: str = "dist_x"
+    ) -> int | None:
         """The communication rounds (counted by `convention`, as the config's round_convention) spent
         when ||x - x*|| (or `distance`: "dist_z") was first at most `accuracy`; None if it never was
         (or z* is unknown)."""
-        key = rounds_key(convention)
+        key = RoundConvention(convention).record_key  # a plain "paper" from a caller is the same convention
         for record in self.records:
             if record.get(distance, math.inf) <= accuracy:
                 return int(record[key])
@@ -203,7 +199,7 @@ class Run:
         self.name, self.spec, self.algorithm = name, spec, algorithm
         start = None if resume is None else resume.at
         self.loop = run_loop(algorithm, z0, config.seed, config.rounds, config.round_convention, start)
-        self.budget, self.paper = config.rounds, config.round_convention == "paper"
+        self.budget, self.convention = config.rounds, config.round_convention
         self.started = time.perf_counter() - (resume.elapsed_s if resume else 0.0)
         self.records: list[dict[str, float | int]] = list(resume.records) if resume else []
         self.state: Any = None if resume is None else resume.at.state
@@ -211,7 +207,7 @@ class Run:
         self.status, self.detail = "ok", ""
         self.finished = False
 
-    def advance(self, answers: Answers | None) -> Event | None:
+    def advance(self, answers: RoundAnswers | None) -> Event | None:
         """Send the answers to the pending exchange (None after a boundary); the next event."""
         try:
             return self.loop.send(answers)
@@ -256,7 +252,7 @@ class Run:
 
     def ends_at(self, done: StepDone) -> bool:
         """Whether the run ends at this step boundary: its next step would not fit the budget."""
-        return not fits(done.spent, self.algorithm.step_cost(done.state), self.budget, self.paper)
+        return not fits(done.spent, self.algorithm.step_cost(done.state), self.budget, self.convention)
 
     def stop(self, status: str, detail: str) -> None:
         """End the run early (diverged, or stopped by a failure); its loop is closed."""
@@ -343,7 +339,6 @@ def run_algorithm(
     problem = make_problem(config.problem)
     z_star = reference if reference is not None else solution(config.problem, config.seed)
     dim_x, _ = problem.dims()
-    paper = config.round_convention == "paper"
     stopped_by: BaseException | None = None
     try:
         if resume is None:
@@ -371,7 +366,7 @@ def run_algorithm(
                 if not going:
                     break
                 if progress is not None and event.steps > 0:
-                    spent = event.spent.paper if paper else rounds
+                    spent = event.spent.paper if config.round_convention is RoundConvention.PAPER else rounds
                     progress(run.name, spent, config.rounds, float("nan") if dist_z is None else dist_z)
                 event = run.advance(None)
             else:

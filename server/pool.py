@@ -2,7 +2,7 @@
 
 The driver hands the pool each exchange an algorithm yields (`exchange(task)`).
 One exchange is one communication round: the coordinator sends the task to every
-client and every client answers. The pool returns the answers as `Answers`, one
+client and every client answers. The pool returns the answers as `RoundAnswers`, one
 row per client in client-index order; the algorithm aggregates them.
 
 Two transports implement `_exchange`: LocalPool (in-process, for simulation and
@@ -28,11 +28,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedsaddle.common import seeding
-from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE as LARGE
-from fedsaddle.common.numeric import Array
+from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE, Array
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
-from fedsaddle.server.algorithms.base import Answers, aggregate_rows
+from fedsaddle.server.algorithms.base import RoundAnswers, aggregate_rows
 
 # algorithm: the algorithm's own exchanges (the documented formulas); evaluation: held-out metrics;
 # retransmission: what was sent again to clients that rejoined (never in the formulas).
@@ -74,19 +73,20 @@ class RunInfo:
     fraction: float = 1.0  # clients sampled per round (from the coordinator's seed); 1: all
 
     @cached_property
-    def kind(self) -> Problem:
+    def problem_object(self) -> Problem:
+        """The Problem that `problem` (its spec) describes: dimensions, oracles, metrics."""
         return make_problem(self.problem)
 
     @property
     def dimension(self) -> int:
-        return self.kind.dimension
+        return self.problem_object.dimension
 
     @property
     def num_clients(self) -> int:
         return self.problem.num_clients
 
 
-class RoundTraffic(NamedTuple):
+class RoundTally(NamedTuple):
     """One round's logical traffic: who was sent the task and who answered, and the float64
     entries each received and sent. `sent`/`answered` None: every client 0..n-1."""
 
@@ -114,13 +114,13 @@ def round_traffic(
     dimension: int,
     sent: tuple[int, ...] | None = None,
     answered: tuple[int, ...] | None = None,
-) -> RoundTraffic:
+) -> RoundTally:
     """The traffic of one round of `task`: the single definition of what a round costs."""
     down = sum(v.shape[-1] for v in task.payload())
     if isinstance(task, EvaluateTask):
-        return RoundTraffic(num_clients, down, len(task.metric_names) + 1, sent, answered)  # metrics, held-out rows
+        return RoundTally(num_clients, down, len(task.metric_names) + 1, sent, answered)  # metrics, held-out rows
     up = dimension + (1 if isinstance(task, GradientTask) and task.want_objective else 0)
-    return RoundTraffic(num_clients, down, up, sent, answered)
+    return RoundTally(num_clients, down, up, sent, answered)
 
 
 @dataclass
@@ -155,7 +155,7 @@ class TrafficCounts:
             setattr(restored, name, np.array(values, dtype=np.int64))
         return restored
 
-    def add(self, traffic: RoundTraffic, times: int = 1) -> None:
+    def add(self, traffic: RoundTally, times: int = 1) -> None:
         """Count `times` rounds of the given traffic: only the clients that took part."""
         n = traffic.num_clients
         sent = n if traffic.sent is None else len(traffic.sent)
@@ -233,7 +233,7 @@ class ClientPool(abc.ABC):
         run = self._require_run()
         return None if category != "algorithm" else sample_clients(run.seed, run.fraction, run.num_clients, round_id)
 
-    def exchange(self, task: Task, category: Category = "algorithm") -> Answers:
+    def exchange(self, task: Task, category: Category = "algorithm") -> RoundAnswers:
         """One round: send the task to the round's clients and return their answers in client-index order.
 
         The round is counted even when clients report non-finite results (then
@@ -250,7 +250,7 @@ class ClientPool(abc.ABC):
         want_objective = isinstance(task, GradientTask) and task.want_objective
         everyone = participants is None and sum(len(a.indices) for a in answers) == n
         answered: Sequence[int] = range(n) if everyone else sorted(i for a in answers for i in a.indices)
-        if not evaluation and dim > LARGE and not any(a.diverged for a in answers):
+        if not evaluation and dim > SUMMED_BY_LOOP_ABOVE and not any(a.diverged for a in answers):
             # Large vectors are not stacked into one (clients, D) array: the mean is added up
             # from the answers as they are, in client-index order, with the same arithmetic.
             self.traffic[category].add(round_traffic(task, n, dim, participants, None if everyone else tuple(answered)))
@@ -276,12 +276,12 @@ class ClientPool(abc.ABC):
             raise Diverged(self.round_id, tuple(sorted(diverged)))
         # Metrics are weighted by the clients' held-out rows; everything else by the run's rule.
         weights = counts if evaluation else self.weights if everyone or self.weights is None else self.weights[answered]
-        return Answers(vectors, objective, weights, None if everyone else tuple(answered))
+        return RoundAnswers(vectors, objective, weights, None if everyone else tuple(answered))
 
     def _streamed(
         self, answers: list[Answer], answered: Sequence[int], want_objective: bool, everyone: bool
-    ) -> Answers:
-        """Answers whose mean is summed from each client's row in place (`aggregate_rows`)."""
+    ) -> RoundAnswers:
+        """RoundAnswers whose mean is summed from each client's row in place (`aggregate_rows`)."""
         rows = sorted(
             ((index, answer.vectors[k]) for answer in answers for k, index in enumerate(answer.indices)),
             key=lambda row: row[0],
@@ -294,7 +294,7 @@ class ClientPool(abc.ABC):
                 if answer.objective is not None:
                     objective[[row_of[i] for i in answer.indices]] = answer.objective
         mean = aggregate_rows([vector for _, vector in rows], weights)
-        return Answers(None, objective, weights, None if everyone else tuple(answered), aggregated=(mean, None))
+        return RoundAnswers(None, objective, weights, None if everyone else tuple(answered), aggregated=(mean, None))
 
     def restore(self, round_id: int, traffic: dict[str, dict[str, object]]) -> None:
         """Go on from a checkpoint: the round counter and the counts as they were."""
@@ -303,7 +303,7 @@ class ClientPool(abc.ABC):
             if category in self.traffic:
                 self.traffic[category] = TrafficCounts.from_dict(self.traffic[category].num_clients, counts)
 
-    def gradients(self, z: Array, *, exact: bool = False, category: Category = "algorithm") -> Answers:
+    def gradients(self, z: Array, *, exact: bool = False, category: Category = "algorithm") -> RoundAnswers:
         """One round of G_i(z) from every client (a convenience over `exchange`)."""
         return self.exchange(GradientTask(z, exact=exact), category)
 

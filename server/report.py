@@ -12,7 +12,7 @@ from typing import Any
 
 from fedsaddle.common.problems import make_problem
 from fedsaddle.server.config import RunConfig
-from fedsaddle.server.driver import AlgorithmResult, convention_words, rounds_key
+from fedsaddle.server.driver import AlgorithmResult
 
 log = logging.getLogger("fedsaddle.coordinator")
 
@@ -134,7 +134,8 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
 
 def _x_axis(config: RunConfig) -> tuple[str, str]:
     """The records' key of the round count, and its axis label."""
-    return rounds_key(config.round_convention), f"communication rounds ({convention_words(config.round_convention)})"
+    convention = config.round_convention
+    return convention.record_key, f"communication rounds ({convention.words})"
 
 
 def _title(config: RunConfig) -> str:
@@ -206,7 +207,7 @@ def rounds_table(results: Sequence[AlgorithmResult], config: RunConfig) -> str |
         return None
     labels = [accuracy_label(a) for a in config.output.accuracies]
     width = max(8, *(len(label) for label in labels))
-    counted = convention_words(config.round_convention)
+    counted = config.round_convention.words
     header = f"{'algorithm':<22}" + "".join(f" {label:>{width}}" for label in labels)
     lines = [
         f"communication rounds until ||x-x*|| <= accuracy ({counted}; -: not reached within {config.rounds} rounds)",

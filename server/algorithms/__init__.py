@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedsaddle.server.algorithms.base import Algorithm, Answers, Exchanges, StepCost, load_state, save_state
+from fedsaddle.server.algorithms.base import Algorithm, Exchanges, RoundAnswers, StepCost, load_state, save_state
 from fedsaddle.server.algorithms.catalyst import (
     FixedSyncs,
     GradientMapping,
@@ -33,11 +33,11 @@ from fedsaddle.server.config import (
 
 __all__ = [
     "Algorithm",
-    "Answers",
     "Exchanges",
     "FedAvgS",
     "MinibatchMirrorDescent",
     "MirrorProx",
+    "RoundAnswers",
     "ScaffoldCatalystS",
     "ScaffoldS",
     "StepCost",

@@ -3,7 +3,7 @@
 An algorithm is plain single-run code that never touches a transport, in the
 style of sans-I/O protocol libraries. `init` and `step` are generators: each
 *yields* the exchange it needs next (a `GradientTask` or `LocalStepsTask`, see
-common/tasks.py), receives the clients' `Answers`, and finally *returns* the new
+common/tasks.py), receives the clients' `RoundAnswers`, and finally *returns* the new
 state:
 
     def step(self, state):
@@ -36,7 +36,7 @@ State = TypeVar("State")
 T = TypeVar("T")
 
 
-class Answers:
+class RoundAnswers:
     """The answers to one exchange: one row per answering client, in client-index order.
 
     `mean()` is the aggregation rule, the only one in fedsaddle: the paper's
@@ -113,7 +113,7 @@ def weight_total(weights: Array) -> float:
 
 
 # What `init` and `step` are: generators of exchanges that return a value.
-Exchanges = Generator[Task, Answers, T]
+Exchanges = Generator[Task, RoundAnswers, T]
 
 
 def no_exchange(value: T) -> Exchanges[T]:
@@ -165,7 +165,7 @@ def positive(name: str, value: float, allow_zero: bool = False) -> float:
 # -- state files -----------------------------------------------------------------------
 
 
-def _flatten(state: Any, prefix: str = "") -> tuple[dict[str, Array], dict[str, Any]]:
+def flatten_state(state: Any, prefix: str = "") -> tuple[dict[str, Array], dict[str, Any]]:
     """A state's arrays (by dotted field name) and its other fields (JSON), nested states included."""
     arrays: dict[str, Array] = {}
     scalars: dict[str, Any] = {}
@@ -173,21 +173,22 @@ def _flatten(state: Any, prefix: str = "") -> tuple[dict[str, Array], dict[str, 
         if isinstance(value, np.ndarray):
             arrays[prefix + name] = value
         elif hasattr(value, "_fields"):
-            inner_arrays, scalars[name] = _flatten(value, f"{prefix}{name}.")
+            inner_arrays, scalars[name] = flatten_state(value, f"{prefix}{name}.")
             arrays.update(inner_arrays)
         else:
             scalars[name] = value
     return arrays, scalars
 
 
-def _build(cls: type[Any], scalars: dict[str, Any], arrays: dict[str, Array], prefix: str = "") -> Any:
+def build_state(cls: type[Any], scalars: dict[str, Any], arrays: dict[str, Array], prefix: str = "") -> Any:
+    """The state of type cls that `flatten_state` took apart (nested states are rebuilt by their field types)."""
     types = typing.get_type_hints(cls)
     values = []
     for name in cls._fields:
         if prefix + name in arrays:
             values.append(arrays[prefix + name])
         elif hasattr(types[name], "_fields"):
-            values.append(_build(types[name], scalars[name], arrays, f"{prefix}{name}."))
+            values.append(build_state(types[name], scalars[name], arrays, f"{prefix}{name}."))
         else:
             values.append(scalars[name])
     return cls(*values)
@@ -195,7 +196,7 @@ def _build(cls: type[Any], scalars: dict[str, Any], arrays: dict[str, Array], pr
 
 def save_state(state: Any, path: str | Path) -> None:
     """Write a state (a NamedTuple, nested ones too) to an .npz file: arrays exact, the rest as JSON."""
-    arrays, scalars = _flatten(state)
+    arrays, scalars = flatten_state(state)
     meta = json.dumps({"type": type(state).__name__, "scalars": scalars})
     np.savez(Path(path), __meta__=np.array(meta), **arrays)  # type: ignore[arg-type]
 
@@ -207,5 +208,5 @@ def load_state(cls: type[State], path: str | Path) -> State:
         if meta["type"] != cls.__name__:
             raise ValueError(f"{path} holds a {meta['type']}, not a {cls.__name__}")
         arrays = {name: data[name].copy() for name in data.files if name != "__meta__"}
-    result: State = _build(cls, meta["scalars"], arrays)
+    result: State = build_state(cls, meta["scalars"], arrays)
     return result

@@ -225,7 +225,7 @@ class GrpcPool(ClientPool):
             dimension=run.dimension,
             want_sample_counts=run.weighting == "samples",
         )
-        if run.kind.synthetic:
+        if run.problem_object.synthetic:
             spec.synthetic_seed = run.seed  # a benchmark source: clients generate their data from it
         return self._call(self._start_run(run, pb.Instruction(run=spec).SerializeToString()))
 
