@@ -36,13 +36,16 @@ from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 log = logging.getLogger("fedsaddle.client")
+# A log record's flag: a client repeating the coordinator's failure (`fedsaddle local`, whose coordinator
+# says it in the same terminal, leaves those out: see launch.fork_clients).
+ECHOES_COORDINATOR = "echoes_coordinator"
 
 GOODBYE_WAIT_S = 5.0  # after a goodbye, how long to wait for the coordinator to end the call
 # A name that does not resolve is retried this long: container networks register a
 # service's name a moment after it starts, and again after it restarts.
 DNS_GRACE_S = 5.0
 
-__all__ = ["ClientError", "ClientOptions", "run_client", "serve"]
+__all__ = ["ECHOES_COORDINATOR", "ClientError", "ClientOptions", "run_client", "serve"]
 
 
 @dataclass

@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from fedsaddle.api import reference_solution
 from fedsaddle.common.problems import problem_class
 from fedsaddle.common.problems.auc import roc_auc
 from fedsaddle.common.problems.data import data_paths, read_client_data
 from fedsaddle.common.worker import ShardCache
 from fedsaddle.server.config import parse_config
 from fedsaddle.server.driver import AlgorithmResult
+from fedsaddle.server.local_pool import reference_solution
 
 from .batch import BatchRun, run_batches
 from .datasets import split

@@ -21,15 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
 from fedsaddle.common import blas
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.problems import DataProblem, data_paths, make_problem
-from fedsaddle.common.worker import ShardCache
+from fedsaddle.common.problems import data_paths
 from fedsaddle.server.config import RunConfig, load_config, parse_config
 from fedsaddle.server.coordinator import Outcome, run_config
 from fedsaddle.server.driver import AlgorithmResult
+from fedsaddle.server.local_pool import reference_solution
 
 __all__ = ["Report", "load", "reference_solution", "run"]
 
@@ -56,21 +54,6 @@ def load(config: RunConfig | Mapping[str, Any] | str | Path) -> RunConfig:
     if isinstance(config, str | Path):
         return load_config(config)
     return parse_config(dict(config))
-
-
-def reference_solution(config: RunConfig, cache: ShardCache) -> Array | None:
-    """z* of the federation's f from all clients' data, when the problem can compute it.
-
-    Only possible where every client's data is at hand (an in-process run): a
-    gRPC coordinator never has it.
-    """
-    problem = make_problem(config.problem)
-    if not isinstance(problem, DataProblem):
-        return None
-    shards = cache.get(config.problem, config.seed, range(config.problem.num_clients))
-    datas = shards.datas  # type: ignore[attr-defined]
-    weights = np.array([d.samples for d in datas], dtype=float) if config.weighting == "samples" else None
-    return problem.reference_solution(datas, weights)
 
 
 def run(

@@ -37,7 +37,6 @@ log = logging.getLogger("fedsaddle")
 _LOADED = time.perf_counter()
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-ECHOES_COORDINATOR = "echoes_coordinator"  # a log record's flag: a client repeating the coordinator's failure
 
 
 class UsageError(Exception):
@@ -153,8 +152,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _reference(config: RunConfig, pool: Any) -> Any:
     """z* for an in-process run: on real data, solved from every client's data (all at hand here)."""
-    from fedsaddle.api import reference_solution
     from fedsaddle.common.problems import DataError
+    from fedsaddle.server.local_pool import reference_solution
 
     try:
         with _naming_memory(config):
@@ -238,7 +237,7 @@ def _resume(
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from fedsaddle.client.service import ClientError, ClientOptions, serve
+    from fedsaddle.client.service import ECHOES_COORDINATOR, ClientError, ClientOptions, serve
     from fedsaddle.client.session import RunFailed
 
     token = _read_token(args.token_file)
@@ -278,7 +277,7 @@ def cmd_local(args: argparse.Namespace) -> int:
                     "`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens"
                 )
             data = _data_paths(args.data, range(config.problem.num_clients))
-            loopback = loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=True)
+            loopback = loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=main)
             pool, processes = stack.enter_context(loopback)
             return pool, {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Protocol
 
 from fedsaddle.common.indices import parse_indices
@@ -29,6 +29,9 @@ from fedsaddle.server.transport.grpc_pool import GrpcPool, MissingClients
 log = logging.getLogger("fedsaddle.coordinator")
 
 CLIENT_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # for tests that start processes themselves
+# The command line's main (cli.main), passed in by the command line: a forked client runs it. Passed in,
+# because launch importing cli would close the cycle cli -> launch -> cli.
+CommandLine = Callable[[Sequence[str]], int]
 
 
 def client_env() -> dict[str, str]:
@@ -148,17 +151,19 @@ class ForkedClient:
 
 def fork_clients(
     groups: Sequence[str],
+    entry: CommandLine,
     *,
     quiet: bool = True,
     extra: Sequence[str] = (),
     data: Mapping[int, str] | None = None,
 ) -> list[ForkedClient]:
-    """start_clients, forked: each child waits for the coordinator's address (ForkedClient.start).
+    """start_clients, forked: each child waits for the coordinator's address (ForkedClient.start), then
+    runs `entry` (the command line's main) on the arguments `client_command` gives.
 
     Call it before this process creates any gRPC object.
     """
-    import fedsaddle.client.service  # noqa: F401  (imported once, here, instead of in every child)
-    from fedsaddle.cli import ECHOES_COORDINATOR, main
+    # Imported once, here, instead of in every child.
+    from fedsaddle.client.service import ECHOES_COORDINATOR
 
     children: list[ForkedClient] = []
     parent = os.getpid()
@@ -182,7 +187,7 @@ def fork_clients(
                 logging.getLogger("fedsaddle").addFilter(lambda record: not getattr(record, ECHOES_COORDINATOR, False))
                 if address:  # nothing: the coordinator did not start
                     command = client_command(address, spec, *extra, quiet=quiet, data=data)
-                    code = main(command[3:])  # after `python -m fedsaddle`
+                    code = entry(command[3:])  # after `python -m fedsaddle`
             except BaseException:  # print whatever ended it, then exit
                 traceback.print_exc()
             finally:
@@ -315,12 +320,12 @@ def loopback_federation(
     quiet_clients: bool = True,
     capture: bool = False,
     data: Mapping[int, str] | None = None,
-    fork: bool = False,
+    fork: CommandLine | None = None,
 ) -> Iterator[tuple[GrpcPool, list[ClientProcess]]]:
     """A coordinator pool on 127.0.0.1 and client processes for every index; all stopped afterwards.
 
-    fork: fork the client processes from this one (see fork_clients) instead of starting
-    them afresh; only before this process has created any gRPC object.
+    fork: the command line's main, to fork the client processes from this one with (see fork_clients)
+    instead of starting them afresh; only before this process has created any gRPC object.
     """
     groups = index_groups(config.problem.num_clients, per_process)
     # The operator runs both sides here, so the clients trust the config's plugin problem.
@@ -329,7 +334,7 @@ def loopback_federation(
     pool: GrpcPool | None = None
     try:
         if fork:
-            forked = fork_clients(groups, quiet=quiet_clients, data=data, extra=trust)
+            forked = fork_clients(groups, fork, quiet=quiet_clients, data=data, extra=trust)
             children = list(forked)
             pool = coordinator_pool(config, "127.0.0.1:0")
             for child in forked:

@@ -5,9 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from fedsaddle.common import blas
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems import DataProblem, make_problem
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.common.worker import ShardCache, Worker
+from fedsaddle.server.config import RunConfig
 from fedsaddle.server.pool import Category, ClientPool, RunInfo
 
 
@@ -41,3 +46,18 @@ class LocalPool(ClientPool):
     ) -> list[Answer]:
         assert self._worker is not None
         return [self._worker.execute(task, round_id, participants)]
+
+
+def reference_solution(config: RunConfig, cache: ShardCache) -> Array | None:
+    """z* of the federation's f from all clients' data, when the problem can compute it.
+
+    Only possible where every client's data is at hand (an in-process run): a
+    gRPC coordinator never has it.
+    """
+    problem = make_problem(config.problem)
+    if not isinstance(problem, DataProblem):
+        return None
+    shards = cache.get(config.problem, config.seed, range(config.problem.num_clients))
+    datas = shards.datas  # type: ignore[attr-defined]
+    weights = np.array([d.samples for d in datas], dtype=float) if config.weighting == "samples" else None
+    return problem.reference_solution(datas, weights)

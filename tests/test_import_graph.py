@@ -1,0 +1,129 @@
+"""The project's modules import one another without cycles.
+
+The graph is read from the source, not from an import: every module of every
+package that pyproject.toml's `package-dir` maps (fedsaddle.server -> server/, ...)
+is parsed, and each `import` / `from ... import` it can run is an edge, the ones
+inside functions included (a lazy import hides a cycle from the importer, not
+from a reader). Imports under `if TYPE_CHECKING:` are left out: they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the installed package, by its import name, found through the package-dir mapping."""
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found: dict[str, Path] = {}
+    for package, folder in setuptools["package-dir"].items():
+        for path in sorted((root / folder).glob("*.py")):
+            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return found
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes inside `if TYPE_CHECKING:` blocks."""
+    hidden: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            hidden.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    return hidden
+
+
+def _imported(module: str, path: Path, known: Mapping[str, Path]) -> Iterator[str]:
+    """The project's modules that `module` may import when it runs."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    hidden = _type_checking_only(tree)
+    package = module if path.stem == "__init__" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            source = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+            for alias in node.names:
+                # `from package import module` imports the module; `from module import name` the module.
+                submodule = f"{source}.{alias.name}"
+                if submodule in known:
+                    yield submodule
+                elif source in known:
+                    yield source
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    known = modules(root)
+    return {module: set(_imported(module, path, known)) - {module} for module, path in known.items()}
+
+
+def cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph (its modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_is_read_through_the_package_dir_mapping() -> None:
+    graph = import_graph()
+    # Folders named as installed: server/driver.py is fedsaddle.server.driver, and its imports are seen.
+    assert modules()["fedsaddle.server.driver"] == ROOT / "server" / "driver.py"
+    assert "fedsaddle.server.config" in graph["fedsaddle.server.driver"]
+    # A lazy import inside a function is an edge (cli imports nearly everything that way).
+    assert "fedsaddle.launch" in graph["fedsaddle.cli"]
+    assert len(graph) > 50
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_modules_import_one_another_without_cycles() -> None:
+    found = cycle(import_graph())
+    assert found is None, "import cycle: " + " -> ".join(found or [])
+
+
+def test_the_top_level_folders_import_one_another_without_cycles() -> None:
+    # One node per folder of the repository (fedsaddle/, server/, client/, common/, experiments/, proto/):
+    # e.g. server/ must not reach fedsaddle/ (the command line, the API) and come back.
+    def folder(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and f"fedsaddle.{parts[1]}" in packages else "fedsaddle"
+
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"])
+    folders: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        folders.setdefault(folder(module), set()).update(folder(t) for t in targets)
+    graph = {name: targets - {name} for name, targets in folders.items()}
+    assert {"fedsaddle", "server", "client", "common", "proto"} <= set(graph)
+    found = cycle(graph)
+    assert found is None, "folder cycle: " + " -> ".join(found or [])
