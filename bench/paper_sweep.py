@@ -16,8 +16,8 @@ import os
 import statistics
 import time
 
-from fedsaddle.experiments.batch import run_batch, run_batches
 from fedsaddle.experiments.grid import PAPER_FIVE, STEP_SCALES, Grid
+from fedsaddle.server.batch import run_batch, run_batches
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 

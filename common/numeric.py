@@ -23,7 +23,7 @@ Array = NDArray[np.float64]
 # Below this many entries per vector, one cumulative sum beats a Python loop;
 # both add in index order, so they give the same bits.
 _SMALL = 4096
-SUMMED_BY_LOOP_ABOVE = _SMALL  # vectors longer than this are summed one by one (server/pool.py relies on it)
+SUMMED_BY_LOOP_ABOVE = _SMALL  # vectors longer than this are summed one by one (server/settlement.py relies on it)
 
 # Elementwise work on long vectors goes block by block: the same operations on the same
 # elements, with a scratch block that stays in cache instead of a scratch vector.

@@ -39,7 +39,7 @@ class LocalStepsTask(NamedTuple):
 
     z_start: Array
     steps: int
-    gamma_local: float | Array  # an array: one per run of a batch (see experiments/batch.py)
+    gamma_local: float | Array  # an array: one per run of a batch (see server/batch.py)
     step_offset: int = 0
     decay: Decay = "constant"
     control: Array | None = None

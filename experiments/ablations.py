@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from fedsaddle.common.worker import ShardCache
+from fedsaddle.server.batch import run_batch
 
-from .batch import run_batch
 from .grid import NAMES, PAPER_ENTRIES, PAPER_FIVE, STEP_GRIDS, STEP_SCALES, Grid, Row, best_steps, quartiles
 from .report import fmt, markdown
 

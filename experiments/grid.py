@@ -28,11 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from fedsaddle.server.batch import BatchRun, run_batches
 from fedsaddle.server.config import RoundConvention, RunConfig, parse_config
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.pool import ClientPool
-
-from .batch import BatchRun, run_batches
 
 STEP_SCALES = (0.1, 0.05, 0.01)  # the paper's grid, times 1/max(s, 1)
 ACCURACIES = (1e-6, 1e-10)

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 
 from fedsaddle.common.worker import ShardCache
+from fedsaddle.server.batch import run_batch
 from fedsaddle.server.config import RoundConvention
 from fedsaddle.server.driver import AlgorithmResult
 
-from .batch import run_batch
 from .grid import NAMES, SWEPT, Grid, quartiles
 from .report import DIST_LABEL, MARKERS, PLOT_FLOOR, axis_label, convention_note, fmt, markdown
 

@@ -33,11 +33,11 @@ from fedsaddle.common.problems import problem_class
 from fedsaddle.common.problems.auc import roc_auc
 from fedsaddle.common.problems.data import data_paths, read_client_data
 from fedsaddle.common.worker import ShardCache
+from fedsaddle.server.batch import BatchRun, run_batches
 from fedsaddle.server.config import parse_config
 from fedsaddle.server.driver import AlgorithmResult
 from fedsaddle.server.local_pool import reference_solution
 
-from .batch import BatchRun, run_batches
 from .datasets import split
 from .report import PLOT_FLOOR, fmt, markdown
 

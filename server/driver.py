@@ -7,7 +7,7 @@ exceed the budget. `Run` wraps it with what a run reports (status, per-step
 records, final iterate). Two drivers feed it:
 
 * `run_algorithm` here: one run over one pool (in-process or gRPC);
-* `experiments/batch.py`: many runs at once, their exchanges in one worker call.
+* `server/batch.py`: many runs at once, their exchanges in one worker call.
 """
 
 from __future__ import annotations

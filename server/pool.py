@@ -7,8 +7,9 @@ row per client in client-index order; the algorithm aggregates them.
 
 Two transports implement `_exchange`: LocalPool (in-process, for simulation and
 tests) and GrpcPool (client processes over gRPC). Counting happens here, in
-`exchange`, identically for both, through `round_traffic`; GrpcPool adds the
-bytes it really moved.
+`exchange`, identically for both: the round's rules (who took part, weights,
+divergence, its tally, the aggregate) are `settle`'s (server/settlement.py);
+GrpcPool adds the bytes it really moved.
 
 Counts are logical, per client: a round sends each client one message carrying
 the task's vectors and receives one message back carrying its answer. A client
@@ -22,16 +23,17 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
 from fedsaddle.common import seeding
-from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE, Array
+from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
-from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
-from fedsaddle.server.algorithms.base import RoundAnswers, aggregate_rows
+from fedsaddle.common.tasks import Answer, GradientTask, Task
+from fedsaddle.server.algorithms.base import RoundAnswers
+from fedsaddle.server.settlement import RoundTally, settle
 
 # algorithm: the algorithm's own exchanges (the documented formulas); evaluation: held-out metrics;
 # retransmission: what was sent again to clients that rejoined (never in the formulas).
@@ -84,43 +86,6 @@ class RunInfo:
     @property
     def num_clients(self) -> int:
         return self.problem.num_clients
-
-
-class RoundTally(NamedTuple):
-    """One round's logical traffic: who was sent the task and who answered, and the float64
-    entries each received and sent. `sent`/`answered` None: every client 0..n-1."""
-
-    num_clients: int
-    floats_down: int  # per client: the task's vectors
-    floats_up: int  # per client: its answer vector, plus f_i(z) when asked
-    sent: tuple[int, ...] | None = None
-    answered: tuple[int, ...] | None = None
-
-
-def _rows(indices: tuple[int, ...], position: dict[int, int] | None) -> slice | Sequence[int]:
-    """Where an answer's clients go among the round's rows (a slice when they are consecutive).
-
-    An answer's indices increase, and so do their rows: they are consecutive exactly
-    when the last is as far from the first as their count says."""
-    rows: Sequence[int] = indices if position is None else [position[i] for i in indices]
-    if rows[-1] - rows[0] == len(rows) - 1:
-        return slice(rows[0], rows[-1] + 1)
-    return list(rows)
-
-
-def round_traffic(
-    task: Task,
-    num_clients: int,
-    dimension: int,
-    sent: tuple[int, ...] | None = None,
-    answered: tuple[int, ...] | None = None,
-) -> RoundTally:
-    """The traffic of one round of `task`: the single definition of what a round costs."""
-    down = sum(v.shape[-1] for v in task.payload())
-    if isinstance(task, EvaluateTask):
-        return RoundTally(num_clients, down, len(task.metric_names) + 1, sent, answered)  # metrics, held-out rows
-    up = dimension + (1 if isinstance(task, GradientTask) and task.want_objective else 0)
-    return RoundTally(num_clients, down, up, sent, answered)
 
 
 @dataclass
@@ -244,57 +209,12 @@ class ClientPool(abc.ABC):
         run = self._require_run()
         self.round_id += 1
         participants = self.participants(self.round_id, category)
-        answers = self._exchange(task, self.round_id, category, participants)
-        n, dim = run.num_clients, run.dimension
-        evaluation = isinstance(task, EvaluateTask)
-        want_objective = isinstance(task, GradientTask) and task.want_objective
-        everyone = participants is None and sum(len(a.indices) for a in answers) == n
-        answered: Sequence[int] = range(n) if everyone else sorted(i for a in answers for i in a.indices)
-        if not evaluation and dim > SUMMED_BY_LOOP_ABOVE and not any(a.diverged for a in answers):
-            # Large vectors are not stacked into one (clients, D) array: the mean is added up
-            # from the answers as they are, in client-index order, with the same arithmetic.
-            self.traffic[category].add(round_traffic(task, n, dim, participants, None if everyone else tuple(answered)))
-            return self._streamed(answers, answered, want_objective, everyone)
-        position = None if everyone else {index: row for row, index in enumerate(answered)}
-        vectors = np.empty((len(answered), len(task.metric_names) if isinstance(task, EvaluateTask) else dim))
-        objective = np.empty(len(answered)) if want_objective else None
-        counts = np.zeros(len(answered)) if evaluation else None
-        diverged: list[int] = []
-        for answer in answers:
-            if answer.diverged:
-                diverged.extend(answer.indices)
-                continue
-            rows = _rows(answer.indices, position)
-            vectors[rows] = answer.vectors
-            if objective is not None and answer.objective is not None:
-                objective[rows] = answer.objective
-            if counts is not None and answer.counts is not None:
-                counts[rows] = answer.counts
-        traffic = round_traffic(task, n, dim, participants, None if everyone else tuple(answered))
-        self.traffic[category].add(traffic)
-        if diverged:
-            raise Diverged(self.round_id, tuple(sorted(diverged)))
-        # Metrics are weighted by the clients' held-out rows; everything else by the run's rule.
-        weights = counts if evaluation else self.weights if everyone or self.weights is None else self.weights[answered]
-        return RoundAnswers(vectors, objective, weights, None if everyone else tuple(answered))
-
-    def _streamed(
-        self, answers: list[Answer], answered: Sequence[int], want_objective: bool, everyone: bool
-    ) -> RoundAnswers:
-        """RoundAnswers whose mean is summed from each client's row in place (`aggregate_rows`)."""
-        rows = sorted(
-            ((index, answer.vectors[k]) for answer in answers for k, index in enumerate(answer.indices)),
-            key=lambda row: row[0],
-        )
-        weights = self.weights if everyone or self.weights is None else self.weights[answered]
-        objective = np.empty(len(answered)) if want_objective else None
-        if objective is not None:
-            row_of = {index: row for row, index in enumerate(answered)}
-            for answer in answers:
-                if answer.objective is not None:
-                    objective[[row_of[i] for i in answer.indices]] = answer.objective
-        mean = aggregate_rows([vector for _, vector in rows], weights)
-        return RoundAnswers(None, objective, weights, None if everyone else tuple(answered), aggregated=(mean, None))
+        replies = self._exchange(task, self.round_id, category, participants)
+        settlement = settle(task, run.num_clients, run.dimension, participants, replies, self.weights)
+        self.traffic[category].add(settlement.tally)
+        if settlement.answers is None:
+            raise Diverged(self.round_id, settlement.diverged)
+        return settlement.answers
 
     def restore(self, round_id: int, traffic: dict[str, dict[str, object]]) -> None:
         """Go on from a checkpoint: the round counter and the counts as they were."""

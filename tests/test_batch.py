@@ -13,9 +13,9 @@ import pytest
 from conftest import CLIENT_ENV, config
 
 from fedsaddle.common.worker import ShardCache
-from fedsaddle.experiments.batch import BatchRun, run_batch, run_batches
 from fedsaddle.experiments.datasets import split
 from fedsaddle.experiments.grid import Grid, best_steps, quartiles, run_grid
+from fedsaddle.server.batch import BatchRun, run_batch, run_batches
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 

@@ -12,8 +12,8 @@ import pytest
 from conftest import config, federation
 from test_failures import Coordinator, write_config
 
-from fedsaddle.experiments.batch import BatchRun, run_batch
 from fedsaddle.launch import start_clients
+from fedsaddle.server.batch import BatchRun, run_batch
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import sample_clients

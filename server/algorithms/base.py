@@ -12,7 +12,7 @@ state:
 
 Whoever drives the generator decides how an exchange happens: one run over a
 pool (server/driver.py: in-process or over gRPC), or many runs at once whose
-pending exchanges go through one vectorized worker call (experiments/batch.py).
+pending exchanges go through one vectorized worker call (server/batch.py).
 
 A state is a NamedTuple of arrays and numbers (as in Optax), the synchronization
 clock included, so it can be saved after any step and read back (`save_state`).

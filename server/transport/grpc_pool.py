@@ -32,7 +32,8 @@ from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.common.text import printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
-from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo, round_traffic
+from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, RunInfo
+from fedsaddle.server.settlement import round_traffic
 from fedsaddle.server.transport.auth import Authenticator
 from fedsaddle.server.transport.checks import Expectation
 from fedsaddle.server.transport.loop import LoopRunner

@@ -1,7 +1,8 @@
 """Many runs at once: every run is its own single-run generator; their exchanges share worker calls.
 
 Each member of a batch is an ordinary `Run` (server/driver.py) of the same
-algorithm code as a run alone. The driver here advances all of them together:
+algorithm code as a run alone, and each of its rounds is settled by the same
+rules as a run alone's (`settle`, server/settlement.py). The driver here advances all of them together:
 whenever every unfinished run waits on an exchange, it groups the pending tasks
 by shape (kind, local steps, round id, ...), stacks each group's vectors along a
 leading run axis, and executes the group in one vectorized worker call; per-run
@@ -33,12 +34,13 @@ import numpy as np
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem, solution, stack_shards
-from fedsaddle.common.tasks import GradientTask, LocalStepsTask, Task
+from fedsaddle.common.tasks import Answer, GradientTask, LocalStepsTask, Task
 from fedsaddle.common.worker import ShardCache, Worker
-from fedsaddle.server.algorithms.base import RoundAnswers, aggregate
+from fedsaddle.server.algorithms.base import aggregate
 from fedsaddle.server.config import AlgorithmSpec, RunConfig
 from fedsaddle.server.driver import AlgorithmResult, Run, StepDone, distances, make_run
-from fedsaddle.server.pool import RoundTally, fresh_traffic, round_traffic, sample_clients
+from fedsaddle.server.pool import fresh_traffic, sample_clients
+from fedsaddle.server.settlement import RoundTally, settle
 
 
 @dataclass(frozen=True)
@@ -199,9 +201,9 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
         finite &= np.isfinite(objective).all(axis=1)
     bad = [not v for v in map(bool, finite.ravel())]
     n, dimension = vectors.shape[1], vectors.shape[2]
-    everyone = round_traffic(tasks[0], n, dimension)
+    everyone = tuple(range(n))
     with np.errstate(over="ignore", invalid="ignore"):
-        # Every run's aggregate at once: the same rule, per run, as RoundAnswers.mean() alone.
+        # Every run's aggregate at once, by the rule RoundAnswers.mean() applies to a run alone.
         weights = first.weights  # one for the whole group (the groups are made so)
         means = aggregate(vectors, weights)
         objective_means = None if objective is None else aggregate(objective[:, :, None], weights)[:, 0].tolist()
@@ -210,35 +212,22 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
             member.rounds += 1
             config = member.config
             sampled = sample_clients(config.seed, config.participation.fraction, n, member.rounds)
-            traffic = everyone if sampled is None else round_traffic(tasks[0], n, dimension, sampled, sampled)
-            member.traffic[traffic] += 1
-            if sampled is not None:  # as alone: only the drawn clients' results count
+            if sampled is None:
+                reply = Answer(everyone, vectors[i], None if objective is None else objective[i], bad[i])
+                aggregated = (means[i], None if objective_means is None else objective_means[i])
+            else:  # as a sampled run alone: only the drawn clients' results count, aggregated on their own
                 drawn = list(sampled)
-                bad[i] = not (
-                    np.isfinite(vectors[i][drawn]).all()
-                    and (objective is None or np.isfinite(objective[i][drawn]).all())
-                )
-            if bad[i]:
+                chosen = vectors[i][drawn], None if objective is None else objective[i][drawn]
+                diverged = not (np.isfinite(chosen[0]).all() and (chosen[1] is None or np.isfinite(chosen[1]).all()))
+                reply, aggregated = Answer(sampled, *chosen, diverged), None
+            settlement = settle(tasks[i], n, dimension, sampled, [reply], weights, aggregated)
+            member.traffic[settlement.tally] += 1
+            if settlement.answers is None:
                 # As a run alone: the round is counted, then the run stops as diverged.
                 member.run.stop("diverged", f"round {member.rounds}: non-finite values from the clients")
                 member.event = None
                 continue
-            if sampled is None:
-                answers = RoundAnswers(
-                    vectors[i],
-                    None if objective is None else objective[i],
-                    weights,
-                    aggregated=(means[i], None if objective_means is None else objective_means[i]),
-                )
-            else:  # as a sampled run alone: only the drawn clients' rows, aggregated on their own
-                chosen = list(sampled)
-                answers = RoundAnswers(
-                    vectors[i][chosen],
-                    None if objective is None else objective[i][chosen],
-                    None if weights is None else weights[chosen],
-                    sampled,
-                )
-            member.event = member.run.advance(answers)
+            member.event = member.run.advance(settlement.answers)
 
 
 def _traffic_dict(member: _Member) -> dict[str, dict[str, object]]:

@@ -1,0 +1,142 @@
+"""The settlement of one round: the rules of a round, written once.
+
+Given the task, the clients that were asked and the replies that came back,
+`settle` decides who took part, whether the round diverged, what it cost
+(`RoundTally`, counted whatever happened) and what the algorithm receives
+(`RoundAnswers`: the rows in client-index order with their weights, or the
+aggregate alone). It is pure: it holds no counters and does no I/O, so the pool
+(server/pool.py: one run over any transport) and the batched driver
+(server/batch.py: many runs, one worker call) settle their rounds alike.
+
+A reply may already be aggregated (`aggregated`): the batched driver computes
+every run's mean in one call, and a round whose vectors are too long to stack
+is summed from the replies in place. The algorithm sees only `RoundAnswers.mean()`
+either way, which is what lets a transport answer with a sum alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE, Array
+from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
+from fedsaddle.server.algorithms.base import RoundAnswers, aggregate_rows
+
+
+class RoundTally(NamedTuple):
+    """What one round adds to the traffic counts: who was sent the task and who answered, and
+    the float64 entries each received and sent. `sent`/`answered` None: every client 0..n-1."""
+
+    num_clients: int
+    floats_down: int  # per client: the task's vectors
+    floats_up: int  # per client: its answer vector, plus f_i(z) when asked
+    sent: tuple[int, ...] | None = None
+    answered: tuple[int, ...] | None = None
+
+
+def round_traffic(
+    task: Task,
+    num_clients: int,
+    dimension: int,
+    sent: tuple[int, ...] | None = None,
+    answered: tuple[int, ...] | None = None,
+) -> RoundTally:
+    """The traffic of one round of `task`: the single definition of what a round costs."""
+    down = sum(v.shape[-1] for v in task.payload())
+    if isinstance(task, EvaluateTask):
+        return RoundTally(num_clients, down, len(task.metric_names) + 1, sent, answered)  # metrics, held-out rows
+    up = dimension + (1 if isinstance(task, GradientTask) and task.want_objective else 0)
+    return RoundTally(num_clients, down, up, sent, answered)
+
+
+class Settlement(NamedTuple):
+    """A settled round. `answers` is None when clients reported non-finite results (`diverged`)."""
+
+    tally: RoundTally
+    answers: RoundAnswers | None
+    diverged: tuple[int, ...] = ()  # the clients whose results were not finite, in index order
+
+
+def settle(
+    task: Task,
+    num_clients: int,
+    dimension: int,
+    participants: tuple[int, ...] | None,
+    replies: Sequence[Answer],
+    weights: Array | None = None,
+    aggregated: tuple[Array, float | None] | None = None,
+) -> Settlement:
+    """Settle one round of `task` among `num_clients` clients.
+
+    participants: the clients the task was sent to (None: all of them);
+    replies: what came back, one `Answer` per replying process, each for one or more clients;
+    weights: the run's weight per client (sample counts), None for the paper's uniform 1/n;
+    aggregated: the round's (mean, mean objective), when the caller computed them by the same rule.
+
+    The answering clients are the ones the replies speak for: fewer than were asked
+    when a straggler deadline closed the round. Evaluation rounds weigh each client's
+    metrics by its held-out rows (the replies' `counts`), whatever the run's weights.
+    """
+    evaluation = isinstance(task, EvaluateTask)
+    everyone = participants is None and sum(len(reply.indices) for reply in replies) == num_clients
+    answered: Sequence[int] = range(num_clients) if everyone else sorted(i for reply in replies for i in reply.indices)
+    indices = None if everyone else tuple(answered)
+    tally = round_traffic(task, num_clients, dimension, participants, indices)
+    diverged = tuple(sorted(i for reply in replies if reply.diverged for i in reply.indices))
+    if diverged:  # the round happened (it is counted), but nothing of it reaches the algorithm
+        return Settlement(tally, None, diverged)
+    run_weights = weights if everyone or weights is None else weights[list(answered)]
+    want_objective = isinstance(task, GradientTask) and task.want_objective
+    if aggregated is None and not evaluation and dimension > SUMMED_BY_LOOP_ABOVE:
+        # Large vectors are not stacked into one (clients, D) array: the mean is added up
+        # from the replies as they are, in client-index order, with the same arithmetic.
+        return Settlement(tally, _summed_in_place(replies, answered, want_objective, run_weights, indices))
+    position = None if everyone else {index: row for row, index in enumerate(answered)}
+    vectors = np.empty((len(answered), len(task.metric_names) if isinstance(task, EvaluateTask) else dimension))
+    objective = np.empty(len(answered)) if want_objective else None
+    counts = np.zeros(len(answered)) if evaluation else None
+    for reply in replies:
+        rows = _rows(reply.indices, position)
+        vectors[rows] = reply.vectors
+        if objective is not None and reply.objective is not None:
+            objective[rows] = reply.objective
+        if counts is not None and reply.counts is not None:
+            counts[rows] = reply.counts
+    answers = RoundAnswers(vectors, objective, counts if evaluation else run_weights, indices, aggregated)
+    return Settlement(tally, answers)
+
+
+def _rows(indices: tuple[int, ...], position: dict[int, int] | None) -> slice | Sequence[int]:
+    """Where a reply's clients go among the round's rows (a slice when they are consecutive).
+
+    A reply's indices increase, and so do their rows: they are consecutive exactly
+    when the last is as far from the first as their count says."""
+    rows: Sequence[int] = indices if position is None else [position[i] for i in indices]
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return slice(rows[0], rows[-1] + 1)
+    return list(rows)
+
+
+def _summed_in_place(
+    replies: Sequence[Answer],
+    answered: Sequence[int],
+    want_objective: bool,
+    weights: Array | None,
+    indices: tuple[int, ...] | None,
+) -> RoundAnswers:
+    """Answers whose mean is summed from each client's row where it lies (`aggregate_rows`)."""
+    rows = sorted(
+        ((index, reply.vectors[k]) for reply in replies for k, index in enumerate(reply.indices)),
+        key=lambda row: row[0],
+    )
+    objective = np.empty(len(answered)) if want_objective else None
+    if objective is not None:
+        row_of = {index: row for row, index in enumerate(answered)}
+        for reply in replies:
+            if reply.objective is not None:
+                objective[[row_of[i] for i in reply.indices]] = reply.objective
+    mean = aggregate_rows([vector for _, vector in rows], weights)
+    return RoundAnswers(None, objective, weights, indices, aggregated=(mean, None))
