@@ -72,7 +72,7 @@ def main() -> None:
         parser.error(f"--chunk-bytes: {exc}")
     n, dims = args.clients, [int(v) for v in args.dims]
     floor = Floor(n)
-    window = Limits(receive_window_bytes=int(args.receive_window_mib * (1 << 20)))
+    window = Limits(receive_window_mib=args.receive_window_mib)
     pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600, chunk_bytes=args.chunk_bytes, limits=window)
     processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False)
     local = LocalPool()

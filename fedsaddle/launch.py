@@ -248,10 +248,8 @@ def index_groups(num_clients: int, per_process: int) -> list[str]:
 def coordinator_pool(config: RunConfig, listen: str | None = None) -> GrpcPool:
     """The gRPC pool a config describes (TLS and credentials included), listening on `listen`."""
     from fedsaddle.server.transport.auth import Authenticator, server_credentials
-    from fedsaddle.server.transport.sessions import Limits
 
     transport = config.transport
-    limits = transport.limits
     address = listen or transport.listen
     warning = open_federation_warning(config, address)
     if warning is not None:
@@ -266,16 +264,7 @@ def coordinator_pool(config: RunConfig, listen: str | None = None) -> GrpcPool:
         min_clients=config.participation.min_clients,
         server_credentials=server_credentials(transport.tls) if transport.tls else None,
         authenticator=Authenticator.from_file(transport.credentials) if transport.credentials else None,
-        limits=Limits(
-            max_connections=limits.max_connections,
-            max_streams_per_connection=limits.max_streams_per_connection,
-            max_streams_per_peer=limits.max_streams_per_peer,
-            max_pending_hellos=limits.max_pending_hellos,
-            hello_timeout_s=limits.hello_timeout_s,
-            idle_connection_s=limits.idle_connection_s,
-            max_undelivered_bytes=int(limits.max_undelivered_mib * (1 << 20)),
-            receive_window_bytes=int(limits.receive_window_mib * (1 << 20)),
-        ),
+        limits=transport.limits,
         token_listen=transport.token_listen,
         token_credentials=server_credentials(transport.tls, client_certificates=False) if transport.tls else None,
     )

@@ -9,9 +9,10 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -34,6 +35,7 @@ from fedsaddle.common.problems import (
     parse_spec,
     problem_class,
 )
+from fedsaddle.common.tasks import Decay
 
 if TYPE_CHECKING:
     from fedsaddle.server.algorithms.base import StepCost
@@ -110,11 +112,18 @@ class MirrorProxSpec(_Algorithm):
     gamma: float = Field(gt=0, description="step size (both half steps)")
 
 
+# The algorithms' hyper-parameters have their defaults here, and only here: server/algorithms/* take
+# every one of them explicitly. Where the classes and these specs once disagreed (FedAvg-S's decay, Catalyst's
+# theta_rule), the defaults are the ones the documented results use: README.md, docs/experiments.md and
+# examples/*.yaml run FedAvg-S with the decaying step of the paper's Experiments (inverse_sqrt) and
+# Catalyst with theta estimated; every documented run goes through these specs, so its hash is unchanged.
+
+
 class FedAvgSpec(_Algorithm):
     name: Literal["fedavg_s"] = "fedavg_s"
     gamma_local: float = Field(gt=0)
     gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local, as in the paper")
-    decay: Literal["constant", "inverse_sqrt"] = Field(
+    decay: Decay = Field(
         "inverse_sqrt", description="inverse_sqrt: step k uses gamma / (sqrt(k) + 1), as in the Experiments"
     )
 
@@ -129,6 +138,10 @@ class ScaffoldSpec(_Algorithm):
         if self.gamma_local == 0 and self.gamma_global is None:
             raise ValueError("gamma_global is required when gamma_local is 0")
         return self
+
+
+# How Catalyst sets theta: kept as configured, or estimated from the last meta-iteration's secants.
+ThetaRule = Literal["fixed", "estimated"]
 
 
 class FixedInnerStop(_Model):
@@ -164,7 +177,7 @@ class CatalystSpec(_Algorithm):
     gamma_local: float = Field(ge=0)
     gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local")
     theta: float = Field(1.0, gt=0, description="proximal weight (the first meta-iteration's, when estimated)")
-    theta_rule: Literal["fixed", "estimated"] = Field(
+    theta_rule: ThetaRule = Field(
         "estimated", description="estimated: theta = theta_scale x the secant monotonicity of the last meta-iteration"
     )
     theta_scale: float = Field(1.0, gt=0, description="c in theta = c mu_hat")
@@ -196,8 +209,11 @@ class TlsSpec(_Model):
     client_ca: str | None = Field(None, description="CA that signs client certificates; set it to require them")
 
 
-class LimitsSpec(_Model):
-    """What the coordinator grants its peers, so that no peer can exhaust it (defaults suit most federations)."""
+class Limits(_Model):
+    """What the coordinator grants its peers, so that no peer can exhaust it (defaults suit most federations).
+
+    The one model of the limits: the config's transport.limits, and what the gRPC transport reads.
+    """
 
     max_connections: int = Field(512, ge=1, description="TCP connections in all")
     max_streams_per_connection: int = Field(8, ge=2, description="concurrent calls on one connection")
@@ -218,12 +234,21 @@ class LimitsSpec(_Model):
     )
 
     @model_validator(mode="after")
-    def _window_is_a_window(self) -> LimitsSpec:
+    def _window_is_a_window(self) -> Limits:
         if 0 < self.receive_window_mib < 0.0625:
             raise ValueError(
                 f"receive_window_mib must be 0 (gRPC's own) or at least 0.0625 (64 KiB), got {self.receive_window_mib}"
             )
         return self
+
+    @property
+    def max_undelivered_bytes(self) -> int:
+        return int(self.max_undelivered_mib * (1 << 20))
+
+    @property
+    def receive_window_bytes(self) -> int:
+        """The HTTP/2 receive window per stream; 0: gRPC's own, grown with the link."""
+        return int(self.receive_window_mib * (1 << 20))
 
 
 class TransportSpec(_Model):
@@ -251,7 +276,7 @@ class TransportSpec(_Model):
         description="a second HOST:PORT with TLS but no client certificate, for token identities when "
         "tls.client_ca makes `listen` mutual TLS",
     )
-    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    limits: Limits = Field(default_factory=Limits)
 
     @model_validator(mode="after")
     def _token_port_needs_tls_and_tokens(self) -> TransportSpec:
@@ -367,18 +392,40 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return [model for arg in get_args(annotation) for model in _models_in(arg)]
 
 
-def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
-    """The field names a config may give at `loc`, an error's location without its last part."""
-    candidates = [model]
+def _tagged(model: type[BaseModel], tag: str) -> bool:
+    """Whether `tag` names this member of a discriminated union: one of its fields is Literal[tag]."""
+    return any(
+        get_origin(info.annotation) is Literal and tag in get_args(info.annotation)
+        for info in model.model_fields.values()
+    )
+
+
+def _walk(model: type[BaseModel] | None, loc: Sequence[Any]) -> tuple[list[str | int], list[type[BaseModel]]]:
+    """An error's location as the user wrote it, and the models that may stand at its end.
+
+    pydantic puts a discriminated union's tag into the location (algorithms.0.fedavg_s.gamma);
+    the user wrote algorithms[0].gamma. A tag is told from a field by the models themselves:
+    it is no field of the models at that point, and one of them declares it as its Literal.
+    """
+    candidates = [] if model is None else [model]
+    path: list[str | int] = []
     for item in loc:
         if isinstance(item, int):  # a list's element: the same models
+            path.append(item)
             continue
         having = [m for m in candidates if item in m.model_fields]
-        if having:
+        members = [m for m in candidates if _tagged(m, str(item))]
+        if having or not members:
+            path.append(item)
             candidates = [sub for m in having for sub in _models_in(m.model_fields[item].annotation)]
-        else:  # a union's tag (algorithms.0.scaffold_s): the member whose literal default it is
-            candidates = [m for m in candidates if any(f.default == item for f in m.model_fields.values())]
-    return {name for m in candidates for name in m.model_fields}
+        else:  # the union's tag: the member it names stands here
+            candidates = members
+    return path, candidates
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
+    """The field names a config may give at `loc`, an error's location without its last part."""
+    return {name for m in _walk(model, loc)[1] for name in m.model_fields}
 
 
 def _suggestion(error: Any, model: type[BaseModel] | None) -> str:
@@ -392,21 +439,11 @@ def _suggestion(error: Any, model: type[BaseModel] | None) -> str:
 
 
 def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
-    # pydantic puts the discriminator value into the location (algorithms.0.fedavg_s.gamma);
-    # the user wrote algorithms[0].gamma, so drop it.
-    discriminators = set(ALGORITHM_NAMES) | {
-        "fixed",
-        "random",
-        "objective",
-        "gradient",
-        "paper_regression",
-        "quadratic_game",
-    }
     parts: list[str] = []
-    for item in error["loc"]:
+    for item in _walk(model, error["loc"])[0]:
         if isinstance(item, int):
             parts[-1:] = [f"{parts[-1] if parts else ''}[{item}]"]
-        elif item not in discriminators:
+        else:
             parts.append(str(item))
     where = ".".join(parts) or "config"
     message = "unknown field" if error["type"] == "extra_forbidden" else str(error["msg"]).removeprefix("Value error, ")

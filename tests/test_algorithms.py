@@ -188,9 +188,9 @@ def test_a_saved_state_resumes_with_the_same_bits(
 
 def test_invalid_steps_are_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="gamma_local must be > 0, got -1"):
-        FedAvgS(-1.0)
+        FedAvgS(gamma_local=-1.0, gamma_global=None, decay="constant", schedule=SyncSchedule(tau=1))
     with pytest.raises(ValueError, match="gamma_global must be > 0"):
-        ScaffoldS(0.0)
+        ScaffoldS(gamma_local=0.0, gamma_global=None, schedule=SyncSchedule(tau=1))
 
 
 def test_estimated_theta_is_a_secant_monotonicity_of_the_mean_operator() -> None:

@@ -141,3 +141,38 @@ def test_the_cli_exits_2_and_names_the_field(tmp_path: Path) -> None:
     assert "algorithms[0].gamma: Input should be greater than 0 (got -1)" in done.stderr
     assert "Traceback" not in done.stderr
     assert not any(tmp_path.glob("run-*"))  # nothing was started
+
+
+def test_locations_drop_the_union_tags_pydantic_adds_and_keep_every_field_the_user_wrote() -> None:
+    # A tag (fedavg_s, random, fixed) is recognised by the models' own Literal fields, at any depth;
+    # an unknown key that happens to equal a default value ("runs", output.dir's) is still named.
+    data = {
+        "algorithms": [
+            {"name": "fedavg_s", "gamma_local": 0.1, "decay": "linear"},
+            {"name": "scaffold_catalyst_s", "gamma_local": 0.1, "stop": {"rule": "fixed", "inner_syncs": 0}},
+        ],
+        "sync": {"kind": "random", "p": 2},
+        "output": {"runs": 1},
+    }
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data)
+    lines = [line.strip().split(":")[0] for line in str(caught.value).splitlines()[1:]]
+    assert lines == ["algorithms[0].decay", "algorithms[1].stop.inner_syncs", "sync.p", "output.runs"]
+
+
+def test_the_algorithms_defaults_are_the_documented_ones() -> None:
+    # Declared once, in the specs (the algorithm classes repeat none): what README.md, docs/experiments.md
+    # and the examples' documented results use.
+    fedavg, catalyst = parse_config(
+        {"algorithms": [{"name": "fedavg_s", "gamma_local": 0.1}, {"name": "scaffold_catalyst_s", "gamma_local": 0.1}]}
+    ).algorithms
+    assert fedavg.decay == "inverse_sqrt"  # type: ignore[union-attr]
+    assert catalyst.theta_rule == "estimated"  # type: ignore[union-attr]
+
+
+def test_the_built_in_run_is_the_example_file_as_installed() -> None:
+    from fedsaddle.cli import built_in_config
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "paper-s10.yaml"
+    assert built_in_config() == load_config(example)
+    assert built_in_config().name == "paper-s10"

@@ -128,7 +128,7 @@ def test_a_fixed_receive_window_smaller_than_a_chunk_changes_no_bit() -> None:
 
     problem = {"name": "paper_regression", "num_clients": 3, "dim": 150_000, "s": 5.0}
     run = config(problem=problem, algorithms=[FIVE[3]], rounds=7, seed=2)
-    with federation(3, limits=Limits(receive_window_bytes=64 << 10)) as pool:
+    with federation(3, limits=Limits(receive_window_mib=0.0625)) as pool:
         remote = run_algorithm(run.algorithms[0], run, pool)
     assert_same_run(remote, run_algorithm(run.algorithms[0], run, LocalPool()))
     assert remote.traffic["algorithm"]["bytes_up"] > 7 * 3 * 8 * 300_000

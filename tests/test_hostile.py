@@ -101,7 +101,7 @@ def test_a_session_that_stops_reading_is_dropped_and_named() -> None:
         algorithms=[{"name": "minibatch_md", "gamma": 0.01}],
         rounds=1000,
     )
-    limits = Limits(max_undelivered_bytes=1 << 20)
+    limits = Limits(max_undelivered_mib=1.0)
     with (
         GrpcPool(2, "127.0.0.1:0", limits=limits, round_timeout_s=30) as pool,
         grpc.insecure_channel(pool.address) as channel,

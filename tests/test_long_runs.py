@@ -8,7 +8,9 @@ import numpy as np
 from conftest import config
 
 from fedsaddle.experiments.grid import STEP_SCALES, Grid, run_grid
+from fedsaddle.server.algorithms import build
 from fedsaddle.server.algorithms.catalyst import ScaffoldCatalystS
+from fedsaddle.server.config import CatalystSpec, FixedSync
 from fedsaddle.server.driver import DIVERGENCE_GROWTH, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 
@@ -37,7 +39,9 @@ def test_catalyst_keeps_its_theta_estimate_at_round_off() -> None:
     result = run_algorithm(run.algorithms[0], run, LocalPool())
     assert result.status == "ok"
     assert result.dist_z < 1e-14
-    assert ScaffoldCatalystS(gamma_local=0.05, theta_rule="estimated").theta_max == 20.0  # 1 / gamma_local
+    catalyst = build(CatalystSpec(gamma_local=0.05, theta_rule="estimated"), FixedSync())
+    assert isinstance(catalyst, ScaffoldCatalystS)
+    assert catalyst.theta_max == 20.0  # 1 / gamma_local
 
 
 def _run(algorithm: dict[str, Any], rounds: int) -> Any:

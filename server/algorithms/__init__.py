@@ -64,21 +64,23 @@ def build(spec: AlgorithmSpec, sync: FixedSync | RandomSync, dim_x: int | None =
     """The algorithm a config entry describes, under the run's synchronization schedule."""
     schedule = schedule_of(sync)
     if isinstance(spec, MinibatchMDSpec):
-        return MinibatchMirrorDescent(spec.gamma, schedule.minibatch)
+        return MinibatchMirrorDescent(gamma=spec.gamma, minibatch=schedule.minibatch)
     if isinstance(spec, MirrorProxSpec):
-        return MirrorProx(spec.gamma, schedule.minibatch)
+        return MirrorProx(gamma=spec.gamma, minibatch=schedule.minibatch)
     if isinstance(spec, FedAvgSpec):
-        return FedAvgS(spec.gamma_local, spec.gamma_global, spec.decay, schedule)
+        return FedAvgS(
+            gamma_local=spec.gamma_local, gamma_global=spec.gamma_global, decay=spec.decay, schedule=schedule
+        )
     if isinstance(spec, ScaffoldSpec):
-        return ScaffoldS(spec.gamma_local, spec.gamma_global, schedule)
+        return ScaffoldS(gamma_local=spec.gamma_local, gamma_global=spec.gamma_global, schedule=schedule)
     assert isinstance(spec, CatalystSpec)
     return ScaffoldCatalystS(
-        spec.gamma_local,
-        spec.gamma_global,
-        spec.theta,
-        stop_rule(spec.stop),
-        spec.theta_rule,
-        spec.theta_scale,
-        schedule,
-        dim_x,
+        gamma_local=spec.gamma_local,
+        gamma_global=spec.gamma_global,
+        theta=spec.theta,
+        stop=stop_rule(spec.stop),
+        theta_rule=spec.theta_rule,
+        theta_scale=spec.theta_scale,
+        schedule=schedule,
+        dim_x=dim_x,
     )

@@ -48,7 +48,7 @@ average the clients that answered); the stop rules see that sampled G.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from fedsaddle.common.tasks import GradientTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, positive
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldS, ScaffoldState
 from fedsaddle.server.algorithms.schedule import SyncSchedule
+from fedsaddle.server.config import ThetaRule
 
 # -- the inner stop rule -----------------------------------------------------------------
 
@@ -145,20 +146,22 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
     name = "scaffold_catalyst_s"
     state_type = CatalystState
 
+    # The hyper-parameters' defaults are CatalystSpec's (server/config.py), declared there only.
     def __init__(
         self,
+        *,
         gamma_local: float,
-        gamma_global: float | None = None,
-        theta: float = 1.0,
-        stop: InnerStop | None = None,
-        theta_rule: Literal["fixed", "estimated"] = "fixed",
-        theta_scale: float = 1.0,
-        schedule: SyncSchedule | None = None,
-        dim_x: int | None = None,
+        gamma_global: float | None,
+        theta: float,
+        stop: InnerStop,
+        theta_rule: ThetaRule,
+        theta_scale: float,
+        schedule: SyncSchedule,
+        dim_x: int | None,
     ) -> None:
-        self.inner_solver = ScaffoldS(gamma_local, gamma_global, schedule)
+        self.inner_solver = ScaffoldS(gamma_local=gamma_local, gamma_global=gamma_global, schedule=schedule)
         self.theta = positive("theta", theta)
-        self.stop: InnerStop = stop if stop is not None else GradientMapping(0.1, 50)
+        self.stop = stop
         self.theta_rule = theta_rule
         self.theta_scale = positive("theta_scale", theta_scale)
         gamma = self.inner_solver.gamma_local

@@ -21,10 +21,10 @@ heterogeneous clients it settles further from z*.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.tasks import LocalStepsTask
+from fedsaddle.common.tasks import Decay, LocalStepsTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
 from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
 
@@ -42,17 +42,13 @@ class FedAvgS(Algorithm[FedAvgState]):
     name = "fedavg_s"
     state_type = FedAvgState
 
-    def __init__(
-        self,
-        gamma_local: float,
-        gamma_global: float | None = None,
-        decay: Literal["constant", "inverse_sqrt"] = "constant",
-        schedule: SyncSchedule | None = None,
-    ) -> None:
+    # The hyper-parameters' defaults are FedAvgSpec's (server/config.py), declared there only.
+    def __init__(self, *, gamma_local: float, gamma_global: float | None, decay: Decay, schedule: SyncSchedule) -> None:
         self.gamma_local = positive("gamma_local", gamma_local)
+        # gamma_global None: the paper's gamma_g = gamma_l.
         self.gamma_global = positive("gamma_global", gamma_local if gamma_global is None else gamma_global)
-        self.decay: Literal["constant", "inverse_sqrt"] = decay
-        self.schedule = schedule or SyncSchedule()
+        self.decay = decay
+        self.schedule = schedule
 
     def init(self, z0: Array, seed: int) -> Exchanges[FedAvgState]:
         return no_exchange(FedAvgState(z0.copy(), self.schedule.start(seed), syncs=0, local_steps=0))

@@ -38,7 +38,7 @@ class MinibatchMirrorDescent(Algorithm[MDState]):
     name = "minibatch_md"
     state_type = MDState
 
-    def __init__(self, gamma: float, minibatch: int = 1) -> None:
+    def __init__(self, *, gamma: float, minibatch: int) -> None:
         self.gamma = positive("gamma", gamma)
         self.minibatch = minibatch
 

@@ -35,7 +35,7 @@ class MirrorProx(Algorithm[MirrorProxState]):
     name = "mirror_prox"
     state_type = MirrorProxState
 
-    def __init__(self, gamma: float, minibatch: int = 1) -> None:
+    def __init__(self, *, gamma: float, minibatch: int) -> None:
         self.gamma = positive("gamma", gamma)
         self.minibatch = minibatch
 

@@ -55,12 +55,12 @@ class ScaffoldS(Algorithm[ScaffoldState]):
     name = "scaffold_s"
     state_type = ScaffoldState
 
-    def __init__(
-        self, gamma_local: float, gamma_global: float | None = None, schedule: SyncSchedule | None = None
-    ) -> None:
+    # The hyper-parameters' defaults are ScaffoldSpec's (server/config.py), declared there only.
+    def __init__(self, *, gamma_local: float, gamma_global: float | None, schedule: SyncSchedule) -> None:
         self.gamma_local = positive("gamma_local", gamma_local, allow_zero=True)
+        # gamma_global None: the paper's gamma_g = gamma_l.
         self.gamma_global = positive("gamma_global", gamma_local if gamma_global is None else gamma_global)
-        self.schedule = schedule or SyncSchedule()
+        self.schedule = schedule
 
     def init(self, z0: Array, seed: int) -> Exchanges[ScaffoldState]:
         # G(z~^0): one gradient round before the first sync.

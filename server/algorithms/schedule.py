@@ -34,13 +34,16 @@ class SyncClock(NamedTuple):
 
 @dataclass(frozen=True)
 class SyncSchedule:
-    """Exactly `tau` local steps per sync, or Geometric(p) of them (`p` set)."""
+    """Exactly `tau` local steps per sync, or Geometric(p) of them: one of the two is given (the config's
+    `sync`, FixedSync or RandomSync, declares their defaults)."""
 
-    tau: int = 20
+    tau: int | None = None
     p: float | None = None
 
     def __post_init__(self) -> None:
-        if self.p is None and self.tau < 1:
+        if (self.tau is None) == (self.p is None):
+            raise ValueError(f"a sync schedule has either tau or p, got tau={self.tau}, p={self.p}")
+        if self.tau is not None and self.tau < 1:
             raise ValueError(f"synchronization period tau must be >= 1, got {self.tau}")
         if self.p is not None and not 0 < self.p <= 1:
             raise ValueError(f"synchronization probability p must be in (0, 1], got {self.p}")
@@ -53,7 +56,10 @@ class SyncSchedule:
         tau; under random synchronization they use tau = round(1 / p), the paper's
         correspondence p = 1 / tau.
         """
-        return self.tau if self.p is None else max(1, round(1 / self.p))
+        if self.tau is not None:
+            return self.tau
+        assert self.p is not None
+        return max(1, round(1 / self.p))
 
     def start(self, seed: int) -> SyncClock:
         """The clock of a run with this seed (its own stream, named by the seed)."""
@@ -63,8 +69,9 @@ class SyncSchedule:
 
     def next_interval(self, clock: SyncClock) -> tuple[int, SyncClock]:
         """tau_k, the local steps before the next sync, and the clock after drawing it."""
-        if self.p is None:
+        if self.tau is not None:
             return self.tau, clock
+        assert self.p is not None
         generator = np.random.Generator(np.random.PCG64())
         generator.bit_generator.state = {
             "bit_generator": "PCG64",

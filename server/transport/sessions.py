@@ -17,23 +17,10 @@ import grpc
 
 from fedsaddle.common.indices import some
 from fedsaddle.common.text import printable
+from fedsaddle.server.config import Limits as Limits  # what one coordinator grants its peers: one model, the config's
 from fedsaddle.server.pool import ClientLost
 from fedsaddle.server.transport.auth import Identity
 from fedsaddle.server.transport.refusal import Refusal
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one coordinator grants its peers (transport.limits in the config)."""
-
-    max_connections: int = 512  # TCP connections in all (gRPC closes the ones over it)
-    max_streams_per_connection: int = 8  # a client needs one Session stream, and a health check
-    max_streams_per_peer: int = 256  # streams from one address (a host behind NAT may run many clients)
-    max_pending_hellos: int = 256  # streams that have not said Hello yet, in all
-    hello_timeout_s: float = 10.0  # a stream without a Hello is closed after this long
-    idle_connection_s: float = 30.0  # a connection with no call open is closed after this long
-    max_undelivered_bytes: int = 64 << 20  # a session whose unread instructions exceed this is dropped
-    receive_window_bytes: int = 0  # HTTP/2 receive window per stream; 0: gRPC's own, grown with the link
 
 
 class Admission:
