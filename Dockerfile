@@ -34,6 +34,8 @@ COPY client /src/client
 COPY server /src/server
 COPY proto /src/proto
 COPY experiments /src/experiments
+# The example configs only (the built-in run is examples/paper-s10.yaml): installed as fedsaddle.examples.
+COPY examples/__init__.py examples/*.yaml /src/examples/
 COPY docker/healthcheck.py /opt/fedsaddle/healthcheck.py
 # The generated gRPC modules are committed, so installing needs no code generation.
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then OFFLINE="--no-index --find-links /wheels"; fi \
