@@ -3,8 +3,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# mypy cannot follow setuptools' editable-install import hook, so it reads the
-# package through a tree of links named as installed (fedsaddle.server -> server/).
+# Why a tree of links must stay: the folders the users asked for (server/, client/, common/, proto/) are
+# installed under one import name by setuptools' package-dir mapping (fedsaddle.server -> server/). At run
+# time an editable install resolves that mapping with an import hook (a meta-path finder), but mypy never
+# runs import hooks: it derives a module's name from the directories above its file, and it has no option
+# that maps a module prefix to a folder (mypy_path, explicit_package_bases and namespace packages all
+# name server/pool.py `server.pool`, not `fedsaddle.server.pool`). The alternatives are worse: renaming the
+# folders undoes the layout the users asked for, and setuptools' editable_mode=strict links each file at
+# install time, so every new module would need a reinstall. So mypy reads .typecheck/fedsaddle, whose
+# links give each folder its installed name. Tools that read the source themselves follow the mapping from
+# pyproject.toml directly (tests/test_import_graph.py does).
 TYPECHECK := .typecheck
 
 .PHONY: all install run test lint typecheck unit proto bench certs clean compose-test
