@@ -285,6 +285,10 @@ class TransportSpec(_Model):
         return self
 
 
+# How a round's answers are weighed: the paper's 1/n, or by the clients' sample counts.
+Weighting = Literal["uniform", "samples"]
+
+
 class ParticipationSpec(_Model):
     """Which clients take part in a round: opt-in modes beyond the paper's full participation."""
 
@@ -340,7 +344,7 @@ class RunConfig(_Model):
     )
     gradient_noise: float = Field(0.0, ge=0, description="sigma: E||G^_i - G_i||^2 = sigma^2")
     init: Literal["ones", "zeros", "random"] = Field("ones", description="starting point z0")
-    weighting: Literal["uniform", "samples"] = Field(
+    weighting: Weighting = Field(
         "uniform",
         description="aggregation weights: uniform (the paper's 1/n) or by the clients' sample counts "
         "(what FedAvg users expect; clients then tell the coordinator their sample counts)",

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from fedsaddle.server.pool import ClientPool, Diverged, RunInfo, fresh_traffic
 # grown this much over the distance it started from (a converging method may rise
 # a little first, never by four orders of magnitude).
 DIVERGENCE_GROWTH = 1e4
+
+# How a run ended: within its budget, diverged (non-finite or runaway iterates), or stopped by a failure.
+RunStatus = Literal["ok", "diverged", "stopped"]
 
 # -- the run loop ---------------------------------------------------------------------------
 
@@ -102,7 +105,7 @@ class AlgorithmResult:
 
     name: str
     spec: dict[str, Any]
-    status: str  # "ok", "diverged" or "stopped"
+    status: RunStatus
     records: list[dict[str, float | int]]
     final_z: Array
     dist_x: float
@@ -204,7 +207,8 @@ class Run:
         self.records: list[dict[str, float | int]] = list(resume.records) if resume else []
         self.state: Any = None if resume is None else resume.at.state
         self.final_z = z0 if resume is None else algorithm.iterate(resume.at.state)
-        self.status, self.detail = "ok", ""
+        self.status: RunStatus = "ok"
+        self.detail = ""
         self.finished = False
 
     def advance(self, answers: RoundAnswers | None) -> Event | None:
@@ -254,7 +258,7 @@ class Run:
         """Whether the run ends at this step boundary: its next step would not fit the budget."""
         return not fits(done.spent, self.algorithm.step_cost(done.state), self.budget, self.convention)
 
-    def stop(self, status: str, detail: str) -> None:
+    def stop(self, status: RunStatus, detail: str) -> None:
         """End the run early (diverged, or stopped by a failure); its loop is closed."""
         self.status, self.detail = status, detail
         self.loop.close()

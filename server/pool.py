@@ -33,6 +33,7 @@ from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.tasks import Answer, GradientTask, Task
 from fedsaddle.server.algorithms.base import RoundAnswers
+from fedsaddle.server.config import Weighting
 from fedsaddle.server.settlement import RoundTally, settle
 
 # algorithm: the algorithm's own exchanges (the documented formulas); evaluation: held-out metrics;
@@ -71,7 +72,7 @@ class RunInfo:
     problem: ProblemSpec
     seed: int  # seeds the gradient noise, and a synthetic problem's data
     gradient_noise: float = 0.0
-    weighting: Literal["uniform", "samples"] = "uniform"
+    weighting: Weighting = "uniform"
     fraction: float = 1.0  # clients sampled per round (from the coordinator's seed); 1: all
 
     @cached_property
