@@ -39,11 +39,17 @@ class RefusalLog:
     def warn(self, message: str, *args: object) -> None:
         now = time.monotonic()
         if now - self.window_start >= self.window_s:
-            if self.suppressed:
-                self.logger.warning("... and %d more refusals in the last %g s", self.suppressed, self.window_s)
-            self.window_start, self.logged, self.suppressed = now, 0, 0
+            self.flush()
+            self.window_start, self.logged = now, 0
         if self.logged < self.burst:
             self.logged += 1
             self.logger.warning(message, *args)
         else:
             self.suppressed += 1
+
+    def flush(self, at_exit: bool = False) -> None:
+        """Write how many warnings were held back: once their window has ended (call it now and then:
+        a flood that stops inside a window sends no further warning to do it), or `at_exit`, at once."""
+        if self.suppressed and (at_exit or time.monotonic() - self.window_start >= self.window_s):
+            self.logger.warning("... and %d more refusals in the last %g s", self.suppressed, self.window_s)
+            self.suppressed = 0

@@ -215,11 +215,19 @@ class Limits(_Model):
     The one model of the limits: the config's transport.limits, and what the gRPC transport reads.
     """
 
-    max_connections: int = Field(512, ge=1, description="TCP connections in all")
+    max_connections: int = Field(
+        16384, ge=1, description="TCP connections in all (at most the open-files limit allows, less 256)"
+    )
     max_streams_per_connection: int = Field(8, ge=2, description="concurrent calls on one connection")
     max_streams_per_peer: int = Field(256, ge=1, description="streams from one address (NAT: many clients)")
     max_pending_hellos: int = Field(256, ge=1, description="streams that have not said Hello yet, in all")
     hello_timeout_s: float = Field(10.0, gt=0, description="a stream without a Hello is closed after this long")
+    handshake_timeout_s: float = Field(
+        5.0, gt=0, description="a connection that carries no session or health call is closed after this long"
+    )
+    max_quiet_per_peer: int = Field(
+        32, ge=1, description="connections from one address that carry no session or health call (more are closed)"
+    )
     idle_connection_s: float = Field(30.0, gt=0, description="a connection with no call open is closed after this")
     max_undelivered_mib: float = Field(
         64.0, gt=0, description="a session whose unread instructions exceed this (or 3 rounds' worth) is dropped"

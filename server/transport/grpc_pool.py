@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import secrets
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from fedsaddle.server.pool import Category, ClientLost, ClientPool, PoolError, R
 from fedsaddle.server.settlement import round_traffic
 from fedsaddle.server.transport.auth import Authenticator
 from fedsaddle.server.transport.checks import Expectation
+from fedsaddle.server.transport.gate import ConnectionGate, GatedHealth
 from fedsaddle.server.transport.loop import LoopRunner
 from fedsaddle.server.transport.rounds import Barriers, OpenRound, RunStart
 from fedsaddle.server.transport.servicer import SERVICE, SessionService
@@ -43,6 +45,7 @@ from fedsaddle.server.transport.sessions import Limits, Overflow, Registry, Sess
 
 log = logging.getLogger("fedsaddle.coordinator")
 T = TypeVar("T")
+DESCRIPTOR_RESERVE = 256  # descriptors kept for files, the event loop and gRPC's own
 NOT_REPORTED = "not reported"  # a client whose Ready leaves numeric_stack empty (an outside implementation)
 
 
@@ -76,6 +79,30 @@ def _window_options(window: int) -> list[tuple[str, int]]:
     bandwidth-delay product, so that on loopback it takes in whole answers of a million entries from
     every client before the loop reads them; a fixed one keeps that to one window per client."""
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)] if window else []
+
+
+def _within_descriptors(connections: int) -> int:
+    """`connections`, or fewer if the process may not open that many descriptors. The soft limit is raised
+    towards the hard one first: a connection over the limit would fail gRPC's accept(2), again and again,
+    rather than be refused."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + DESCRIPTOR_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        allowed = max(1, soft - DESCRIPTOR_RESERVE)
+        log.warning(
+            "transport.limits.max_connections is %d, but this process may open only %d files "
+            "(ulimit -n): at most %d connections are accepted",
+            connections,
+            soft,
+            allowed,
+        )
+        return allowed
+    return connections
 
 
 class GrpcPool(ClientPool):
@@ -150,11 +177,12 @@ class GrpcPool(ClientPool):
         limits = self.limits
         options = [
             *wire.grpc_options(self.chunk_bytes, server=True),
-            ("grpc.max_allowed_incoming_connections", limits.max_connections),
+            ("grpc.max_allowed_incoming_connections", _within_descriptors(limits.max_connections)),
             ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
             ("grpc.max_connection_idle_ms", int(1000 * limits.idle_connection_s)),
-            # A connection that never completes its handshake (silent, or not HTTP/2) is closed as soon.
-            ("grpc.server_handshake_timeout_ms", int(1000 * limits.idle_connection_s)),
+            # A connection that does not complete its TLS and HTTP/2 handshakes (silent, or not HTTP/2) in
+            # this long is closed by gRPC; one that completes them and then carries nothing, by the gate.
+            ("grpc.server_handshake_timeout_ms", int(1000 * limits.handshake_timeout_s)),
             ("grpc.max_metadata_size", 16 << 10),
             *_window_options(limits.receive_window_bytes),
         ]
@@ -163,17 +191,33 @@ class GrpcPool(ClientPool):
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=calls)
         server.add_generic_rpc_handlers((self.service.handler(),))
         # The standard health service (grpc.health.v1), for orchestrators and `fedsaddle health`.
-        self._health = health_aio.HealthServicer()
+        gate = ConnectionGate(set(), limits.handshake_timeout_s, limits.max_quiet_per_peer)
+        self._health = GatedHealth(gate)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         port = self._bind(server, listen, credentials)
+        gate.ports.add(port)
         if token_listen is not None:
             self.token_port = self._bind(server, token_listen, token_credentials)
+            gate.ports.add(self.token_port)
         await server.start()
+        self.gate, self.service.gate = gate, gate
+        self._gatekeeper = asyncio.ensure_future(self._keep_gate(gate))
         for service in ("", SERVICE):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self._trimmer = asyncio.ensure_future(return_freed_memory())
         return port
+
+    async def _keep_gate(self, gate: ConnectionGate) -> None:
+        """The gate's sweeps, and the refusal counts a flood that ended inside their window held back."""
+        sweeps = asyncio.ensure_future(gate.run())
+        try:
+            while True:
+                await asyncio.sleep(1.0)
+                self.service.refusals.flush()
+                gate.refusals.flush()
+        finally:
+            sweeps.cancel()
 
     @staticmethod
     def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
@@ -470,6 +514,9 @@ class GrpcPool(ClientPool):
     async def _stop_server(self) -> None:
         assert self._server is not None
         self._trimmer.cancel()
+        self._gatekeeper.cancel()
+        self.service.refusals.flush(at_exit=True)
+        self.gate.refusals.flush(at_exit=True)
         await self._server.stop(grace=2.0)
 
     async def _goodbye(self, reason: str, outcome: pb.Outcome) -> None:

@@ -26,6 +26,7 @@ from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.transport import checks
 from fedsaddle.server.transport.auth import Authenticator, Identity
+from fedsaddle.server.transport.gate import ConnectionGate
 from fedsaddle.server.transport.refusal import Refusal
 from fedsaddle.server.transport.rounds import Barriers, OpenRound
 from fedsaddle.server.transport.sessions import Admission, Limits, Overflow, Registry, Session
@@ -109,8 +110,11 @@ class SessionService:
         self.limits = limits or Limits()
         self.shutting_down = False  # set by the pool when it says goodbye and stops the server
         self.hello_timeout_s = self.limits.hello_timeout_s
-        self.admission = Admission(self.limits.max_streams_per_peer, self.limits.max_pending_hellos)
+        self.admission = Admission(
+            self.limits.max_streams_per_peer, self.limits.max_pending_hellos, self.limits.max_quiet_per_peer
+        )
         self.refusals = RefusalLog(log)
+        self.gate: ConnectionGate | None = None  # told which connections carry a session (gate.py)
         self.on_join: Callable[[Session], None] | None = None  # e.g. send a rejoining session the current run
         # A Ready outside a run's start (a rejoining session's): whether it was for the run under way.
         self.on_ready: Callable[[Session, pb.Ready], bool] | None = None
@@ -138,12 +142,16 @@ class SessionService:
             self.refusals.warn("refused a stream from %s: %s", peer, refusal.details)
             await _end(context, refusal)
         try:
-            await self._serve(requests, context, peer)
+            await self._serve(requests, context, peer, host)
         finally:
             self.admission.leave(host)
 
     async def _serve(
-        self, requests: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes], peer: str
+        self,
+        requests: AsyncIterator[Received],
+        context: grpc.aio.ServicerContext[Received, bytes],
+        peer: str,
+        host: str,
     ) -> None:
         incoming = requests.__aiter__()
         refused: Refusal | None = None
@@ -153,13 +161,15 @@ class SessionService:
             self.refusals.warn("refused a session from %s: %s", peer, refusal.details)
             refused = refusal
         finally:
-            self.admission.greeted()
+            self.admission.greeted(host)
         if refused is not None:
             await _end(context, refused)
         log.info("%s joined", session.describe())
         session.task = asyncio.current_task()
         reader = asyncio.create_task(self._read(session, incoming))
         failure: Refusal | None = None
+        if self.gate is not None:
+            self.gate.enter(peer)
         try:
             # In the same step as the registry took the session, before any await: a run the pool starts
             # once this session completes the federation is sent to it by the pool, not again by on_join.
@@ -181,6 +191,8 @@ class SessionService:
             elif self.shutting_down and not session.closing:
                 failure = Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
         finally:
+            if self.gate is not None:
+                self.gate.leave(peer)
             reader.cancel()
             if session.closing:
                 why = "ended its session"

@@ -24,11 +24,16 @@ from fedsaddle.server.transport.refusal import Refusal
 
 
 class Admission:
-    """Counts streams per peer address and streams waiting for their Hello; refuses the ones over the limits."""
+    """Counts streams per peer address and streams waiting for their Hello; refuses the ones over the limits.
 
-    def __init__(self, max_per_peer: int, max_pending: int) -> None:
+    Streams waiting for a Hello are capped per address too (`max_pending_per_peer`): one address's flood of
+    silent streams must not take all of `max_pending` and keep every other client from saying Hello."""
+
+    def __init__(self, max_per_peer: int, max_pending: int, max_pending_per_peer: int | None = None) -> None:
         self.max_per_peer, self.max_pending = max_per_peer, max_pending
+        self.max_pending_per_peer = max_pending if max_pending_per_peer is None else max_pending_per_peer
         self.per_peer: dict[str, int] = {}
+        self.pending_per_peer: dict[str, int] = {}
         self.pending = 0
 
     def enter(self, host: str) -> None:
@@ -36,19 +41,30 @@ class Admission:
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.pending} streams are waiting for a Hello already")
         if self.per_peer.get(host, 0) >= self.max_per_peer:
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_per_peer} streams from {host} already")
+        if self.pending_per_peer.get(host, 0) >= self.max_pending_per_peer:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.max_pending_per_peer} streams from {host} are waiting for a Hello already",
+            )
         self.per_peer[host] = self.per_peer.get(host, 0) + 1
+        self.pending_per_peer[host] = self.pending_per_peer.get(host, 0) + 1
         self.pending += 1
 
-    def greeted(self) -> None:
+    def greeted(self, host: str) -> None:
         """The stream said Hello, or was refused: it no longer waits."""
         self.pending -= 1
+        _take_one(self.pending_per_peer, host)
 
     def leave(self, host: str) -> None:
-        left = self.per_peer[host] - 1
-        if left:
-            self.per_peer[host] = left
-        else:
-            del self.per_peer[host]
+        _take_one(self.per_peer, host)
+
+
+def _take_one(counts: dict[str, int], key: str) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 class Outbox:

@@ -1,0 +1,254 @@
+"""The connection gate: closes connections that carry nothing, so that a flood of them cannot keep clients out.
+
+gRPC accepts a TCP connection, completes HTTP/2's preface and SETTINGS, and only then
+shows the coordinator a call: a peer that opens thousands of connections and never
+calls (or opens a stream and never says Hello) is invisible to the servicer, and gRPC's
+own limits are global (`grpc.max_allowed_incoming_connections`), so such a peer would
+fill them for everyone. gRPC's `max_connection_idle_ms` does reap them, but only through
+a graceful GOAWAY whose PING a peer that never reads never acknowledges: about a minute.
+
+So the gate looks at the process's own sockets (/proc/self/fd, Linux) every
+`SWEEP_S`: each connection accepted on one of the coordinator's ports that carries no
+session and no health call is *quiet*. A connection quiet for longer than the handshake
+deadline is closed, and of one address's quiet connections only the newest
+`max_quiet_per_peer` are kept. Closing is `shutdown(2)` on a duplicate of gRPC's
+descriptor, checked to be the same socket first: gRPC sees the end of the stream and
+releases the connection itself; the gate never closes gRPC's descriptor.
+
+Where /proc is absent (not Linux) the gate does nothing and gRPC's own limits remain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from grpc_health.v1 import _async as health_aio  # public as grpc_health.v1.health.aio
+from grpc_health.v1 import health_pb2
+
+from fedsaddle.common.text import RefusalLog
+
+log = logging.getLogger("fedsaddle.coordinator")
+
+SWEEP_S = 0.25  # how often the gate looks (a sweep of 2000 connections costs a few ms)
+_FDS = "/proc/self/fd"
+
+
+def peer_key(peer: str) -> tuple[str, int] | None:
+    """(host, port) of a gRPC peer string ('ipv4:127.0.0.1:5000', 'ipv6:[::1]:5000'); None for others."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6") or ":" not in rest:
+        return None
+    host, _, port = rest.rpartition(":")
+    try:
+        return _plain(host.strip("[]")), int(port)
+    except ValueError:
+        return None
+
+
+def _plain(host: str) -> str:
+    """An IPv4-mapped IPv6 address as the IPv4 address gRPC names it by."""
+    return host[7:] if host.startswith("::ffff:") and "." in host else host
+
+
+@dataclass
+class _Connection:
+    inode: int
+    peer: tuple[str, int]
+    quiet_since: float  # when it was first seen, or last carried a call
+
+
+class ConnectionGate:
+    """Tracks the coordinator's accepted connections and closes the quiet ones (see the module's docstring)."""
+
+    def __init__(self, ports: set[int], handshake_timeout_s: float, max_quiet_per_peer: int) -> None:
+        self.ports = ports
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_quiet_per_peer = max_quiet_per_peer
+        self.in_use: Counter[tuple[str, int]] = Counter()  # calls (sessions, health checks) open per connection
+        self._released: dict[tuple[str, int], float] = {}  # when a connection's last call ended
+        self._connections: dict[int, _Connection] = {}  # by descriptor
+        self._other: dict[int, int] = {}  # descriptors that are not our connections: fd -> inode
+        self.closed_silent = 0  # connections closed for carrying nothing within the deadline
+        self.closed_over_cap = 0  # connections closed for being over one address's quiet cap
+        self.refusals = RefusalLog(log)
+        self.enabled = os.path.isdir(_FDS)
+
+    # -- what the servicer says --------------------------------------------------------------
+
+    def enter(self, peer: str) -> None:
+        """A call (a session that said Hello, a health check) now runs on the connection of `peer`."""
+        key = peer_key(peer)
+        if key is not None:
+            self.in_use[key] += 1
+
+    def leave(self, peer: str) -> None:
+        key = peer_key(peer)
+        if key is None or not self.in_use[key]:
+            return
+        self.in_use[key] -= 1
+        if not self.in_use[key]:
+            del self.in_use[key]
+            self._released[key] = time.monotonic()
+
+    # -- the sweep ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Sweep until cancelled."""
+        while self.enabled:
+            try:
+                self.sweep(time.monotonic())
+            except Exception:  # the gate must outlive anything odd in /proc
+                log.exception("the connection gate's sweep")
+            await asyncio.sleep(SWEEP_S)
+
+    def sweep(self, now: float) -> int:
+        """Close the connections that carried nothing too long, or are over their address's cap; how many."""
+        self._scan(now)
+        quiet: dict[str, list[tuple[int, _Connection]]] = {}
+        closing: list[tuple[int, _Connection, str]] = []
+        for fd, connection in self._connections.items():
+            if connection.peer in self.in_use:
+                connection.quiet_since = now
+                continue
+            released = self._released.get(connection.peer, 0.0)
+            connection.quiet_since = max(connection.quiet_since, released)
+            if now - connection.quiet_since > self.handshake_timeout_s:
+                closing.append((fd, connection, "silent"))
+            else:
+                quiet.setdefault(connection.peer[0], []).append((fd, connection))
+        for listed in quiet.values():
+            if len(listed) > self.max_quiet_per_peer:
+                listed.sort(key=lambda item: item[1].quiet_since)
+                closing.extend((fd, c, "over") for fd, c in listed[: len(listed) - self.max_quiet_per_peer])
+        by_host: Counter[str] = Counter()
+        for fd, connection, why in closing:
+            if self._shut(fd, connection.inode):
+                by_host[connection.peer[0]] += 1
+                if why == "silent":
+                    self.closed_silent += 1
+                else:
+                    self.closed_over_cap += 1
+            self._connections.pop(fd, None)
+        for host, count in by_host.items():
+            self.refusals.warn(
+                "closed %d connections from %s that carried no Hello within %g s (or were over its %d such "
+                "connections)",
+                count,
+                host,
+                self.handshake_timeout_s,
+                self.max_quiet_per_peer,
+            )
+        self._prune(now)
+        return sum(by_host.values())
+
+    def _scan(self, now: float) -> None:
+        """Bring the table of our connections up to date with the process's descriptors."""
+        try:
+            names = os.listdir(_FDS)
+        except OSError:
+            return
+        present: set[int] = set()
+        for name in names:
+            fd = int(name)
+            try:
+                status = os.fstat(fd)
+            except OSError:  # (closed meanwhile, or the listing's own descriptor)
+                continue
+            present.add(fd)
+            known = self._connections.get(fd)
+            if known is not None and known.inode == status.st_ino:
+                continue
+            if self._other.get(fd) == status.st_ino:
+                continue
+            self._connections.pop(fd, None)
+            peer = self._peer_of(fd, status) if stat.S_ISSOCK(status.st_mode) else None
+            if peer is None:
+                self._other[fd] = status.st_ino
+            else:
+                self._other.pop(fd, None)
+                self._connections[fd] = _Connection(status.st_ino, peer, now)
+        for fd in [fd for fd in self._connections if fd not in present]:
+            del self._connections[fd]
+        for fd in [fd for fd in self._other if fd not in present]:
+            del self._other[fd]
+
+    def _peer_of(self, fd: int, status: os.stat_result) -> tuple[str, int] | None:
+        """The peer of a TCP connection accepted on one of our ports, or None for any other descriptor."""
+        try:
+            duplicate = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return None
+        try:
+            if duplicate.type != socket.SOCK_STREAM or duplicate.family not in (socket.AF_INET, socket.AF_INET6):
+                return None
+            if duplicate.getsockname()[1] not in self.ports:
+                return None
+            host, port = duplicate.getpeername()[:2]
+            return _plain(host), port
+        except OSError:  # a listening socket has no peer
+            return None
+        finally:
+            duplicate.close()
+
+    @staticmethod
+    def _shut(fd: int, inode: int) -> bool:
+        """Shut down the connection on `fd` if it is still the socket `inode`; whether it was."""
+        try:
+            duplicate = os.dup(fd)
+        except OSError:
+            return False
+        try:
+            if os.fstat(duplicate).st_ino != inode:
+                return False
+            with socket.socket(fileno=duplicate) as sock:
+                duplicate = -1  # (the socket object closes it)
+                sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False
+        finally:
+            if duplicate >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(duplicate)
+
+    def _prune(self, now: float) -> None:
+        live = {c.peer for c in self._connections.values()}
+        horizon = now - 2 * self.handshake_timeout_s
+        for key in [k for k, t in self._released.items() if t < horizon and k not in live]:
+            del self._released[key]
+
+    def flush(self) -> None:
+        """Write the count of the warnings the rate limit held back (at the end of a run)."""
+        self.refusals.flush()
+
+
+class GatedHealth(health_aio.HealthServicer):  # type: ignore[misc]  # (grpc_health has no types)
+    """The standard health service, whose calls keep their connection open while they last (a Watch may
+    last as long as the coordinator)."""
+
+    def __init__(self, gate: ConnectionGate) -> None:
+        super().__init__()
+        self.gate = gate
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> Any:
+        self.gate.enter(context.peer())
+        try:
+            return await super().Check(request, context)
+        finally:
+            self.gate.leave(context.peer())
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
+        self.gate.enter(context.peer())
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.gate.leave(context.peer())

@@ -1,0 +1,86 @@
+"""A flood of idle connections from one address, with real sockets on loopback: the coordinator closes
+what carries nothing, counts and says so, and honest clients still get in."""
+
+from __future__ import annotations
+
+import select
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from flooder import PREFACE, SETTINGS, session_headers  # bench/flooder.py
+
+from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.sessions import Limits
+
+FLOOD_SOURCE = "127.0.0.2"  # the flood's address; honest peers come from 127.0.0.1
+
+
+@contextmanager
+def idle_connections(address: str, count: int, stream: bool = False) -> Iterator[list[socket.socket]]:
+    """`count` connections from FLOOD_SOURCE that send the HTTP/2 preface and SETTINGS (and, with `stream`,
+    open a Session call) and never read."""
+    host, port = address.rsplit(":", 1)
+    hello = PREFACE + SETTINGS + (session_headers(address.encode()) if stream else b"")
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind((FLOOD_SOURCE, 0))
+            sock.settimeout(10)
+            sock.connect((host, int(port)))
+            sock.sendall(hello)
+            held.append(sock)
+        yield held
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def hung_up(sockets: list[socket.socket], expected: int, within: float) -> int:
+    """How many of the sockets the other side has closed, once `expected` have been, or after `within`
+    seconds, and then 0.5 s more (to see any more closed). It never reads."""
+    poller = select.poll()
+    for sock in sockets:
+        poller.register(sock, select.POLLRDHUP | select.POLLHUP)
+    closed: set[int] = set()
+    end = time.monotonic() + within
+    while len(closed) < expected and time.monotonic() < end:
+        closed.update(fd for fd, _ in poller.poll(100))
+    settle = time.monotonic() + 0.5
+    while time.monotonic() < settle:
+        closed.update(fd for fd, _ in poller.poll(100))
+    return len(closed)
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        return int(reply.status)
+
+
+def test_one_address_keeps_at_most_its_cap_of_quiet_connections_and_health_answers() -> None:
+    limits = Limits(handshake_timeout_s=60, max_quiet_per_peer=4)
+    with GrpcPool(1, "127.0.0.1:0", limits=limits) as pool, idle_connections(pool.address, 20) as held:
+        # 16 are over the cap of 4 quiet connections from 127.0.0.2; 4 stay (their deadline is a minute away)
+        assert hung_up(held, expected=16, within=20) == 16
+        assert pool.gate.closed_over_cap == 16 and pool.gate.closed_silent == 0
+        assert health(pool.address) == health_pb2.HealthCheckResponse.SERVING  # from 127.0.0.1: not capped
+
+
+def test_connections_that_carry_no_hello_are_closed_at_the_handshake_deadline() -> None:
+    limits = Limits(handshake_timeout_s=1, max_quiet_per_peer=100, hello_timeout_s=60)
+    with (
+        GrpcPool(1, "127.0.0.1:0", limits=limits) as pool,
+        idle_connections(pool.address, 5) as bare,
+        idle_connections(pool.address, 5, stream=True) as streams,
+    ):
+        assert hung_up(bare + streams, expected=10, within=20) == 10  # bare, or a stream with no Hello: all closed
+        assert pool.gate.closed_silent == 10 and pool.gate.closed_over_cap == 0
