@@ -81,16 +81,14 @@ def settle(
     metrics by its held-out rows (the replies' `counts`), whatever the run's weights.
     """
     evaluation = isinstance(task, EvaluateTask)
+    want_objective = isinstance(task, GradientTask) and task.want_objective
     everyone = participants is None and sum(len(reply.indices) for reply in replies) == num_clients
     answered: Sequence[int] = range(num_clients) if everyone else sorted(i for reply in replies for i in reply.indices)
     indices = None if everyone else tuple(answered)
     tally = round_traffic(task, num_clients, dimension, participants, indices)
-    diverged = tuple(sorted(i for reply in replies if reply.diverged for i in reply.indices))
-    if diverged:  # the round happened (it is counted), but nothing of it reaches the algorithm
-        return Settlement(tally, None, diverged)
     run_weights = weights if everyone or weights is None else weights[list(answered)]
-    want_objective = isinstance(task, GradientTask) and task.want_objective
-    if aggregated is None and not evaluation and dimension > SUMMED_BY_LOOP_ABOVE:
+    large = aggregated is None and not evaluation and dimension > SUMMED_BY_LOOP_ABOVE
+    if large and not any(reply.diverged for reply in replies):
         # Large vectors are not stacked into one (clients, D) array: the mean is added up
         # from the replies as they are, in client-index order, with the same arithmetic.
         return Settlement(tally, _summed_in_place(replies, answered, want_objective, run_weights, indices))
@@ -98,13 +96,19 @@ def settle(
     vectors = np.empty((len(answered), len(task.metric_names) if isinstance(task, EvaluateTask) else dimension))
     objective = np.empty(len(answered)) if want_objective else None
     counts = np.zeros(len(answered)) if evaluation else None
+    diverged: list[int] = []
     for reply in replies:
+        if reply.diverged:
+            diverged.extend(reply.indices)
+            continue
         rows = _rows(reply.indices, position)
         vectors[rows] = reply.vectors
         if objective is not None and reply.objective is not None:
             objective[rows] = reply.objective
         if counts is not None and reply.counts is not None:
             counts[rows] = reply.counts
+    if diverged:  # the round happened (it is counted), but nothing of it reaches the algorithm
+        return Settlement(tally, None, tuple(sorted(diverged)))
     answers = RoundAnswers(vectors, objective, counts if evaluation else run_weights, indices, aggregated)
     return Settlement(tally, answers)
 
