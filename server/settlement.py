@@ -45,7 +45,9 @@ def round_traffic(
     answered: tuple[int, ...] | None = None,
 ) -> RoundTally:
     """The traffic of one round of `task`: the single definition of what a round costs."""
-    down = sum(v.shape[-1] for v in task.payload())
+    down = 0
+    for vector in task.payload():  # a loop, not sum(): this runs once per run and round of a sweep
+        down += vector.shape[-1]
     if isinstance(task, EvaluateTask):
         return RoundTally(num_clients, down, len(task.metric_names) + 1, sent, answered)  # metrics, held-out rows
     up = dimension + (1 if isinstance(task, GradientTask) and task.want_objective else 0)
@@ -81,8 +83,20 @@ def settle(
     metrics by its held-out rows (the replies' `counts`), whatever the run's weights.
     """
     evaluation = isinstance(task, EvaluateTask)
+    if aggregated is not None and participants is None and len(replies) == 1 and not evaluation:
+        # The caller aggregated already (the batched driver, for all its runs at once): when its one
+        # reply is every client's, its rows are the round's, in order, and are not summed again.
+        reply = replies[0]
+        if len(reply.indices) == num_clients and not reply.diverged:
+            tally = round_traffic(task, num_clients, dimension)
+            return Settlement(tally, RoundAnswers(reply.vectors, reply.objective, weights, None, aggregated))
     want_objective = isinstance(task, GradientTask) and task.want_objective
-    everyone = participants is None and sum(len(reply.indices) for reply in replies) == num_clients
+    everyone = False
+    if participants is None:
+        replied = 0
+        for reply in replies:
+            replied += len(reply.indices)
+        everyone = replied == num_clients
     answered: Sequence[int] = range(num_clients) if everyone else sorted(i for reply in replies for i in reply.indices)
     indices = None if everyone else tuple(answered)
     tally = round_traffic(task, num_clients, dimension, participants, indices)
