@@ -60,6 +60,7 @@ class ClientOptions:
     data: dict[int, str] = field(default_factory=dict)  # each hosted client's own data file
     trusted: tuple[str, ...] = ()  # plugin problems ('module:Class') this process agrees to load
     client_certificate: bool = False  # credentials include a client certificate (mutual TLS)
+    check_statistics: bool = True  # warn when the spec's statistics contradict this process's data
 
 
 def _hung_up(options: ClientOptions) -> str:
@@ -190,7 +191,7 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
 
 async def run_client(options: ClientOptions) -> None:
     """Serve sessions until the run is over: returns after a DONE goodbye, raises ClientError otherwise."""
-    shards = ShardCache(size=2, data=options.data, trusted=options.trusted)
+    shards = ShardCache(size=2, data=options.data, trusted=options.trusted, check_statistics=options.check_statistics)
     delay, closed_at_once = 0.1, 0
     joined_once, unresolved_since = False, 0.0
     deadline = time.monotonic() + options.connect_timeout_s

@@ -7,6 +7,7 @@ same arithmetic on the same data.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
@@ -26,7 +27,10 @@ from fedsaddle.common.problems import (
     SyntheticProblem,
     make_problem,
 )
+from fedsaddle.common.problems.statistics import disagreements
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, LocalStepsTask, Task, step_weight
+
+log = logging.getLogger("fedsaddle.data")
 
 
 class Worker:
@@ -248,9 +252,16 @@ class ShardCache:
     """
 
     def __init__(
-        self, size: int = 8, data: Mapping[int, str | Path] | None = None, trusted: Collection[str] | None = None
+        self,
+        size: int = 8,
+        data: Mapping[int, str | Path] | None = None,
+        trusted: Collection[str] | None = None,
+        check_statistics: bool = True,
     ) -> None:
         self.size = size
+        # Warn when the spec's public statistics contradict the loaded data (common/problems/statistics.py);
+        # off where the same data was already checked whole (the client processes of `fedsaddle local`).
+        self.check_statistics = check_statistics
         self.data = {int(i): str(p) for i, p in (data or {}).items()}
         self.trusted = trusted
         self._entries: OrderedDict[tuple[str, int, tuple[int, ...]], Shards] = OrderedDict()
@@ -282,6 +293,9 @@ class ShardCache:
                 except DataError as exc:
                     raise DataError(f"client {i}: {exc}") from None
             shards = ProblemShards(problem, datas, indices)
+            if self.check_statistics:
+                for disagreement in disagreements(problem, datas, indices):
+                    log.warning("%s", disagreement)
         self._entries[key] = shards
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)

@@ -1,6 +1,8 @@
 """Split a real dataset into client files: `fedsaddle data split`.
 
-The datasets are those scikit-learn bundles (no download, so they work offline):
+A dataset is a table of your own (CSV or Parquet: experiments/tables.py reads it
+and names its columns' roles), or one of those scikit-learn bundles (no
+download, so they work offline):
 
   diabetes        regression, 442 rows, 10 features (age, sex, bmi, bp, s1..s6);
                   y = disease progression after one year, standardized
@@ -13,7 +15,10 @@ Rows are split first into training and held-out rows (`test_fraction`), then
 dealt to the clients: `iid` (shuffled, equal shares) or `label-skew` (each
 class's rows divided by Dirichlet(alpha) proportions, a new draw per class, the
 usual non-IID benchmark; for regression the classes are target quartiles). Each
-client's held-out rows follow the same proportions as its training rows.
+client's held-out rows follow the same proportions as its training rows. Or
+`by-column`, the natural sites: every distinct value of a column (a hospital, a
+region) is one client, in sorted order, and holds out `test_fraction` of its
+own rows.
 Features are standardized with the training rows' mean and deviation (the one
 preprocessing step that sees all training rows: it stands for what a
 consortium agrees on before federating).
@@ -21,12 +26,14 @@ consortium agrees on before federating).
 Writes client-000.npz ... (arrays X, y, [group], X_test, y_test, [group_test]:
 see common/problems/data.py), test.npz (all held-out rows, for reports) and
 summary.json (each client's share, and the public statistics a problem's spec
-needs: features, positive_rate, group_rate).
+needs: features, positive_rate, group_rate, computed by the problems themselves:
+DataProblem.statistics).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +42,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems import ClientData, DataProblem, problem_class
+from fedsaddle.experiments.tables import TableSpec, read_columns, table_rows
 
 DATASETS = ("diabetes", "diabetes_fair", "breast_cancer")
-PARTITIONS = ("iid", "label-skew")
+PARTITIONS = ("iid", "label-skew", "by-column")
+DATA_PROBLEMS = ("linear_regression", "auc", "fair_logistic")  # the built-in problems on real data
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,34 @@ class Table:
     classes: Array  # the class of each row, for label skew (labels, or target quartiles)
     task: str  # "regression" or "classification"
     feature_names: tuple[str, ...]
+    name: str = ""  # a bundled dataset's name, or the file's path
+    sites: tuple[str, ...] | None = None  # each row's site (the by-column partition)
+    codes: dict[str, dict[str, int]] | None = None  # a file's target and group values, as written (0 and 1)
+    skipped: tuple[str, ...] = ()  # a file's columns left out as not numeric
+
+
+def load_table(path: str | Path, spec: TableSpec) -> Table:
+    """A CSV or Parquet file's rows, with the columns' roles `spec` gives."""
+    rows = table_rows(read_columns(path), spec)
+    y = rows["y"]
+    if rows["task"] == "classification":
+        classes = y.astype(int)
+    else:
+        classes = np.searchsorted(np.quantile(y, [0.25, 0.5, 0.75]), y)
+    codes = {k: v for k, v in (("target", rows["labels"]), ("group", rows["groups"])) if v is not None}
+    sites = tuple(rows["sites"]) if rows["sites"] is not None else None
+    return Table(
+        rows["X"],
+        y,
+        rows["group"],
+        classes,
+        rows["task"],
+        rows["feature_names"],
+        str(path),
+        sites,
+        codes,
+        tuple(rows["skipped"]),
+    )
 
 
 def load_dataset(name: str) -> Table:
@@ -59,7 +97,7 @@ def load_dataset(name: str) -> Table:
         raw = datasets.load_diabetes(scaled=False)
         y = raw.target.astype(float)
         quartiles = np.quantile(y, [0.25, 0.5, 0.75])
-        return Table(raw.data, y, None, np.searchsorted(quartiles, y), "regression", tuple(raw.feature_names))
+        return Table(raw.data, y, None, np.searchsorted(quartiles, y), "regression", tuple(raw.feature_names), name)
     if name == "diabetes_fair":
         raw = datasets.load_diabetes(scaled=False)
         sex = raw.feature_names.index("sex")
@@ -67,11 +105,11 @@ def load_dataset(name: str) -> Table:
         group = (raw.data[:, sex] == raw.data[:, sex].max()).astype(float)
         y = (raw.target > np.median(raw.target)).astype(float)
         names = tuple(raw.feature_names[i] for i in keep)
-        return Table(raw.data[:, keep], y, group, y.astype(int), "classification", names)
+        return Table(raw.data[:, keep], y, group, y.astype(int), "classification", names, name)
     if name == "breast_cancer":
         raw = datasets.load_breast_cancer()
         y = raw.target.astype(float)
-        return Table(raw.data, y, None, raw.target, "classification", tuple(raw.feature_names))
+        return Table(raw.data, y, None, raw.target, "classification", tuple(raw.feature_names), name)
     raise ValueError(f"unknown dataset {name!r}; choose from {list(DATASETS)}")
 
 
@@ -82,6 +120,7 @@ class ClientShare:
     heldout: int
     label_mean: float  # the fraction of positive labels (classification) or the mean target
     group_rate: float | None
+    site: str | None = None  # its value of the by-column partition's column
 
 
 def _deal(rows: NDArray[Any], classes: NDArray[Any], shares: Array, rng: np.random.Generator) -> list[NDArray[Any]]:
@@ -96,8 +135,8 @@ def _deal(rows: NDArray[Any], classes: NDArray[Any], shares: Array, rng: np.rand
 
 
 def split(
-    dataset: str,
-    clients: int,
+    dataset: str | Table,
+    clients: int | None,
     partition: str,
     seed: int,
     out: Path,
@@ -105,32 +144,52 @@ def split(
     alpha: float = 0.5,
     min_rows: int = 5,
 ) -> dict[str, Any]:
-    """Write the client files; returns the summary (also written to summary.json)."""
+    """Write the client files; returns the summary (also written to summary.json). `dataset`: a bundled
+    name or a Table (load_table); `clients`: None with `by-column` (one client per site)."""
     if partition not in PARTITIONS:
         raise ValueError(f"unknown partition {partition!r}; choose from {list(PARTITIONS)}")
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    table = load_dataset(dataset)
+    table = load_dataset(dataset) if isinstance(dataset, str) else dataset
     rng = np.random.default_rng(seed)
     n_rows = len(table.y)
-    if clients * min_rows > n_rows * (1 - test_fraction):
-        raise ValueError(f"{dataset} has {n_rows} rows: too few for {clients} clients of at least {min_rows} rows")
-    order = rng.permutation(n_rows)
-    n_test = round(test_fraction * n_rows)
-    test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
     classes = np.asarray(table.classes, dtype=int)
-    n_classes = int(classes.max()) + 1
-    for _ in range(1000):
-        if partition == "iid":
-            shares = np.full((n_classes, clients), 1 / clients)
-        else:
-            shares = rng.dirichlet(np.full(clients, alpha), size=n_classes)
-        dealt_train = _deal(train, classes, shares, rng)
-        if min(len(d) for d in dealt_train) >= min_rows:
-            break
+    site_names: list[str] | None = None
+    if partition == "by-column":
+        if table.sites is None:
+            raise ValueError("the by-column partition needs a column whose values are the sites (--by COLUMN)")
+        site_names = sorted(set(table.sites))
+        if clients is not None and clients != len(site_names):
+            raise ValueError(
+                f"the site column has {len(site_names)} distinct values, so {len(site_names)} clients, "
+                f"not {clients} (leave out --clients)"
+            )
+        clients = len(site_names)
+        dealt_train, dealt_test = _by_site(table.sites, site_names, test_fraction, min_rows, rng)
+        train = np.sort(np.concatenate(dealt_train))
+        test = np.sort(np.concatenate(dealt_test))
     else:
-        raise ValueError(f"no label-skew split with at least {min_rows} rows per client; raise --alpha")
-    dealt_test = _deal(test, classes, shares, rng)
+        if clients is None:
+            raise ValueError(f"the {partition} partition needs a number of clients")
+        if clients * min_rows > n_rows * (1 - test_fraction):
+            raise ValueError(
+                f"{table.name} has {n_rows} rows: too few for {clients} clients of at least {min_rows} rows"
+            )
+        order = rng.permutation(n_rows)
+        n_test = round(test_fraction * n_rows)
+        test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
+        n_classes = int(classes.max()) + 1
+        for _ in range(1000):
+            if partition == "iid":
+                shares = np.full((n_classes, clients), 1 / clients)
+            else:
+                shares = rng.dirichlet(np.full(clients, alpha), size=n_classes)
+            dealt_train = _deal(train, classes, shares, rng)
+            if min(len(d) for d in dealt_train) >= min_rows:
+                break
+        else:
+            raise ValueError(f"no label-skew split with at least {min_rows} rows per client; raise --alpha")
+        dealt_test = _deal(test, classes, shares, rng)
     mean, scale = table.X[train].mean(axis=0), table.X[train].std(axis=0)
     scale[scale == 0] = 1.0
     X = (table.X - mean) / scale
@@ -139,19 +198,23 @@ def split(
         y = (y - y[train].mean()) / y[train].std()
     out.mkdir(parents=True, exist_ok=True)
     shares_out = []
+    written: list[ClientData] = []
     for client, (rows, held) in enumerate(zip(dealt_train, dealt_test, strict=True)):
         arrays: dict[str, Array] = {"X": X[rows], "y": y[rows], "X_test": X[held], "y_test": y[held]}
         if table.group is not None:
             arrays["group"], arrays["group_test"] = table.group[rows], table.group[held]
-        np.savez(out / f"client-{client:03d}.npz", **arrays)  # type: ignore[arg-type]
+        path = out / f"client-{client:03d}.npz"
+        np.savez(path, **arrays)  # type: ignore[arg-type]
+        written.append(ClientData(str(path), arrays["X"], arrays["y"], arrays.get("group")))
         group_rate = None if table.group is None else float(table.group[rows].mean())
-        shares_out.append(ClientShare(client, len(rows), len(held), float(table.y[rows].mean()), group_rate))
+        site = None if site_names is None else site_names[client]
+        shares_out.append(ClientShare(client, len(rows), len(held), float(table.y[rows].mean()), group_rate, site))
     pooled: dict[str, Array] = {"X": X[test], "y": y[test]}
     if table.group is not None:
         pooled["group"] = table.group[test]
     np.savez(out / "test.npz", **pooled)  # type: ignore[arg-type]
     summary: dict[str, Any] = {
-        "dataset": dataset,
+        "dataset": table.name,
         "task": table.task,
         "partition": partition,
         "alpha": alpha if partition == "label-skew" else None,
@@ -163,28 +226,135 @@ def split(
         "heldout_rows": len(test),
         "positive_rate": float(table.y[train].mean()) if table.task == "classification" else None,
         "group_rate": None if table.group is None else float(table.group[train].mean()),
+        "statistics": problem_statistics(written, table.task),
         "files": [f"client-{c:03d}.npz" for c in range(clients)],
         "shares": [asdict(s) for s in shares_out],
     }
+    if table.codes:
+        summary["codes"] = table.codes
+    if table.skipped:
+        summary["skipped_columns"] = list(table.skipped)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
+def _by_site(
+    sites: Sequence[str], names: Sequence[str], test_fraction: float, min_rows: int, rng: np.random.Generator
+) -> tuple[list[NDArray[Any]], list[NDArray[Any]]]:
+    """Each site's rows, shuffled, cut into held-out (`test_fraction`) and training rows."""
+    of_site = np.asarray(sites, dtype=object)
+    train, test = [], []
+    for name in names:
+        members = rng.permutation(np.flatnonzero(of_site == name))
+        n_test = round(test_fraction * len(members))
+        if len(members) - n_test < min_rows:
+            raise ValueError(
+                f"site {name[:40]!r} has {len(members)} rows: fewer than {min_rows} training rows after holding "
+                f"out {test_fraction:g} of them"
+            )
+        test.append(np.sort(members[:n_test]))
+        train.append(np.sort(members[n_test:]))
+    return train, test
+
+
+def problem_statistics(datas: Sequence[ClientData], task: str) -> dict[str, dict[str, int | float]]:
+    """The spec fields each built-in problem on real data takes from these clients' training rows."""
+    found: dict[str, dict[str, int | float]] = {}
+    for name in DATA_PROBLEMS:
+        if name != "linear_regression" and task != "classification":
+            continue  # AUC and the fair problem need labels
+        cls = problem_class(name)
+        assert issubclass(cls, DataProblem)
+        statistics = cls.statistics(datas)
+        if name == "fair_logistic" and "group_rate" not in statistics:
+            continue  # no group column
+        found[name] = statistics
+    return found
+
+
 def describe(summary: dict[str, Any]) -> str:
-    """The summary as a table a person reads."""
+    """The summary as a table a person reads; the public statistics at full precision (as they must be
+    copied into the spec: a client compares them with its data)."""
     classification = summary["task"] == "classification"
     label = "positive" if classification else "mean y"
+    sites = any(share.get("site") is not None for share in summary["shares"])
     lines = [
         f"{summary['dataset']}: {summary['training_rows']} training and {summary['heldout_rows']} held-out rows, "
         f"{summary['features']} features, {summary['clients']} clients, {summary['partition']}"
         + (f" (alpha {summary['alpha']:g})" if summary["alpha"] else ""),
-        f"{'client':>6} {'rows':>6} {'held-out':>8} {label:>9}" + (f" {'group 1':>8}" if summary["group_rate"] else ""),
     ]
+    codes = summary.get("codes", {})
+    for role, mapping in codes.items():
+        lines.append(f"{role} values written as " + ", ".join(f"{value} -> {code}" for value, code in mapping.items()))
+    if summary.get("skipped_columns"):
+        lines.append(f"left out (not numeric; name them with --features to see why): {summary['skipped_columns']}")
+    lines.append(
+        f"{'client':>6} {'rows':>6} {'held-out':>8} {label:>9}"
+        + (f" {'group 1':>8}" if summary["group_rate"] is not None else "")
+        + ("  site" if sites else "")
+    )
     for share in summary["shares"]:
         row = f"{share['client']:>6} {share['rows']:>6} {share['heldout']:>8} {share['label_mean']:>9.3f}"
         if share["group_rate"] is not None:
             row += f" {share['group_rate']:>8.3f}"
+        if sites:
+            row += f"  {share['site']}"
         lines.append(row)
-    public = {k: summary[k] for k in ("features", "positive_rate", "group_rate") if summary[k] is not None}
-    lines.append("public statistics for the problem's spec: " + ", ".join(f"{k} = {v:.6g}" for k, v in public.items()))
+    lines.append("public statistics for each problem's spec (training rows of all clients):")
+    for name, statistics in summary["statistics"].items():
+        fields = ", ".join(f"{field}: {value!r}" for field, value in statistics.items())
+        lines.append(f"  {name}: {{name: {name}, num_clients: {summary['clients']}, {fields}}}")
     return "\n".join(lines)
+
+
+def problem_entry(summary: dict[str, Any], problem: str | None) -> dict[str, Any]:
+    """The config's `problem` for this split: `problem` (default: auc for classes, fair_logistic with a group,
+    linear_regression for a numeric target) with the split's client count and statistics."""
+    choices = summary["statistics"]
+    if problem is None:
+        problem = "linear_regression"
+        if summary["task"] == "classification":
+            problem = "fair_logistic" if "fair_logistic" in choices else "auc"
+    if problem not in choices:
+        why = "it needs two classes" if problem in DATA_PROBLEMS else "it is not a built-in problem on real data"
+        raise ValueError(f"problem {problem!r} does not fit this split ({why}); it fits {sorted(choices)}")
+    return {"name": problem, "num_clients": summary["clients"], **choices[problem]}
+
+
+STARTER = {
+    "weighting": "samples",
+    "evaluate_every": 50,
+    "rounds": 1000,
+    "sync": {"kind": "fixed", "tau": 10},
+    "algorithms": [
+        {"name": "scaffold_s", "gamma_local": 0.04},
+        {"name": "scaffold_catalyst_s", "gamma_local": 0.04},
+    ],
+}
+
+
+def write_config(path: Path, entry: dict[str, Any], name: str) -> str:
+    """Put `entry` into the config at `path`: a new file starts from STARTER; an existing one keeps every
+    other field (and its problem's other fields, such as `lam`, when it names the same problem). The result
+    is validated before it is written. Returns what was done, for a person."""
+    import yaml
+
+    from fedsaddle.server.config import parse_config
+
+    existed = path.exists()
+    if existed:
+        try:
+            config = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read the config {path}: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"the config {path} is not a mapping of fields")
+        old = config.get("problem")
+        kept = {k: v for k, v in old.items() if k not in entry} if isinstance(old, dict) else {}
+        config["problem"] = {**entry, **kept} if isinstance(old, dict) and old.get("name") == entry["name"] else entry
+    else:
+        config = {"name": name, "problem": entry, **STARTER}
+    parse_config(config, source=str(path))  # ConfigError, naming the field, before anything is written
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=120))
+    return f"{'updated the problem in' if existed else 'wrote'} {path}"

@@ -251,6 +251,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         data=_data_paths(args.data, hosted),
         trusted=tuple(args.problem or ()),
         client_certificate=bool(args.cert),
+        check_statistics=not args.statistics_checked,
     )
     try:
         serve(options)
@@ -415,17 +416,66 @@ def cmd_new_token(args: argparse.Namespace) -> int:
 
 
 def cmd_data_split(args: argparse.Namespace) -> int:
-    """Split a bundled dataset into one data file per client, and summarize each client's share."""
-    from fedsaddle.experiments.datasets import describe, split
+    """Split a table (CSV, Parquet) or a bundled dataset into one data file per client, summarize each
+    client's share, print the public statistics of each problem's spec, and write them into a config."""
+    from fedsaddle.experiments.datasets import DATASETS, Table, describe, load_table, problem_entry, split, write_config
+    from fedsaddle.experiments.tables import TableError, TableSpec
 
+    source = args.file or args.dataset
+    if source is None:
+        raise UsageError(f"data split needs a table (FILE, a .csv or .parquet) or --dataset {{{','.join(DATASETS)}}}")
+    if args.file and args.dataset:
+        raise UsageError("give the table as FILE or as --dataset, not both")
+    bundled = source in DATASETS
+    table_options = (args.target, args.features, args.group, args.by, args.positive, args.task)
     try:
-        summary = split(
-            args.dataset, args.clients, args.partition, args.seed, Path(args.out), args.test_fraction, args.alpha
-        )
+        if bundled:
+            if any(option is not None for option in table_options):
+                raise UsageError(
+                    f"{source} is a bundled dataset with its own columns; "
+                    "--target, --features, --group, --by, --positive and --task are for your own table"
+                )
+            dataset: str | Table = source
+        else:
+            if Path(source).suffix.lower() not in (".csv", ".parquet", ".pq") and not Path(source).exists():
+                raise UsageError(
+                    f"{source!r} is neither a bundled dataset {list(DATASETS)} nor a .csv or .parquet file"
+                )
+            if args.target is None:
+                raise UsageError(f"{source}: name the target column with --target")
+            features = tuple(f.strip() for f in args.features.split(",") if f.strip()) if args.features else ()
+            spec = TableSpec(args.target, features, args.group, args.by, args.task, args.positive)
+            dataset = load_table(source, spec)
+        if args.partition == "by-column" and bundled:
+            raise UsageError("the bundled datasets have no site column; by-column is for your own table (--by)")
+        if args.by is not None and args.partition != "by-column":
+            raise UsageError("--by names the site column of --partition by-column")
+        if args.partition != "by-column" and args.clients is None:
+            raise UsageError(f"the {args.partition} partition needs --clients N")
+        out = Path(args.out)
+        summary = split(dataset, args.clients, args.partition, args.seed, out, args.test_fraction, args.alpha)
+        print(describe(summary))
+        print(f"wrote {out / 'client-000.npz'} ... client-{summary['clients'] - 1:03d}.npz, test.npz, summary.json")
+        if args.config:
+            entry = problem_entry(summary, args.problem)
+            print(write_config(Path(args.config), entry, out.name or "federation"))
+        elif args.problem:
+            problem_entry(summary, args.problem)  # (refuses a problem that does not fit)
+    except TableError as exc:
+        raise UsageError(str(exc)) from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    print(describe(summary))
-    print(f"wrote {Path(args.out) / 'client-000.npz'} ... client-{args.clients - 1:03d}.npz, test.npz, summary.json")
+    return EXIT_OK
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    """Describe a client's data file: rows, features, labels, groups, and what each problem makes of it."""
+    from fedsaddle.experiments.inspect import inspect_file
+
+    try:
+        print(inspect_file(args.file))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return EXIT_OK
 
 
@@ -672,6 +722,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE:CLASS",
         help="a plugin problem this process agrees to load (built-in and entry-point problems always load)",
     )
+    # Set by `fedsaddle local` for the clients it starts: it compared the spec with all their data already.
+    p.add_argument("--statistics-checked", action="store_true", help=argparse.SUPPRESS)
     _tls_options(p)
 
     p = command("local", "a coordinator and client processes on 127.0.0.1 (default: the built-in config)", cmd_local)
@@ -726,20 +778,62 @@ def build_parser() -> argparse.ArgumentParser:
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION", title="actions")
     p = data_commands.add_parser(
         "split",
-        help="split a bundled dataset into one file per client",
-        description="Split a dataset bundled with scikit-learn into one .npz file per client (plus held-out "
-        "rows), and print each client's share.",
+        help="split a table (CSV, Parquet) or a bundled dataset into one file per client",
+        description="Split a table of your own (.csv, or .parquet with the data extra) or a dataset bundled with "
+        "scikit-learn into one .npz file per client (plus held-out rows), print each client's share and the "
+        "public statistics each problem's spec needs, and optionally write them into a config.",
+        epilog="examples:\n"
+        "  fedsaddle data split patients.csv --target outcome --partition label-skew --clients 3 --out data/\n"
+        "  fedsaddle data split patients.parquet --target outcome --partition by-column --by hospital --out data/\n"
+        "  fedsaddle data split --dataset breast_cancer --clients 10 --out data/ --config run.yaml",
         formatter_class=_HelpFormatter,
     )
     _global_flags(p, top=False)
     p.set_defaults(func=cmd_data_split)
-    p.add_argument("--dataset", required=True, choices=["diabetes", "diabetes_fair", "breast_cancer"], help="which")
-    p.add_argument("--clients", type=positive_int, required=True, help="number of clients (files)")
-    p.add_argument("--partition", choices=["iid", "label-skew"], default="iid", help="how rows are dealt")
+    p.add_argument("file", nargs="?", metavar="FILE", help="your table: .csv (a header line) or .parquet")
+    p.add_argument(
+        "--dataset", metavar="NAME", help="a bundled dataset instead: diabetes, diabetes_fair, breast_cancer"
+    )
+    p.add_argument("--target", metavar="COLUMN", help="the column to predict (two values: classes 0 and 1)")
+    p.add_argument(
+        "--features", metavar="A,B,...", help="feature columns, in this order (default: every other numeric column)"
+    )
+    p.add_argument("--group", metavar="COLUMN", help="a sensitive attribute of two values (for fair_logistic)")
+    p.add_argument("--positive", metavar="VALUE", help="the target value that is class 1 (default: the larger one)")
+    p.add_argument("--task", choices=["classification", "regression"], help="default: two target values are classes")
+    p.add_argument(
+        "--partition",
+        choices=["iid", "label-skew", "by-column"],
+        default="iid",
+        help="how rows are dealt: equal shares, Dirichlet label skew, or one client per value of --by",
+    )
+    p.add_argument("--by", metavar="COLUMN", help="the site column of --partition by-column (one client per value)")
+    p.add_argument("--clients", type=positive_int, help="number of clients (files); by-column: the sites'")
     p.add_argument("--alpha", type=positive_float, default=0.5, help="Dirichlet concentration of label-skew")
     p.add_argument("--test-fraction", type=positive_float, default=0.2, help="share of rows held out for evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed of the split")
     p.add_argument("--out", required=True, help="folder for the client files")
+    p.add_argument(
+        "--problem",
+        choices=["auc", "fair_logistic", "linear_regression"],
+        help="the problem of --config (default: auc for classes, fair_logistic with --group, else linear_regression)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="write the problem and its statistics into this config (a new file gets a starter config)",
+    )
+
+    p = data_commands.add_parser(
+        "inspect",
+        help="describe a client's data file",
+        description="Describe a client's data file (.npz or .csv): rows, held-out rows, features, labels, groups, "
+        "and the statistics each problem's spec would take from it.",
+        formatter_class=_HelpFormatter,
+    )
+    _global_flags(p, top=False)
+    p.set_defaults(func=cmd_data_inspect)
+    p.add_argument("file", metavar="FILE", help="a client's data file")
 
     p = command("show-config", "print a config with every default filled in", cmd_show_config)
     p.add_argument("--config", help="config file (default: the built-in one)")

@@ -236,6 +236,24 @@ def reap(processes: Sequence[ClientProcess], grace: float = 10.0) -> list[int]:
     return codes
 
 
+def check_statistics(config: RunConfig, data: Mapping[int, str]) -> None:
+    """Warn when the spec's public statistics contradict the clients' data, read here whole. The clients
+    read and check their files again when the run starts: a file that cannot be read is their error."""
+    from fedsaddle.common.problems import DataError, DataProblem, make_problem
+    from fedsaddle.common.problems.statistics import disagreements
+
+    problem = make_problem(config.problem)
+    indices = sorted(data)
+    if not isinstance(problem, DataProblem):
+        return
+    try:
+        datas = [problem.load(data[i]) for i in indices]
+    except DataError:
+        return
+    for disagreement in disagreements(problem, datas, indices):
+        log.warning("%s", disagreement)
+
+
 def index_groups(num_clients: int, per_process: int) -> list[str]:
     """Client indices split into processes of `per_process` clients: ['0-4', '5-9']."""
     groups = []
@@ -319,6 +337,11 @@ def loopback_federation(
     groups = index_groups(config.problem.num_clients, per_process)
     # The operator runs both sides here, so the clients trust the config's plugin problem.
     trust = ["--problem", config.problem.plugin] if config.problem.plugin else []
+    if data:
+        # Every client's file is at hand here: compare the spec's statistics with all of them at once,
+        # exactly, rather than each client process with its own share.
+        check_statistics(config, data)
+        trust.append("--statistics-checked")
     children: list[ClientProcess] = []
     pool: GrpcPool | None = None
     try:

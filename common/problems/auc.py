@@ -65,6 +65,12 @@ class AucMaximization(DataProblem):
             raise DataError(f"{data.path}: labels mix 0 and -1; use {{0, 1}} or {{-1, 1}}")
         return data
 
+    @classmethod
+    def statistics(cls, datas: Sequence[ClientData]) -> dict[str, int | float]:
+        rows = sum(d.samples for d in datas)
+        positive = sum(int(np.count_nonzero(d.y > 0)) for d in datas)
+        return {"features": int(datas[0].X.shape[1]), "positive_rate": positive / rows}
+
     def gradient(self, data: ClientData, z: Array) -> Array:
         p, lam, d = self.spec.positive_rate, self.spec.lam, self.spec.features
         w, a, b, alpha = z[:d], z[d], z[d + 1], z[d + 2]

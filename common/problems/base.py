@@ -113,6 +113,13 @@ class DataProblem(Problem):
         """z* of the federation's f, from all clients' data (for tests and reports), if known."""
         return None
 
+    @classmethod
+    def statistics(cls, datas: Sequence[ClientData]) -> dict[str, int | float]:
+        """The spec fields that summarize data (`features`, `positive_rate`, ...), computed from the training
+        rows of `datas` pooled. `fedsaddle data split` prints them; a client warns when its data disagrees
+        with the spec's values (common/problems/statistics.py). Empty: the spec holds no such field."""
+        return {}
+
     def expect_features(self, data: ClientData, features: int) -> None:
         """A helper for `check`: the file must have `features` columns."""
         if data.X.shape[1] != features:

@@ -53,6 +53,14 @@ class FairLogistic(DataProblem):
             raise DataError(f"{data.path}: group[{row}] is {data.group[row]:g}; groups must be 0 or 1")
         return data
 
+    @classmethod
+    def statistics(cls, datas: Sequence[ClientData]) -> dict[str, int | float]:
+        if any(d.group is None for d in datas):
+            return {"features": int(datas[0].X.shape[1])}
+        rows = sum(d.samples for d in datas)
+        in_group = sum(int(np.count_nonzero(d.group)) for d in datas if d.group is not None)
+        return {"features": int(datas[0].X.shape[1]), "group_rate": in_group / rows}
+
     def _weights(self, data: ClientData) -> Array:
         assert data.group is not None
         pi = self.spec.group_rate

@@ -45,6 +45,10 @@ class LinearRegression(DataProblem):
         self.expect_features(data, self.spec.features)
         return data
 
+    @classmethod
+    def statistics(cls, datas: Sequence[ClientData]) -> dict[str, int | float]:
+        return {"features": int(datas[0].X.shape[1])}
+
     def moments(self, data: ClientData) -> tuple[Array, Array]:
         """(A_i, b_i) of one client, computed once."""
         if data.path not in self._moments:
