@@ -479,6 +479,26 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_new(args: argparse.Namespace) -> int:
+    """Write a package to start a problem of one's own from, with a test that passes."""
+    from fedsaddle.scaffold import ScaffoldError, new_problem
+
+    if args.kind == "algorithm":
+        raise UsageError(
+            "plug-in algorithms are not possible yet: the five algorithms live in fedsaddle/server/algorithms/; "
+            "`fedsaddle new problem NAME` starts a problem"
+        )
+    out = Path(args.out or args.name)
+    try:
+        written = new_problem(args.name, out)
+    except ScaffoldError as exc:
+        raise UsageError(str(exc)) from None
+    for path in written:
+        print(f"wrote {path}")
+    print(f"next: cd {out} && pytest   (then edit src/{args.name}/problem.py; README.md says what to change)")
+    return EXIT_OK
+
+
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
@@ -834,6 +854,11 @@ def build_parser() -> argparse.ArgumentParser:
     _global_flags(p, top=False)
     p.set_defaults(func=cmd_data_inspect)
     p.add_argument("file", metavar="FILE", help="a client's data file")
+
+    p = command("new", "start a package for a problem of your own, with a passing test", cmd_new)
+    p.add_argument("kind", choices=["problem", "algorithm"], help="what to start (algorithms: not yet possible)")
+    p.add_argument("name", help="its name, a Python module name (e.g. robust_regression)")
+    p.add_argument("--out", help="folder to write (default: ./NAME; must not exist or be empty)")
 
     p = command("show-config", "print a config with every default filled in", cmd_show_config)
     p.add_argument("--config", help="config file (default: the built-in one)")

@@ -35,6 +35,7 @@ from fedsaddle.common.problems import (
     parse_spec,
     problem_class,
 )
+from fedsaddle.common.problems.registry import add_plugin_folder
 from fedsaddle.common.tasks import Decay
 
 if TYPE_CHECKING:
@@ -521,4 +522,5 @@ def load_config(path: str | Path) -> RunConfig:
         raise ConfigError(f"config {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of fields, got {type(data).__name__}")
+    add_plugin_folder(path.parent)  # a plug-in package beside its config needs no PYTHONPATH
     return parse_config(data, source=f"config {path}")

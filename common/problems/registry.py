@@ -4,6 +4,11 @@ A problem is found by its name among the built-in ones, then among the installed
 packages' entry points in the group `fedsaddle.problems`, or by the config's
 `plugin: "module:Class"`.
 
+Where plug-in modules are found: where Python finds them (an installed package,
+PYTHONPATH), else in the folder of the config file that names them and in the
+folder the process was started in (each also with its `src/`, the usual layout
+of a package), so that a package next to its config needs no PYTHONPATH.
+
 Trust: the coordinator's operator writes the config, so the coordinator imports
 what it names. A client process never imports a module just because a
 coordinator asked: it loads built-in problems, registered entry points, and the
@@ -15,8 +20,12 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import os
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from importlib.metadata import entry_points
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from fedsaddle.common.numeric import Array
@@ -37,15 +46,60 @@ class ProblemNotFound(ValueError):
     """No problem of that name (or plugin path) can be loaded here; the message says why."""
 
 
+_PLUGIN_FOLDERS: list[Path] = []  # the folders of the configs this process read
+
+
+def add_plugin_folder(folder: str | Path) -> None:
+    """Look for plug-in modules in `folder` (a config file's) too, when Python does not find them."""
+    resolved = Path(folder).resolve()
+    if resolved not in _PLUGIN_FOLDERS:
+        _PLUGIN_FOLDERS.append(resolved)
+
+
+def _import(module_name: str) -> ModuleType:
+    """import_module, falling back on the config's folder and the working folder (and their src/)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        if exc.name != top:
+            raise  # the plug-in was found, and lacks something it imports itself
+        for folder in (*_PLUGIN_FOLDERS, Path.cwd()):
+            for base in (folder, folder / "src"):
+                if (base / top / "__init__.py").is_file() or (base / f"{top}.py").is_file():
+                    sys.path.insert(0, str(base))
+                    # Client processes this one starts afresh (not forked) find it the same way.
+                    paths = (str(base), os.environ.get("PYTHONPATH"))
+                    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+                    importlib.invalidate_caches()
+                    return importlib.import_module(module_name)
+        raise
+
+
+def _not_importable(path: str, module_name: str, exc: ImportError) -> ProblemNotFound:
+    """What to do about a plug-in module that cannot be imported, and in which processes."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
+        looked = ", ".join(str(f) for f in (*_PLUGIN_FOLDERS, Path.cwd()))
+        return ProblemNotFound(
+            f"plugin {path!r}: cannot import {module_name!r}: {exc} (looked on sys.path and in {looked}, "
+            "each with its src/). Every process that loads this problem must find it: the coordinator, which "
+            f"reads the config, and every client process (started with --problem {path}). Install its package "
+            "in each (pip install -e PACKAGE_FOLDER, which also registers an entry point if it declares one), "
+            "or start the command in the folder that holds the module (or its src/), "
+            "or put that folder on PYTHONPATH"
+        )
+    return ProblemNotFound(f"plugin {path!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}")
+
+
 def load_path(path: str) -> type[Problem]:
     """The Problem class at 'module:Class'."""
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute:
         raise ProblemNotFound(f"plugin {path!r} must look like 'package.module:ClassName'")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as exc:
-        raise ProblemNotFound(f"plugin {path!r}: cannot import {module_name!r}: {exc}") from None
+        raise _not_importable(path, module_name, exc) from None
     found = getattr(module, attribute, None)
     if not (isinstance(found, type) and issubclass(found, Problem)):
         raise ProblemNotFound(f"plugin {path!r}: {attribute!r} is not a fedsaddle Problem class")
