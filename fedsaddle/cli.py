@@ -458,7 +458,8 @@ def cmd_data_split(args: argparse.Namespace) -> int:
         print(f"wrote {out / 'client-000.npz'} ... client-{summary['clients'] - 1:03d}.npz, test.npz, summary.json")
         if args.config:
             entry = problem_entry(summary, args.problem)
-            print(write_config(Path(args.config), entry, out.name or "federation"))
+            name = "".join(c if c.isalnum() or c in "_.-" else "-" for c in Path(source).stem) or "federation"
+            print(write_config(Path(args.config), entry, name))
         elif args.problem:
             problem_entry(summary, args.problem)  # (refuses a problem that does not fit)
     except TableError as exc:
