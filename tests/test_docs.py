@@ -63,6 +63,6 @@ def test_the_shell_blocks_of_a_guide_run_as_written(page: Path, tmp_path: Path) 
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=900,  # (a loaded 2-core machine: own-data runs two federations of 1000 rounds)
         )
         assert done.returncode == 0, f"{page.name}: block failed:\n{text}\n--- stderr:\n{done.stderr[-3000:]}"
