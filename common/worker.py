@@ -294,7 +294,11 @@ class ShardCache:
                     raise DataError(f"client {i}: {exc}") from None
             shards = ProblemShards(problem, datas, indices)
             if self.check_statistics:
-                for disagreement in disagreements(problem, datas, indices):
+                try:
+                    found = disagreements(problem, datas, indices)
+                except Exception as exc:  # a plug-in's statistics() is a check, not the run's arithmetic
+                    found = [f"problem {spec.name!r}: statistics() raised {type(exc).__name__}: {exc}"]
+                for disagreement in found:
                     log.warning("%s", disagreement)
         self._entries[key] = shards
         while len(self._entries) > self.size:

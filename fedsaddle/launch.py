@@ -239,18 +239,19 @@ def reap(processes: Sequence[ClientProcess], grace: float = 10.0) -> list[int]:
 def check_statistics(config: RunConfig, data: Mapping[int, str]) -> None:
     """Warn when the spec's public statistics contradict the clients' data, read here whole. The clients
     read and check their files again when the run starts: a file that cannot be read is their error."""
-    from fedsaddle.common.problems import DataError, DataProblem, make_problem
+    from fedsaddle.common.problems import DataProblem, make_problem
     from fedsaddle.common.problems.statistics import disagreements
 
-    problem = make_problem(config.problem)
     indices = sorted(data)
-    if not isinstance(problem, DataProblem):
-        return
     try:
+        problem = make_problem(config.problem)
+        if not isinstance(problem, DataProblem):
+            return
         datas = [problem.load(data[i]) for i in indices]
-    except DataError:
+        found = disagreements(problem, datas, indices)
+    except Exception:  # a file or a plug-in that fails here fails in its client, which names it to the run
         return
-    for disagreement in disagreements(problem, datas, indices):
+    for disagreement in found:
         log.warning("%s", disagreement)
 
 
