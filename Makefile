@@ -49,7 +49,7 @@ unit: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# About 10 minutes on a 2-core machine (see tests/README.md for the measured figure).
+# About 11-14 minutes on a quiet 2-core machine; tests/README.md has the measured figures.
 test: lint typecheck docs unit
 
 proto: $(STAMP)
