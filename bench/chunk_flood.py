@@ -4,7 +4,7 @@ Every message costs the coordinator about the same work whatever its size, so an
 answer cut into one-byte chunks would cost it a message's work per byte. The wire
 contract asks every chunk but a payload's last to carry at least 4 KiB (or the
 session's chunk size, if smaller), and a session refused 32 times in one round is
-ended (README, Limits).
+ended (docs/explanation/threat-model.md, Limits).
 
 This process is the coordinator of two clients: client 1 is an honest client
 process, client 0 a process that answers correctly but cuts each answer into

@@ -9,8 +9,8 @@ federation's real footprint).
 
     python bench/memory.py                 # d = 1e6, 10 clients, 10 rounds
     python bench/memory.py --dim 100000
-    python bench/memory.py --chunk-bytes 4194304   # memory against chunk size (README)
-    python bench/memory.py --receive-window-mib 1  # a fixed receive window at the coordinator (README)
+    python bench/memory.py --chunk-bytes 4194304   # memory against chunk size (bench/README.md)
+    python bench/memory.py --receive-window-mib 1  # a fixed receive window at the coordinator (bench/README.md)
 """
 
 from __future__ import annotations

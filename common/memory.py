@@ -4,7 +4,7 @@ OS every few seconds (both sides use it).
 A buffer of megabytes that comes from a fresh mmap, or from heap pages glibc handed
 back when it was freed, costs a page fault per 4 KiB when it is filled: at 16 MB per
 vector that cost more than the copies (a fixed 256 KiB mmap threshold made the
-d = 1e6 round 2-4x slower; README, Benchmarks). glibc's own dynamic threshold keeps
+d = 1e6 round 2-4x slower; bench/README.md). glibc's own dynamic threshold keeps
 such buffers in its heaps only once one of the same size was freed, and still hands
 heap tops of twice that size back: at d = 1.4e5 (2.2 MB payloads, chunks of 2 MiB
 and a small rest) a client took 1280 page faults per task instead of 320, and the
@@ -40,7 +40,7 @@ TRIM_THRESHOLD = 128 << 20  # free memory at a heap's top kept for reuse, up to 
 def tune_malloc() -> None:
     """At most 4 malloc arenas (glibc makes up to 8 per core): fewer heaps, less memory stranded in
     them; and large buffers reused from the heaps instead of mapped and faulted in afresh, unless
-    the operator set glibc's thresholds (GLIBC_TUNABLES, MALLOC_*_THRESHOLD_: README, Benchmarks)."""
+    the operator set glibc's thresholds (GLIBC_TUNABLES, MALLOC_*_THRESHOLD_: bench/README.md)."""
     mallopt = _libc_function("mallopt")
     if mallopt is None:
         return

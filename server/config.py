@@ -47,8 +47,8 @@ class ConfigError(ValueError):
 
 
 class RoundConvention(StrEnum):
-    """What a communication round is, for the budget, the records and the tables (README, Communication
-    accounting). Every choice that depends on the convention is made here."""
+    """What a communication round is, for the budget, the records and the tables (docs/reference/traffic.md,
+    docs/explanation/rounds.md). Every choice that depends on the convention is made here."""
 
     EXCHANGES = "exchanges"  # every coordinator <-> clients exchange is a round
     PAPER = "paper"  # the paper's count: one per sync or MD step, two per Mirror-prox step

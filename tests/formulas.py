@@ -1,4 +1,4 @@
-"""The documented communication formulas (README, "Communication accounting"), written
+"""The documented communication formulas (docs/reference/traffic.md, "Communication accounting"), written
 independently of the implementation so that tests can hold it to them."""
 
 from __future__ import annotations

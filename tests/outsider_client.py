@@ -2,7 +2,7 @@
 
 It imports nothing of fedsaddle: only grpc, numpy and the modules protoc generates
 from the proto (their folder is the first argument). It serves the problem
-`linear_regression` on its own .npz files, with the formulas the README and the
+`linear_regression` on its own .npz files, with the formulas the documentation and the
 paper give (f_i(x, y) = -1/2 [||y||^2 - b_i^T y + y^T A_i x] + lam/2 ||x||^2, with
 A_i = X_i^T X_i / m_i and b_i = X_i^T t_i / m_i), and speaks the protocol as the
 proto's comments describe it, with the synchronous gRPC API. Its Hello lists its

@@ -123,7 +123,7 @@ def no_exchange(value: T) -> Exchanges[T]:
 
 
 class StepCost(NamedTuple):
-    """Rounds one step spends, counted both ways (README, Communication accounting)."""
+    """Rounds one step spends, counted both ways (docs/reference/traffic.md)."""
 
     exchanges: int  # every coordinator <-> clients exchange
     paper: int  # the paper's convention: syncs (and Mirror-prox's two gathers)
