@@ -1,0 +1,148 @@
+"""The coordinator's side of secure aggregation: it checks masked rows, asks for the unmasking, and sums.
+
+`MaskedRound` collects one round's masked rows (each checked: a client of the
+round, once, the run's length, a sealed share for every other client of the
+round). When the round closes, the clients whose rows arrived are A, the others
+D; each client of A is asked for b-shares of A and its seeds with D. From the
+replies the sum of A's rows is unmasked:
+
+    sum_{i in A} x_i = sum_{i in A} y_i - sum_{i in A} PRG(b_i) - sum_{j in A, i in D} sign(j, i) PRG(m_ij)
+
+with sign(j, i) = +1 when i > j (j added that mask) and -1 when i < j. The result
+is the sum of the clients' fixed-point rows exactly, mod 2^64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from fedsaddle.common.secagg import crypto, shamir
+from fedsaddle.common.secagg.fixedpoint import Ring
+from fedsaddle.common.secagg.party import MaskedRow, UnmaskReply, UnmaskRequest, self_mask_key
+from fedsaddle.common.secagg.settings import SecAggError
+
+SEALED_SHARE_BYTES = crypto.NONCE_BYTES + shamir.SHARE_BYTES + crypto.TAG_BYTES
+
+
+class KeyDirectory:
+    """The clients' public keys as they announced them, and the epoch of the directory sent to them.
+
+    A client that comes back with a new key (a restarted process) replaces its entry; the
+    directory is then sent again under the next epoch."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, bytes] = {}
+        self.epoch = 0
+
+    def announce(self, index: int, public_key: bytes) -> None:
+        if len(public_key) != crypto.PUBLIC_KEY_BYTES:
+            raise SecAggError(f"client {index}'s public key is {len(public_key)} bytes, not {crypto.PUBLIC_KEY_BYTES}")
+        if any(key == public_key for j, key in self.keys.items() if j != index):
+            raise SecAggError(f"client {index} announced a public key another client already has")
+        if index in self.keys and self.keys[index] != public_key:
+            self.epoch += 1
+        self.keys[index] = public_key
+
+
+class MaskedRound:
+    """One round's masked rows, and its unmasking."""
+
+    def __init__(
+        self, run_id: str, round_id: int, attempt: int, participants: Sequence[int], threshold: int, length: int
+    ) -> None:
+        self.run_id, self.round_id, self.attempt = run_id, round_id, attempt
+        self.participants = tuple(participants)
+        self.threshold, self.length = threshold, length
+        self.rows: dict[int, MaskedRow] = {}
+        self._requests: dict[int, UnmaskRequest] | None = None
+
+    def add(self, row: MaskedRow) -> None:
+        """Keep a client's masked row, or SecAggError (naming the client and round) and keep nothing."""
+        where = f"round {self.round_id}: client {row.client}"
+        if row.client not in self.participants:
+            raise SecAggError(f"{where} is not one of the round's clients")
+        if row.client in self.rows:
+            raise SecAggError(f"{where} sent a second masked row")
+        if self._requests is not None:
+            raise SecAggError(f"{where}: its masked row came after the round closed")
+        if row.masked.dtype != np.uint64 or row.masked.shape != (self.length,):
+            raise SecAggError(f"{where}: masked row of shape {row.masked.shape}, expected ({self.length},)")
+        holders = sorted(row.shares)
+        others = [j for j in self.participants if j != row.client]
+        if holders != others:
+            raise SecAggError(
+                f"{where}: sealed shares for clients {holders[:8]}, expected one for each of {others[:8]}"
+            )
+        short = [j for j, sealed in row.shares.items() if len(sealed) != SEALED_SHARE_BYTES]
+        if short:
+            raise SecAggError(f"{where}: sealed shares for clients {short[:5]} are not {SEALED_SHARE_BYTES} bytes")
+        self.rows[row.client] = row
+
+    def close(self) -> dict[int, UnmaskRequest]:
+        """The unmask request for each client whose row arrived, or SecAggError if too few did."""
+        answered = tuple(sorted(self.rows))
+        if len(answered) < self.threshold:
+            raise SecAggError(
+                f"round {self.round_id}: only {len(answered)} clients answered; secure aggregation needs "
+                f"{self.threshold} to unmask the sum"
+            )
+        dropped = tuple(j for j in self.participants if j not in self.rows)
+        self._requests = {
+            j: UnmaskRequest(
+                self.round_id,
+                self.attempt,
+                answered,
+                dropped,
+                tuple((i, self.rows[i].shares[j]) for i in answered if i != j),
+            )
+            for j in answered
+        }
+        return self._requests
+
+    def finish(self, replies: Mapping[int, UnmaskReply]) -> Ring:
+        """sum_{i in A} x_i mod 2^64 from the replies to `close`'s requests (at least t of them; all of A
+        when some client dropped, whose masks with each survivor only that survivor can remove)."""
+        if self._requests is None:
+            raise RuntimeError("close() the round before finishing it")
+        where = f"round {self.round_id}"
+        answered = tuple(sorted(self.rows))
+        dropped = self._requests[answered[0]].dropped
+        replies = {j: reply for j, reply in replies.items() if j in self._requests}
+        for j, reply in replies.items():
+            if sorted(reply.b_shares) != list(answered) or sorted(reply.seeds) != list(dropped):
+                raise SecAggError(f"{where}: client {j}'s unmasking does not cover the clients it was asked about")
+            if any(len(seed) != crypto.SEED_BYTES for seed in reply.seeds.values()):
+                raise SecAggError(f"{where}: client {j}'s unmasking carries a seed of the wrong length")
+        if len(replies) < self.threshold:
+            raise SecAggError(
+                f"{where}: {len(replies)} clients gave their unmasking; {self.threshold} are needed to unmask the sum"
+            )
+        silent = [j for j in answered if j not in replies]
+        if dropped and silent:
+            raise SecAggError(
+                f"{where}: clients {silent[:5]} answered but gave no unmasking, and only they can remove their "
+                f"masks with the clients that dropped ({list(dropped[:5])})"
+            )
+        total = np.zeros(self.length, dtype=np.uint64)
+        for i in answered:
+            total += self.rows[i].masked
+        holders = sorted(replies)[: self.threshold]  # the first t in index order: the same bits every time
+        for i in answered:
+            try:
+                secret = shamir.combine({j: shamir.from_bytes(replies[j].b_shares[i]) for j in holders})
+            except ValueError as exc:
+                raise SecAggError(f"{where}: a share of client {i}'s self mask is malformed: {exc}") from None
+            if secret >= 2 ** (8 * 16):
+                raise SecAggError(f"{where}: the shares of client {i}'s self mask do not agree")
+            seed = secret.to_bytes(16, "little")
+            total -= crypto.expand(self_mask_key(seed, self.run_id, self.round_id, self.attempt), self.length)
+        for j in answered:
+            for i in dropped:
+                mask = crypto.expand(replies[j].seeds[i], self.length)
+                if i > j:
+                    total -= mask
+                else:
+                    total += mask
+        return total

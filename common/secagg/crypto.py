@@ -1,0 +1,111 @@
+"""The cryptographic primitives of secure aggregation, all from `cryptography` (none written here).
+
+* key agreement: X25519; a pair of clients derives its pairwise key with HKDF-SHA256,
+  bound to the run and to both indices and public keys;
+* per-round seeds: HKDF of the pairwise key (or of a self-mask seed) with the run,
+  round and attempt, so that revealing one round's seed reveals no other round's;
+* mask expansion: the ChaCha20 keystream of a seed, read as little-endian uint64;
+* share envelopes: ChaCha20-Poly1305 under a key derived from the pairwise key, the
+  run, round, attempt, sender and receiver as associated data (a share moved to
+  another round or another pair fails authentication).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from fedsaddle.common.secagg.fixedpoint import Ring
+
+PUBLIC_KEY_BYTES = 32
+SEED_BYTES = 32
+NONCE_BYTES = 12
+TAG_BYTES = 16
+_ZERO_NONCE = bytes(16)  # ChaCha20's 16-byte counter and nonce: each seed expands one stream only
+
+
+class KeyRejected(ValueError):
+    """A public key that is not a usable X25519 key (wrong length, or a low-order point)."""
+
+
+def new_private_key() -> X25519PrivateKey:
+    return X25519PrivateKey.generate()
+
+
+def public_bytes(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def _hkdf(secret: bytes, info: bytes, salt: bytes | None = None) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=salt, info=info).derive(secret)
+
+
+def _field(text: str) -> bytes:
+    """A length-prefixed string, so that concatenated fields cannot be confused."""
+    data = text.encode()
+    return struct.pack("<I", len(data)) + data
+
+
+def pairwise_key(own: X25519PrivateKey, own_index: int, peer_public: bytes, peer_index: int, run_id: str) -> bytes:
+    """The secret a pair of clients shares for a run: the same from both sides."""
+    if len(peer_public) != PUBLIC_KEY_BYTES:
+        raise KeyRejected(f"client {peer_index}'s public key is {len(peer_public)} bytes, not {PUBLIC_KEY_BYTES}")
+    try:
+        shared = own.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError:  # cryptography refuses an all-zero result (a low-order point)
+        raise KeyRejected(f"client {peer_index}'s public key is not a usable X25519 key") from None
+    (low, low_key), (high, high_key) = sorted([(own_index, public_bytes(own)), (peer_index, peer_public)])
+    info = b"fedsaddle secagg pairwise" + _field(run_id) + struct.pack("<QQ", low, high) + low_key + high_key
+    return _hkdf(shared, info)
+
+
+def round_seed(key: bytes, purpose: str, run_id: str, round_id: int, attempt: int) -> bytes:
+    """A seed for one round (and attempt) of a run, derived from a pairwise key or a self-mask seed."""
+    info = b"fedsaddle secagg round" + _field(purpose) + _field(run_id) + struct.pack("<QQ", round_id, attempt)
+    return _hkdf(key, info)
+
+
+def expand(seed: bytes, length: int) -> Ring:
+    """`length` pseudo-random ring elements: the ChaCha20 keystream of the seed."""
+    stream = Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
+    mask = np.zeros(length, dtype=np.uint64)
+    buffer = mask.data.cast("B")
+    stream.update_into(buffer, buffer)  # the keystream XOR zeros, written in place
+    if mask.dtype.byteorder == ">":  # (the wire and the mask are little-endian everywhere)
+        mask = mask.byteswap()
+    return mask
+
+
+def _share_context(run_id: str, round_id: int, attempt: int, sender: int, receiver: int) -> bytes:
+    return b"fedsaddle secagg share" + _field(run_id) + struct.pack("<QQQQ", round_id, attempt, sender, receiver)
+
+
+def seal(key: bytes, plaintext: bytes, run_id: str, round_id: int, attempt: int, sender: int, receiver: int) -> bytes:
+    """nonce || ChaCha20-Poly1305(plaintext), bound to the run, round, attempt and the pair (in order)."""
+    nonce = os.urandom(NONCE_BYTES)
+    envelope_key = _hkdf(key, b"fedsaddle secagg share key")
+    context = _share_context(run_id, round_id, attempt, sender, receiver)
+    return nonce + ChaCha20Poly1305(envelope_key).encrypt(nonce, plaintext, context)
+
+
+def open_sealed(
+    key: bytes, sealed: bytes, run_id: str, round_id: int, attempt: int, sender: int, receiver: int
+) -> bytes:
+    """The plaintext of `seal`, or ValueError if it was altered or belongs elsewhere."""
+    if len(sealed) < NONCE_BYTES + TAG_BYTES:
+        raise ValueError(f"it is {len(sealed)} bytes, too short to be sealed")
+    envelope_key = _hkdf(key, b"fedsaddle secagg share key")
+    context = _share_context(run_id, round_id, attempt, sender, receiver)
+    try:
+        return ChaCha20Poly1305(envelope_key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], context)
+    except InvalidTag:
+        raise ValueError("it fails authentication") from None

@@ -1,0 +1,221 @@
+"""One client's side of secure aggregation: keys, masked rows, and the unmasking it agrees to.
+
+Per round r (and attempt a) of a run, client i with the round's clients P sends
+
+    y_i = enc(x_i) + PRG(b_i) + sum_{j in P, j > i} PRG(m_ij) - sum_{j in P, j < i} PRG(m_ij)   (mod 2^64)
+
+where m_ij is derived from the pairwise key of i and j and (run, r, a), and b_i is a
+fresh random seed whose Shamir shares travel with y_i, each sealed to its holder.
+The pairwise masks cancel in the sum over P. Then the coordinator asks each client
+that answered for the unmasking: b-shares of the clients that answered (A), and
+this client's own round seeds m_ij with the clients that dropped (D). For a client
+that answered, the coordinator so gets b_i (t shares) but never its seeds; for a
+dropped one its seeds but never b_i: it cannot unmask a single answer.
+
+Every refusal raises SecAggError naming the round, before any state changes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.secagg import crypto, fixedpoint, shamir
+from fedsaddle.common.secagg.fixedpoint import Ring
+from fedsaddle.common.secagg.settings import SecAggError, SecAggSettings
+
+SELF_MASK_BYTES = 16  # b_i: a 128-bit seed, an element of the sharing field
+
+
+class MaskedRow(NamedTuple):
+    """What one client sends for a round: its masked row and its b-shares sealed to each other client."""
+
+    client: int
+    masked: Ring
+    shares: dict[int, bytes]  # holder index -> sealed share of b_i
+
+
+class UnmaskRequest(NamedTuple):
+    """The coordinator's request to one client after a round: who answered, who dropped, and the
+    shares the answering clients sealed to this one (sender index, sealed share)."""
+
+    round_id: int
+    attempt: int
+    answered: tuple[int, ...]
+    dropped: tuple[int, ...]
+    shares: tuple[tuple[int, bytes], ...]
+
+
+class UnmaskReply(NamedTuple):
+    """A client's unmasking: its share of b_i for each i that answered, its seed m_ij for each j that dropped."""
+
+    client: int
+    b_shares: dict[int, bytes]
+    seeds: dict[int, bytes]
+
+
+class _Answered(NamedTuple):
+    attempt: int
+    participants: tuple[int, ...]
+    own_share: int  # this client's share of its own b_i
+
+
+def combine_masks(
+    index: int, participants: Sequence[int], seeds: Mapping[int, bytes], length: int, into: Ring | None = None
+) -> Ring:
+    """sum_{j > i} PRG(m_ij) - sum_{j < i} PRG(m_ij) over the round's other clients (the pairwise part of y_i)."""
+    total = np.zeros(length, dtype=np.uint64) if into is None else into
+    for j in participants:
+        if j == index:
+            continue
+        mask = crypto.expand(seeds[j], length)
+        if j > index:
+            total += mask
+        else:
+            total -= mask
+    return total
+
+
+class Party:
+    """One client of a federation, as a party to secure aggregation (a process hosting several clients
+    holds one Party per client: each has its own keys and masked row)."""
+
+    def __init__(self, index: int, run_id: str, settings: SecAggSettings) -> None:
+        self.index, self.run_id, self.settings = index, run_id, settings
+        self._private = crypto.new_private_key()
+        self.public_key = crypto.public_bytes(self._private)
+        self.epoch = -1  # the key directory's epoch this party has agreed to (-1: none yet)
+        self._pairwise: dict[int, bytes] = {}
+        self._answered: dict[int, _Answered] = {}  # round id -> what this party sent in it
+        self._unmasked: set[int] = set()  # rounds whose unmasking this party has given
+
+    # -- keys --------------------------------------------------------------------------
+
+    def agree(self, epoch: int, directory: Mapping[int, bytes]) -> None:
+        """Derive the pairwise keys from the coordinator's key directory (index -> public key).
+
+        A directory of an epoch this party has already seen (a replay), one that does not carry
+        this party's own key as it sent it, or one that gives two clients the same key is refused."""
+        if epoch <= self.epoch:
+            raise SecAggError(
+                f"run {self.run_id!r}: key directory of epoch {epoch} refused: this client already agreed "
+                f"to epoch {self.epoch} (a replayed or stale key message)"
+            )
+        if directory.get(self.index) != self.public_key:
+            raise SecAggError(
+                f"run {self.run_id!r}: the key directory of epoch {epoch} does not carry this client's "
+                f"(client {self.index}) own public key"
+            )
+        keys = list(directory.values())
+        if len(set(keys)) != len(keys):
+            raise SecAggError(f"run {self.run_id!r}: the key directory of epoch {epoch} gives two clients the same key")
+        pairwise: dict[int, bytes] = {}
+        for j, key in sorted(directory.items()):
+            if j == self.index:
+                continue
+            if j < 0:
+                raise SecAggError(f"run {self.run_id!r}: the key directory names client {j}")
+            try:
+                pairwise[j] = crypto.pairwise_key(self._private, self.index, key, j, self.run_id)
+            except crypto.KeyRejected as exc:
+                raise SecAggError(f"run {self.run_id!r}: key directory of epoch {epoch}: {exc}") from None
+        self._pairwise, self.epoch = pairwise, epoch
+
+    # -- a round -------------------------------------------------------------------------
+
+    def mask(self, round_id: int, attempt: int, participants: Sequence[int], row: Array) -> MaskedRow:
+        """y_i for a round among `participants` (increasing client indices, this one among them)."""
+        where = f"round {round_id}"
+        clients = tuple(participants)
+        if list(clients) != sorted(set(clients)):
+            raise SecAggError(f"{where}: the round's clients are not distinct increasing indices")
+        if self.index not in clients:
+            raise SecAggError(f"{where}: the task's clients do not include this client ({self.index})")
+        unknown = [j for j in clients if j != self.index and j not in self._pairwise]
+        if unknown:
+            raise SecAggError(f"{where}: no agreed key with clients {unknown[:5]}")
+        if len(clients) < self.settings.threshold:
+            raise SecAggError(
+                f"{where}: {len(clients)} clients take part, fewer than the threshold {self.settings.threshold}"
+            )
+        before = self._answered.get(round_id)
+        if round_id in self._unmasked or (before is not None and attempt <= before.attempt):
+            raise SecAggError(f"{where}: this client already answered it (attempt {attempt} repeated)")
+        bound = self.settings.bound
+        encoded = fixedpoint.encode(row, self.settings.scale_bits, bound, round_id)
+        self_seed = secrets.token_bytes(SELF_MASK_BYTES)
+        shares = shamir.split(int.from_bytes(self_seed, "little"), self.settings.threshold, clients)
+        sealed = {
+            j: crypto.seal(self._pairwise[j], shamir.to_bytes(share), self.run_id, round_id, attempt, self.index, j)
+            for j, share in shares.items()
+            if j != self.index
+        }
+        masked = encoded
+        masked += crypto.expand(self._self_key(self_seed, round_id, attempt), len(row))
+        seeds = {j: self._round_seed(j, round_id, attempt) for j in clients if j != self.index}
+        combine_masks(self.index, clients, seeds, len(row), into=masked)
+        # Only the latest round can still be unmasked: older ones are forgotten (the pool finishes a round
+        # before it starts the next, so a request for one of them is stale).
+        self._answered = {round_id: _Answered(attempt, clients, shares[self.index])}
+        return MaskedRow(self.index, masked, sealed)
+
+    def unmask(self, request: UnmaskRequest) -> UnmaskReply:
+        """This client's part of unmasking a round it answered, or SecAggError naming why not."""
+        round_id, where = request.round_id, f"round {request.round_id}"
+        answered, dropped = tuple(request.answered), tuple(request.dropped)
+        if round_id in self._unmasked:
+            raise SecAggError(f"{where}: the unmasking was already given (a repeated request)")
+        record = self._answered.get(round_id)
+        if record is None or record.attempt != request.attempt:
+            raise SecAggError(f"{where}: this client did not answer it (attempt {request.attempt})")
+        for name, group in (("answered", answered), ("dropped", dropped)):
+            if list(group) != sorted(set(group)):
+                raise SecAggError(f"{where}: the {name} clients are not distinct increasing indices")
+        if self.index in dropped:
+            raise SecAggError(f"{where}: the coordinator lists this client ({self.index}) as dropped, but it answered")
+        both = sorted(set(answered) & set(dropped))
+        if both:
+            raise SecAggError(f"{where}: clients {both[:5]} are listed both as answered and as dropped")
+        if sorted(answered + dropped) != list(record.participants):
+            raise SecAggError(f"{where}: answered and dropped clients are not the clients the round was sent to")
+        if len(answered) < self.settings.threshold:
+            raise SecAggError(
+                f"{where}: only {len(answered)} clients answered, fewer than the threshold {self.settings.threshold}; "
+                "unmasking now could reveal a single client's answer"
+            )
+        b_shares = {self.index: shamir.to_bytes(record.own_share)}
+        for sender, sealed in request.shares:
+            if sender == self.index or sender not in answered:
+                raise SecAggError(f"{where}: a share from client {sender}, which is not among the others that answered")
+            if sender in b_shares:
+                raise SecAggError(f"{where}: two shares from client {sender}")
+            try:
+                plain = crypto.open_sealed(
+                    self._pairwise[sender], sealed, self.run_id, round_id, request.attempt, sender, self.index
+                )
+                shamir.from_bytes(plain)
+            except ValueError as exc:
+                raise SecAggError(f"{where}: the share from client {sender} is refused: {exc}") from None
+            b_shares[sender] = plain
+        missing = [i for i in answered if i not in b_shares]
+        if missing:
+            raise SecAggError(f"{where}: no share from clients {missing[:5]}, which answered")
+        seeds = {j: self._round_seed(j, round_id, request.attempt) for j in dropped}
+        self._unmasked.add(round_id)
+        del self._answered[round_id]
+        return UnmaskReply(self.index, b_shares, seeds)
+
+    def _round_seed(self, peer: int, round_id: int, attempt: int) -> bytes:
+        return crypto.round_seed(self._pairwise[peer], "pairwise", self.run_id, round_id, attempt)
+
+    def _self_key(self, self_seed: bytes, round_id: int, attempt: int) -> bytes:
+        return self_mask_key(self_seed, self.run_id, round_id, attempt)
+
+
+def self_mask_key(self_seed: bytes, run_id: str, round_id: int, attempt: int) -> bytes:
+    """The PRG seed of a client's self mask for a round, from its b_i (the coordinator derives it alike)."""
+    return crypto.round_seed(self_seed, "self", run_id, round_id, attempt)

@@ -1,0 +1,71 @@
+"""What a run's secure aggregation is configured with, and the protocol's refusal."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+SCALE_BITS = 40  # fixed-point resolution 2^-40 (about 9.1e-13)
+RING_BITS = 64  # numpy's uint64 wraps mod 2^64 for free
+
+
+class SecAggError(ValueError):
+    """A secure aggregation step refused: the message names the round and the reason. No state changed."""
+
+
+class SecAggSettings(NamedTuple):
+    """A run's secure aggregation, as the coordinator tells it to every client.
+
+    threshold: how many of a round's clients must answer the unmasking (t of Shamir's t-of-k);
+    scale_bits: values are encoded as round(v * 2^scale_bits);
+    bound: every value a client sends must satisfy |v| <= bound, so that the sum of
+    `parties` such values cannot leave the signed range of the ring.
+    """
+
+    threshold: int
+    scale_bits: int = SCALE_BITS
+    bound: float = 0.0  # 0: default_bound(parties, scale_bits)
+
+
+def default_bound(parties: int, scale_bits: int = SCALE_BITS) -> float:
+    """The largest power-of-two bound B with parties * B * 2^scale_bits <= 2^62: half the signed range,
+    so that rounding each value to the grid can never carry the sum over 2^63."""
+    bound = 2.0 ** (62 - scale_bits)
+    while parties * bound > 2.0 ** (62 - scale_bits):
+        bound /= 2
+    return bound
+
+
+def check_bound(parties: int, bound: float, scale_bits: int) -> None:
+    """ValueError unless `parties` values of magnitude <= bound sum inside the ring's signed range."""
+    if not 8 <= scale_bits <= 52:
+        raise ValueError(f"scale_bits must be within 8..52, got {scale_bits}")
+    if not bound > 0:
+        raise ValueError(f"the fixed-point bound must be > 0, got {bound}")
+    if parties * bound * 2.0**scale_bits > 2.0**62:
+        raise ValueError(
+            f"a bound of {bound:g} with scale 2^-{scale_bits} lets {parties} clients' sum overflow the 64-bit ring; "
+            f"the largest safe bound is {default_bound(parties, scale_bits):g}"
+        )
+
+
+def default_threshold(parties: int) -> int:
+    """floor(k/2) + 1: a majority of the round's k clients."""
+    return parties // 2 + 1
+
+
+def check_threshold(threshold: int, parties: int) -> None:
+    """ValueError unless t is a majority of the k clients of a round and at most k.
+
+    A majority, so that no two disjoint groups of clients can each reach the threshold (a coordinator
+    that told each group a different story could otherwise rebuild a seed from each); at most k, or a
+    round could never be unmasked.
+    """
+    if parties < 2:
+        raise ValueError(
+            f"secure aggregation needs at least 2 clients per round (the sum of one is its answer), got {parties}"
+        )
+    if not parties // 2 + 1 <= threshold <= parties:
+        raise ValueError(
+            f"threshold {threshold} is unsafe for {parties} clients per round: it must be within "
+            f"{parties // 2 + 1}..{parties} (a majority, and no more than the clients)"
+        )

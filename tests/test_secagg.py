@@ -1,0 +1,376 @@
+"""Secure aggregation's pure modules, side against side in memory: codec, Shamir, primitives, both protocol halves."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from fedsaddle.common.secagg import crypto, fixedpoint, shamir
+from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound
+from fedsaddle.common.secagg.fixedpoint import FixedPointOverflow
+from fedsaddle.common.secagg.party import Party, UnmaskRequest
+from fedsaddle.common.secagg.settings import (
+    SecAggError,
+    SecAggSettings,
+    check_bound,
+    check_threshold,
+    default_bound,
+    default_threshold,
+)
+
+RUN = "run-secagg"
+
+# -- fixed point ------------------------------------------------------------------------------
+
+
+def test_fixed_point_round_trip_is_within_half_a_step() -> None:
+    values = np.random.default_rng(0).uniform(-1000, 1000, 10_000)
+    decoded = fixedpoint.decode(fixedpoint.encode(values, 40, 1e4, 1), 40)
+    assert np.max(np.abs(decoded - values)) <= 2.0**-41
+    assert fixedpoint.decode(fixedpoint.encode(np.array([1.5, -2.25, 0.0]), 40, 4, 1), 40).tolist() == [1.5, -2.25, 0]
+
+
+def test_fixed_point_sums_are_exact_in_any_order() -> None:
+    rows = np.random.default_rng(1).normal(size=(7, 50)) * 100
+    encoded = [fixedpoint.encode(row, 40, 1e3, 3) for row in rows]
+    forward = sum(encoded[1:], encoded[0].copy())
+    backward = sum(encoded[-2::-1], encoded[-1].copy())
+    assert np.array_equal(forward, backward)
+    # The decoded sum is the sum of the rounded values, computed here in exact integers.
+    exact = [sum(int(np.rint(v * 2**40)) for v in column) for column in rows.T]
+    assert fixedpoint.decode(forward, 40).tolist() == [float(x) * 2.0**-40 for x in exact]
+
+
+def test_negative_sums_decode_as_negative() -> None:
+    encoded = fixedpoint.encode(np.array([-3.0, 1.0]), 40, 4, 1)
+    total = np.array([encoded[0] + encoded[1]], dtype=np.uint64)
+    assert fixedpoint.decode(total, 40).tolist() == [-2.0]
+
+
+@pytest.mark.parametrize("bad", [5.0000001, -7.0, np.inf, np.nan])
+def test_a_value_outside_the_bound_is_refused_naming_round_entry_and_bound(bad: float) -> None:
+    values = np.array([0.0, 1.0, bad, 2.0])
+    with pytest.raises(FixedPointOverflow) as caught:
+        fixedpoint.encode(values, 40, 5.0, round_id=17)
+    message = str(caught.value)
+    assert "round 17" in message and "entry 2" in message and "+-5" in message
+    assert caught.value.entry == 2 and caught.value.round_id == 17
+
+
+def test_the_default_bound_keeps_the_sum_inside_the_ring() -> None:
+    for parties in (2, 3, 10, 1000, 2**20):
+        bound = default_bound(parties)
+        assert parties * bound * 2.0**40 <= 2.0**62
+        check_bound(parties, bound, 40)
+        # At the bound, every client sending +bound (rounded) still decodes to the true sum.
+        one = fixedpoint.encode(np.array([bound, -bound]), 40, bound, 1)
+        total = np.zeros(2, dtype=np.uint64)
+        for _ in range(min(parties, 64)):
+            total += one
+        assert fixedpoint.decode(total, 40).tolist() == [min(parties, 64) * bound, -min(parties, 64) * bound]
+    with pytest.raises(ValueError, match="overflow the 64-bit ring"):
+        check_bound(10, 2.0**20, 40)
+
+
+def test_threshold_must_be_a_majority_and_at_most_the_clients() -> None:
+    assert [default_threshold(k) for k in (2, 3, 4, 5, 10)] == [2, 2, 3, 3, 6]
+    check_threshold(6, 10)
+    with pytest.raises(ValueError, match="unsafe for 10 clients"):
+        check_threshold(5, 10)
+    with pytest.raises(ValueError, match="unsafe for 10 clients"):
+        check_threshold(11, 10)
+    with pytest.raises(ValueError, match="at least 2 clients"):
+        check_threshold(1, 1)
+
+
+# -- Shamir ------------------------------------------------------------------------------------
+
+
+def test_shares_are_the_polynomials_values_at_index_plus_one() -> None:
+    draws = iter([11, 22])  # the coefficients of x and x^2
+    shares = shamir.split(7, 3, [0, 1, 4], randbelow=lambda _: next(draws))
+    assert shares == {h: (7 + 11 * (h + 1) + 22 * (h + 1) ** 2) % shamir.PRIME for h in (0, 1, 4)}
+
+
+def test_any_t_shares_rebuild_the_secret_and_t_minus_1_do_not() -> None:
+    secret = random.Random(2).getrandbits(128)
+    holders = [0, 2, 3, 5, 8, 9]
+    shares = shamir.split(secret, 4, holders)
+    for subset in itertools.combinations(holders, 4):
+        assert shamir.combine({h: shares[h] for h in subset}) == secret
+    assert shamir.combine(shares) == secret  # more than t lie on the same polynomial
+    for subset in itertools.combinations(holders, 3):
+        assert shamir.combine({h: shares[h] for h in subset}) != secret
+
+
+def test_t_minus_1_shares_fit_every_secret_equally() -> None:
+    # Perfect secrecy in a small case, by the definition: for any two secrets, t - 1 fixed share values
+    # are reached by exactly one polynomial each (a bijection between the free coefficients and the shares).
+    shares = shamir.split(123, 2, [0, 1])
+    for other in (0, 1, 2**100):
+        slope = (shares[0] - other) % shamir.PRIME  # the polynomial other + slope * x through (1, shares[0])
+        assert (other + slope * 1) % shamir.PRIME == shares[0]
+
+
+def test_share_bytes_are_checked() -> None:
+    assert shamir.from_bytes(shamir.to_bytes(shamir.PRIME - 1)) == shamir.PRIME - 1
+    with pytest.raises(ValueError, match="17 bytes"):
+        shamir.from_bytes(b"\x00" * 16)
+    with pytest.raises(ValueError, match="not an element"):
+        shamir.from_bytes(b"\xff" * 17)
+
+
+# -- primitives --------------------------------------------------------------------------------
+
+
+def test_pairwise_keys_agree_from_both_sides_and_differ_between_pairs() -> None:
+    a, b, c = (crypto.new_private_key() for _ in range(3))
+    ab = crypto.pairwise_key(a, 0, crypto.public_bytes(b), 1, RUN)
+    assert ab == crypto.pairwise_key(b, 1, crypto.public_bytes(a), 0, RUN)
+    assert ab != crypto.pairwise_key(a, 0, crypto.public_bytes(c), 2, RUN)
+    assert ab != crypto.pairwise_key(a, 0, crypto.public_bytes(b), 1, "another run")
+    with pytest.raises(crypto.KeyRejected, match="not a usable"):
+        crypto.pairwise_key(a, 0, bytes(32), 1, RUN)  # the all-zero point
+
+
+def test_masks_are_deterministic_per_seed_and_uniform_looking() -> None:
+    seed = crypto.round_seed(b"k" * 32, "pairwise", RUN, 4, 0)
+    mask = crypto.expand(seed, 100_000)
+    assert np.array_equal(mask, crypto.expand(seed, 100_000))
+    assert not np.array_equal(mask, crypto.expand(crypto.round_seed(b"k" * 32, "pairwise", RUN, 5, 0), 100_000))
+    bits = np.unpackbits(mask.view(np.uint8))
+    assert abs(bits.mean() - 0.5) < 0.01
+
+
+def test_sealed_shares_open_only_in_their_own_context() -> None:
+    key = bytes(range(32))
+    sealed = crypto.seal(key, b"share", RUN, 3, 0, 1, 2)
+    assert crypto.open_sealed(key, sealed, RUN, 3, 0, 1, 2) == b"share"
+    for context in [(RUN, 4, 0, 1, 2), (RUN, 3, 1, 1, 2), (RUN, 3, 0, 2, 1), ("other", 3, 0, 1, 2)]:
+        with pytest.raises(ValueError, match="fails authentication"):
+            crypto.open_sealed(key, sealed, *context)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="too short"):
+        crypto.open_sealed(key, sealed[:20], RUN, 3, 0, 1, 2)
+
+
+# -- the protocol, side against side -----------------------------------------------------------
+
+
+def federation(n: int, threshold: int | None = None, bound: float = 1e3) -> list[Party]:
+    settings = SecAggSettings(threshold or default_threshold(n), 40, bound)
+    parties = [Party(i, RUN, settings) for i in range(n)]
+    directory = KeyDirectory()
+    for party in parties:
+        directory.announce(party.index, party.public_key)
+    for party in parties:
+        party.agree(directory.epoch, directory.keys)
+    return parties
+
+
+def run_round(
+    parties: list[Party], rows: np.ndarray, round_id: int, drop: set[int], participants: tuple[int, ...] | None = None
+) -> np.ndarray:
+    clients = participants or tuple(range(len(parties)))
+    masked_round = MaskedRound(RUN, round_id, 0, clients, parties[0].settings.threshold, rows.shape[1])
+    for i in clients:
+        row = parties[i].mask(round_id, 0, clients, rows[i])
+        if i not in drop:
+            masked_round.add(row)
+    requests = masked_round.close()
+    replies = {j: parties[j].unmask(request) for j, request in requests.items()}
+    return masked_round.finish(replies)
+
+
+def encoded_sum(rows: np.ndarray, which: list[int]) -> np.ndarray:
+    total = np.zeros(rows.shape[1], dtype=np.uint64)
+    for i in which:
+        total += fixedpoint.encode(rows[i], 40, 1e3, 0)
+    return total
+
+
+@pytest.mark.parametrize("drop", [set(), {2}, {0, 4}])
+def test_the_unmasked_sum_is_the_fixed_point_sum_of_the_answers_bit_for_bit(drop: set[int]) -> None:
+    parties = federation(6)
+    rows = np.random.default_rng(3).normal(size=(6, 257)) * 10
+    total = run_round(parties, rows, 1, drop)
+    answered = [i for i in range(6) if i not in drop]
+    assert np.array_equal(total, encoded_sum(rows, answered))
+    assert np.allclose(fixedpoint.decode(total, 40), rows[answered].sum(axis=0), atol=1e-11)
+
+
+def test_rounds_follow_each_other_and_sampled_rounds_sum_their_clients() -> None:
+    parties = federation(5, threshold=2)
+    rng = np.random.default_rng(4)
+    for round_id, clients in [(1, (0, 1, 2, 3, 4)), (2, (1, 3, 4)), (3, (0, 2))]:
+        rows = rng.normal(size=(5, 9))
+        assert np.array_equal(run_round(parties, rows, round_id, set(), clients), encoded_sum(rows, list(clients)))
+
+
+def test_a_masked_row_reveals_nothing_like_the_answer() -> None:
+    parties = federation(3)
+    row = np.zeros(10_000)
+    masked = parties[0].mask(1, 0, (0, 1, 2), row).masked
+    bits = np.unpackbits(masked.view(np.uint8))
+    assert abs(bits.mean() - 0.5) < 0.01  # an all-zero answer looks like noise
+    assert not np.array_equal(masked, fixedpoint.encode(row, 40, 1e3, 1))
+
+
+def test_too_many_dropouts_are_refused_before_anything_is_revealed() -> None:
+    parties = federation(5)  # t = 3
+    rows = np.ones((5, 4))
+    masked_round = MaskedRound(RUN, 1, 0, tuple(range(5)), 3, 4)
+    for i in range(5):
+        row = parties[i].mask(1, 0, tuple(range(5)), rows[i])
+        if i < 2:
+            masked_round.add(row)
+    with pytest.raises(SecAggError, match=r"round 1: only 2 clients answered; .* needs 3"):
+        masked_round.close()
+
+
+# -- what an honest client refuses -------------------------------------------------------------
+
+
+def prepared_round(n: int = 5) -> tuple[list[Party], dict[int, UnmaskRequest], MaskedRound]:
+    parties = federation(n)
+    masked_round = MaskedRound(RUN, 7, 0, tuple(range(n)), parties[0].settings.threshold, 3)
+    for i in range(n):
+        row = parties[i].mask(7, 0, tuple(range(n)), np.full(3, float(i)))
+        if i != n - 1:
+            masked_round.add(row)
+    return parties, masked_round.close(), masked_round
+
+
+def refused(party: Party, request: UnmaskRequest, match: str) -> None:
+    with pytest.raises(SecAggError, match=match):
+        party.unmask(request)
+
+
+def test_honest_clients_refuse_what_would_unmask_a_client_that_answered() -> None:
+    parties, requests, masked_round = prepared_round()
+    honest = requests[0]
+    # The classic attack: client 1 answered, the coordinator calls it dropped to get the seeds of its masks.
+    # Client 1 itself refuses; client 0 sees 1's share forwarded (so 1 answered) and refuses too.
+    refused(
+        parties[1],
+        requests[1]._replace(answered=(0, 2, 3), dropped=(1, 4)),
+        "round 7: .*this client \\(1\\) as dropped",
+    )
+    refused(
+        parties[0],
+        honest._replace(answered=(0, 2, 3), dropped=(1, 4)),
+        "round 7: a share from client 1, which is not among",
+    )
+    refused(parties[0], honest._replace(dropped=(1, 4)), "round 7: clients \\[1\\] are listed both as answered")
+    refused(parties[0], honest._replace(answered=(0, 1, 3), dropped=(4,)), "not the clients the round was sent to")
+    # Fewer than t survivors claimed: unmasking then could reveal the survivors' answers.
+    few = honest._replace(answered=(0, 1), dropped=(2, 3, 4), shares=honest.shares[:1])
+    refused(parties[0], few, "round 7: only 2 clients answered, fewer than the threshold 3")
+    refused(parties[4], requests[3], "round 7: the coordinator lists this client \\(4\\) as dropped")
+    # Nothing above changed any state: the honest requests still unmask the sum.
+    replies = {j: parties[j].unmask(request) for j, request in requests.items()}
+    total = masked_round.finish(replies)
+    assert fixedpoint.decode(total, 40).tolist() == [6.0, 6.0, 6.0]  # 0 + 1 + 2 + 3
+    refused(parties[0], honest, "round 7: the unmasking was already given")
+    # For every client the coordinator holds b-shares or pairwise seeds, never both.
+    for i in range(5):
+        got_b = any(i in reply.b_shares for reply in replies.values())
+        got_seeds = any(i in reply.seeds for reply in replies.values())
+        assert got_b != got_seeds
+
+
+def test_a_client_cannot_be_asked_twice_with_two_stories() -> None:
+    parties, requests, _ = prepared_round()
+    honest = requests[0]
+    # Client 3 is called dropped in a first request (its share withheld); a second, telling the truth, is refused.
+    lie = honest._replace(answered=(0, 1, 2), dropped=(3, 4), shares=tuple(s for s in honest.shares if s[0] != 3))
+    assert sorted(parties[0].unmask(lie).seeds) == [3, 4]
+    refused(parties[0], honest, "round 7: the unmasking was already given")
+
+
+def test_a_round_the_client_did_not_answer_is_refused() -> None:
+    parties, requests, _ = prepared_round()
+    refused(parties[0], requests[0]._replace(round_id=6), "round 6: this client did not answer it")
+    refused(parties[0], requests[0]._replace(attempt=1), "round 7: this client did not answer it \\(attempt 1\\)")
+
+
+def test_malformed_duplicated_and_forged_shares_are_refused() -> None:
+    parties, requests, _ = prepared_round()
+    honest = requests[0]
+    sender, sealed = honest.shares[0]
+    tampered = sealed[:-1] + bytes([sealed[-1] ^ 1])
+    refused(
+        parties[0],
+        honest._replace(shares=((sender, tampered), *honest.shares[1:])),
+        f"share from client {sender} .*fails authentication",
+    )
+    refused(parties[0], honest._replace(shares=((sender, sealed[:10]), *honest.shares[1:])), "too short")
+    refused(parties[0], honest._replace(shares=(honest.shares[0], *honest.shares)), f"two shares from client {sender}")
+    refused(parties[0], honest._replace(shares=honest.shares[1:]), f"no share from clients \\[{sender}\\]")
+    # A share sealed for another client (moved by the coordinator) fails authentication.
+    moved = requests[2].shares[0]
+    refused(
+        parties[0], honest._replace(shares=((1, requests[2].shares[1][1]), *honest.shares[1:])), "fails authentication"
+    )
+    assert moved[0] == 0
+    assert parties[0].unmask(honest).client == 0  # still answered after every refusal
+
+
+def test_the_aggregator_refuses_wrong_rows_and_keeps_the_round_as_it_was() -> None:
+    parties = federation(3)
+    masked_round = MaskedRound(RUN, 2, 0, (0, 1, 2), 2, 4)
+    good = parties[0].mask(2, 0, (0, 1, 2), np.ones(4))
+    with pytest.raises(SecAggError, match="round 2: client 0: masked row of shape \\(3,\\), expected \\(4,\\)"):
+        masked_round.add(good._replace(masked=good.masked[:3]))
+    with pytest.raises(SecAggError, match="sealed shares for clients \\[1\\]"):
+        masked_round.add(good._replace(shares={1: good.shares[1]}))
+    with pytest.raises(SecAggError, match="not 45 bytes"):
+        masked_round.add(good._replace(shares={1: good.shares[1], 2: good.shares[2][:-1]}))
+    with pytest.raises(SecAggError, match="client 5 is not one of the round's clients"):
+        masked_round.add(good._replace(client=5))
+    assert masked_round.rows == {}
+    masked_round.add(good)
+    with pytest.raises(SecAggError, match="sent a second masked row"):
+        masked_round.add(good)
+
+
+def test_a_client_refuses_values_outside_the_bound_naming_round_and_entry() -> None:
+    parties = federation(3, bound=2.0)
+    with pytest.raises(FixedPointOverflow, match="round 9: entry 1 is 3, outside the fixed-point bound \\+-2"):
+        parties[0].mask(9, 0, (0, 1, 2), np.array([1.0, 3.0]))
+    assert parties[0].mask(9, 0, (0, 1, 2), np.array([1.0, 2.0])).masked.shape == (2,)  # nothing was recorded
+
+
+def test_replayed_or_forged_key_directories_are_refused() -> None:
+    parties = federation(3)
+    directory = {p.index: p.public_key for p in parties}
+    with pytest.raises(SecAggError, match="epoch 0 refused: this client already agreed to epoch 0"):
+        parties[0].agree(0, directory)
+    with pytest.raises(SecAggError, match="does not carry this client's \\(client 0\\) own public key"):
+        parties[0].agree(1, {**directory, 0: parties[1].public_key})
+    with pytest.raises(SecAggError, match="gives two clients the same key"):
+        parties[0].agree(1, {**directory, 2: parties[1].public_key})
+    with pytest.raises(SecAggError, match="client 2's public key is not a usable"):
+        parties[0].agree(1, {**directory, 2: bytes(32)})
+    assert parties[0].epoch == 0
+    # A client that rejoined with a new key: the next epoch's directory is taken, and rounds go on.
+    parties[2] = Party(2, RUN, parties[0].settings)
+    book = KeyDirectory()
+    for party in parties:
+        book.announce(party.index, directory[party.index])
+    book.announce(2, parties[2].public_key)
+    assert book.epoch == 1
+    for party in parties:
+        party.agree(book.epoch, book.keys)
+    rows = np.arange(6.0).reshape(3, 2)
+    assert fixedpoint.decode(run_round(parties, rows, 1, set()), 40).tolist() == [6.0, 9.0]
+
+
+def test_a_client_does_not_mask_a_round_twice() -> None:
+    parties = federation(3)
+    parties[0].mask(1, 0, (0, 1, 2), np.ones(2))
+    with pytest.raises(SecAggError, match="round 1: this client already answered it"):
+        parties[0].mask(1, 0, (0, 1, 2), np.ones(2))
+    parties[0].mask(1, 1, (0, 1, 2), np.ones(2))  # a new attempt (the round sent again) is a new masking
