@@ -142,6 +142,9 @@ def run_batch(
     members: Sequence[BatchRun], cache: ShardCache | None = None, progress: ProgressHook | None = None
 ) -> list[AlgorithmResult]:
     """Run every member; each result is what `run_algorithm` gives the same run alone."""
+    secure = [m.spec.display_name for m in members if m.config.privacy.secure_aggregation]
+    if secure:  # one vectorized worker sums no masked rows: such runs go through a pool, one at a time
+        raise ValueError(f"runs {secure[:3]} use secure aggregation, which batched runs do not offer")
     runs = [_Member(m) for m in members]
     workers = _Workers(runs, cache or ShardCache(size=len(members)))
     dim_x, _ = make_problem(members[0].config.problem).dims()

@@ -36,6 +36,14 @@ from fedsaddle.common.problems import (
     problem_class,
 )
 from fedsaddle.common.problems.registry import add_plugin_folder
+from fedsaddle.common.secagg.settings import (
+    SCALE_BITS,
+    SecAggSettings,
+    check_bound,
+    check_threshold,
+    default_bound,
+    round_threshold,
+)
 from fedsaddle.common.tasks import Decay
 
 if TYPE_CHECKING:
@@ -319,6 +327,34 @@ class ParticipationSpec(_Model):
         return self
 
 
+class PrivacySpec(_Model):
+    """Opt-in privacy: secure aggregation (docs/privacy.md)."""
+
+    secure_aggregation: bool = Field(
+        False, description="the coordinator learns only sums over each round's clients, never one client's answer"
+    )
+    threshold: int | None = Field(
+        None,
+        ge=2,
+        description="clients of a round that must answer for it to be unmasked; default, and never less than, "
+        "a majority of the round's clients",
+    )
+    scale_bits: int = Field(
+        SCALE_BITS, ge=8, le=52, description="fixed-point resolution 2^-scale_bits of every value clients send"
+    )
+    bound: float | None = Field(
+        None,
+        gt=0,
+        description="largest |value| a client may send (it refuses beyond it); default: the largest the "
+        "number of clients allows without the sum overflowing",
+    )
+
+    def settings(self, num_clients: int) -> SecAggSettings:
+        """What clients are told (the bound resolved for a federation of num_clients)."""
+        bound = self.bound if self.bound is not None else default_bound(num_clients, self.scale_bits)
+        return SecAggSettings(self.threshold or 0, self.scale_bits, bound)
+
+
 Accuracy = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -359,6 +395,7 @@ class RunConfig(_Model):
         "(what FedAvg users expect; clients then tell the coordinator their sample counts)",
     )
     participation: ParticipationSpec = Field(default_factory=ParticipationSpec)
+    privacy: PrivacySpec = Field(default_factory=PrivacySpec)
     evaluate_every: int = Field(
         0, ge=0, description="every this many steps, clients evaluate the iterate on their held-out data (0: never)"
     )
@@ -387,6 +424,27 @@ class RunConfig(_Model):
         quorum = self.participation.min_clients
         if quorum is not None and quorum > self.problem.num_clients:
             raise ValueError(f"participation.min_clients: {quorum} is more than the {self.problem.num_clients} clients")
+        return self
+
+    @model_validator(mode="after")
+    def _secure_aggregation_is_sound(self) -> RunConfig:
+        privacy = self.privacy
+        if not privacy.secure_aggregation:
+            return self
+        n = self.problem.num_clients
+        per_round = max(1, round(self.participation.fraction * n))  # as sample_clients draws them
+        try:
+            check_threshold(privacy.threshold or round_threshold(privacy.settings(n), per_round), per_round)
+            check_bound(n, privacy.settings(n).bound, privacy.scale_bits)
+        except ValueError as exc:
+            raise ValueError(f"privacy: {exc}") from None
+        quorum = self.participation.min_clients
+        needed = round_threshold(privacy.settings(n), per_round)
+        if quorum is not None and quorum < needed:
+            raise ValueError(
+                f"participation.min_clients: {quorum} is fewer than the {needed} clients secure aggregation "
+                "needs to unmask a round"
+            )
         return self
 
     @model_validator(mode="after")

@@ -316,7 +316,9 @@ def make_run(spec: AlgorithmSpec, config: RunConfig, resume: Resume | None = Non
 
 def run_info(config: RunConfig, run_id: str) -> RunInfo:
     fraction = config.participation.fraction
-    return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction)
+    privacy = config.privacy
+    secure = privacy.settings(config.problem.num_clients) if privacy.secure_aggregation else None
+    return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction, secure)
 
 
 def run_algorithm(

@@ -31,14 +31,19 @@ from numpy.typing import NDArray
 from fedsaddle.common import seeding
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
+from fedsaddle.common.secagg import SecAggError, SecAggSettings
+from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, GradientTask, Task
 from fedsaddle.server.algorithms.base import RoundAnswers
 from fedsaddle.server.config import Weighting
-from fedsaddle.server.settlement import RoundTally, settle
+from fedsaddle.server.secure import SecureRounds
+from fedsaddle.server.settlement import RoundTally, round_traffic, settle
 
 # algorithm: the algorithm's own exchanges (the documented formulas); evaluation: held-out metrics;
-# retransmission: what was sent again to clients that rejoined (never in the formulas).
-Category = Literal["algorithm", "evaluation", "retransmission"]
+# retransmission: what was sent again to clients that rejoined (never in the formulas);
+# privacy: secure aggregation's own exchanges (key agreement, unmasking), only in runs that use it.
+Category = Literal["algorithm", "evaluation", "retransmission", "privacy"]
 CATEGORIES: tuple[Category, ...] = ("algorithm", "evaluation", "retransmission")
 
 
@@ -55,10 +60,11 @@ class ClientLost(PoolError):
 
 
 class Diverged(RuntimeError):
-    """Clients reported non-finite local results: the run diverged (step too large)."""
+    """Clients reported non-finite local results, or (secure aggregation) values outside the fixed-point
+    bound: the run diverged (step too large)."""
 
-    def __init__(self, round_id: int, client_indices: tuple[int, ...]) -> None:
-        super().__init__(f"round {round_id}: clients {list(client_indices)} produced non-finite values")
+    def __init__(self, round_id: int, client_indices: tuple[int, ...], reason: str = "") -> None:
+        super().__init__(f"round {round_id}: clients {list(client_indices)} {reason or 'produced non-finite values'}")
         self.round_id = round_id
         self.client_indices = client_indices
 
@@ -74,6 +80,7 @@ class RunInfo:
     gradient_noise: float = 0.0
     weighting: Weighting = "uniform"
     fraction: float = 1.0  # clients sampled per round (from the coordinator's seed); 1: all
+    secure: SecAggSettings | None = None  # secure aggregation (its bound resolved), or None: plain answers
 
     @cached_property
     def problem_object(self) -> Problem:
@@ -139,6 +146,11 @@ class TrafficCounts:
             traffic.floats_up * times
         )
 
+    def add_entries(self, clients: Sequence[int], floats_up: int) -> None:
+        """Count entries that rode in other messages (secure aggregation's weight column): no round, no message."""
+        self.floats_up += len(clients) * floats_up
+        self.per_client_floats_up[list(clients)] += floats_up
+
     def as_dict(self) -> dict[str, object]:
         return {
             "rounds": self.rounds,
@@ -165,8 +177,9 @@ def sample_clients(seed: int, fraction: float, num_clients: int, round_id: int) 
     return tuple(sorted(int(i) for i in drawn))
 
 
-def fresh_traffic(num_clients: int) -> dict[Category, TrafficCounts]:
-    return {category: TrafficCounts(num_clients) for category in CATEGORIES}
+def fresh_traffic(num_clients: int, privacy: bool = False) -> dict[Category, TrafficCounts]:
+    categories: tuple[Category, ...] = (*CATEGORIES, "privacy") if privacy else CATEGORIES
+    return {category: TrafficCounts(num_clients) for category in categories}
 
 
 class ClientPool(abc.ABC):
@@ -179,15 +192,19 @@ class ClientPool(abc.ABC):
         self.weights: Array | None = None  # the clients' sample counts, when the run weights by samples
         self.failure: str | None = None  # why the runs on this pool failed, if they did (told to clients at close)
         self.farewell = "the run is over"  # what clients are told at close when nothing failed
+        self.secure: SecureRounds | None = None  # the run's secure aggregation, when it has it
 
     def start_run(self, run: RunInfo) -> None:
         """Announce a run (clients load their data for it); counters and round ids start afresh."""
         self.run = run
         self.round_id = 0
-        self.traffic = fresh_traffic(run.num_clients)
+        self.traffic = fresh_traffic(run.num_clients, privacy=run.secure is not None)
         self.weights = None
+        self.secure = None
         counts = self._announce(run)
-        if run.weighting == "samples":
+        if run.secure is not None:  # the clients weight their own rows: the coordinator never learns a count
+            self._agree_keys(run, run.secure)
+        elif run.weighting == "samples":
             if counts is None or len(counts) != run.num_clients:
                 raise PoolError("the run weights clients by samples, but their sample counts are not known")
             if min(counts) <= 0:
@@ -210,12 +227,66 @@ class ClientPool(abc.ABC):
         run = self._require_run()
         self.round_id += 1
         participants = self.participants(self.round_id, category)
+        if self.secure is not None:
+            return self._secure_exchange(task, category, participants)
         replies = self._exchange(task, self.round_id, category, participants)
         settlement = settle(task, run.num_clients, run.dimension, participants, replies, self.weights)
         self.traffic[category].add(settlement.tally)
         if settlement.answers is None:
             raise Diverged(self.round_id, settlement.diverged)
         return settlement.answers
+
+    # -- secure aggregation ----------------------------------------------------------------
+
+    def _agree_keys(self, run: RunInfo, settings: SecAggSettings) -> None:
+        """Key agreement, once per run: one round of the privacy category (keys up, the directory down)."""
+        self.secure = SecureRounds(run.run_id, settings, run.num_clients, run.dimension)
+        try:
+            for index, key in sorted(self._public_keys().items()):
+                self.secure.directory.announce(index, key)
+        except SecAggError as exc:
+            raise PoolError(f"key agreement for run {run.run_id}: {exc}") from None
+        self._send_directory(self.secure.directory.epoch, dict(self.secure.directory.keys))
+        self.traffic["privacy"].add(RoundTally(run.num_clients, 0, 0))
+
+    def _secure_exchange(self, task: Task, category: Category, participants: tuple[int, ...] | None) -> RoundAnswers:
+        """One round under secure aggregation: masked answers, the unmask sub-exchange, only the sum kept."""
+        run, secure = self._require_run(), self.secure
+        assert secure is not None
+        n, dim = run.num_clients, run.dimension
+        masked = self._exchange_masked(task, self.round_id, category, participants)
+        try:
+            outcome = secure.aggregate(task, self.round_id, 0, participants, masked, self._unmask)
+        except SecAggError as exc:
+            raise PoolError(str(exc)) from None
+        answered = outcome.answered
+        everyone = participants is None and len(answered) == n
+        self.traffic[category].add(round_traffic(task, n, dim, participants, None if everyone else answered))
+        if outcome.aggregate is None:
+            raise Diverged(self.round_id, outcome.diverged, outcome.reason)
+        unmasked = tuple(sorted(set(answered) - set(outcome.diverged)))
+        self.traffic["privacy"].add(RoundTally(n, 0, 0, unmasked, outcome.unmasked_by))
+        self.traffic["privacy"].add_entries(unmasked, 1)  # the weight each masked row carries
+        mean, objective = outcome.aggregate.mean, outcome.aggregate.objective
+        return RoundAnswers(None, None, None, None if everyone else answered, aggregated=(mean, objective))
+
+    def _public_keys(self) -> dict[int, bytes]:
+        """Every client's public key for the run (secure aggregation's transports provide this)."""
+        raise PoolError(f"{type(self).__name__} does not offer secure aggregation")
+
+    def _send_directory(self, epoch: int, keys: dict[int, bytes]) -> None:
+        """Send every client the key directory (index -> public key) of an epoch."""
+        raise PoolError(f"{type(self).__name__} does not offer secure aggregation")
+
+    def _exchange_masked(
+        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
+    ) -> list[MaskedAnswer]:
+        """Send the task; the masked answers (one per process)."""
+        raise PoolError(f"{type(self).__name__} does not offer secure aggregation")
+
+    def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:
+        """The unmask sub-exchange: each request to its client, the replies of those that gave one."""
+        raise PoolError(f"{type(self).__name__} does not offer secure aggregation")
 
     def restore(self, round_id: int, traffic: dict[str, dict[str, object]]) -> None:
         """Go on from a checkpoint: the round counter and the counts as they were."""

@@ -19,6 +19,7 @@ from fedsaddle.common.secagg.settings import (
     check_threshold,
     default_bound,
     default_threshold,
+    round_threshold,
 )
 
 RUN = "run-secagg"
@@ -160,7 +161,7 @@ def test_sealed_shares_open_only_in_their_own_context() -> None:
 
 
 def federation(n: int, threshold: int | None = None, bound: float = 1e3) -> list[Party]:
-    settings = SecAggSettings(threshold or default_threshold(n), 40, bound)
+    settings = SecAggSettings(threshold or 0, 40, bound)
     parties = [Party(i, RUN, settings) for i in range(n)]
     directory = KeyDirectory()
     for party in parties:
@@ -174,7 +175,8 @@ def run_round(
     parties: list[Party], rows: np.ndarray, round_id: int, drop: set[int], participants: tuple[int, ...] | None = None
 ) -> np.ndarray:
     clients = participants or tuple(range(len(parties)))
-    masked_round = MaskedRound(RUN, round_id, 0, clients, parties[0].settings.threshold, rows.shape[1])
+    threshold = round_threshold(parties[0].settings, len(clients))
+    masked_round = MaskedRound(RUN, round_id, 0, clients, threshold, rows.shape[1])
     for i in clients:
         row = parties[i].mask(round_id, 0, clients, rows[i])
         if i not in drop:
@@ -202,7 +204,7 @@ def test_the_unmasked_sum_is_the_fixed_point_sum_of_the_answers_bit_for_bit(drop
 
 
 def test_rounds_follow_each_other_and_sampled_rounds_sum_their_clients() -> None:
-    parties = federation(5, threshold=2)
+    parties = federation(5)
     rng = np.random.default_rng(4)
     for round_id, clients in [(1, (0, 1, 2, 3, 4)), (2, (1, 3, 4)), (3, (0, 2))]:
         rows = rng.normal(size=(5, 9))
@@ -235,7 +237,7 @@ def test_too_many_dropouts_are_refused_before_anything_is_revealed() -> None:
 
 def prepared_round(n: int = 5) -> tuple[list[Party], dict[int, UnmaskRequest], MaskedRound]:
     parties = federation(n)
-    masked_round = MaskedRound(RUN, 7, 0, tuple(range(n)), parties[0].settings.threshold, 3)
+    masked_round = MaskedRound(RUN, 7, 0, tuple(range(n)), round_threshold(parties[0].settings, n), 3)
     for i in range(n):
         row = parties[i].mask(7, 0, tuple(range(n)), np.full(3, float(i)))
         if i != n - 1:
@@ -330,7 +332,7 @@ def test_the_aggregator_refuses_wrong_rows_and_keeps_the_round_as_it_was() -> No
         masked_round.add(good._replace(shares={1: good.shares[1], 2: good.shares[2][:-1]}))
     with pytest.raises(SecAggError, match="client 5 is not one of the round's clients"):
         masked_round.add(good._replace(client=5))
-    assert masked_round.rows == {}
+    assert masked_round.shares == {} and not masked_round.total.any()
     masked_round.add(good)
     with pytest.raises(SecAggError, match="sent a second masked row"):
         masked_round.add(good)
@@ -366,6 +368,15 @@ def test_replayed_or_forged_key_directories_are_refused() -> None:
         party.agree(book.epoch, book.keys)
     rows = np.arange(6.0).reshape(3, 2)
     assert fixedpoint.decode(run_round(parties, rows, 1, set()), 40).tolist() == [6.0, 9.0]
+
+
+def test_a_round_needs_a_majority_whatever_the_coordinator_says() -> None:
+    parties = federation(6, threshold=5)
+    assert [round_threshold(parties[0].settings, k) for k in (2, 6, 9, 10)] == [5, 5, 5, 6]
+    with pytest.raises(SecAggError, match="round 3: 4 clients take part, fewer than 2 or than the threshold 5"):
+        parties[0].mask(3, 0, (0, 1, 2, 3), np.ones(2))
+    with pytest.raises(SecAggError, match="round 3: 1 clients take part"):
+        federation(3)[0].mask(3, 0, (0,), np.ones(2))
 
 
 def test_a_client_does_not_mask_a_round_twice() -> None:

@@ -55,7 +55,8 @@ class MaskedRound:
         self.run_id, self.round_id, self.attempt = run_id, round_id, attempt
         self.participants = tuple(participants)
         self.threshold, self.length = threshold, length
-        self.rows: dict[int, MaskedRow] = {}
+        self.shares: dict[int, dict[int, bytes]] = {}  # sender -> holder -> its sealed share
+        self.total = np.zeros(length, dtype=np.uint64)  # the masked rows, added as they come
         self._requests: dict[int, UnmaskRequest] | None = None
 
     def add(self, row: MaskedRow) -> None:
@@ -63,7 +64,7 @@ class MaskedRound:
         where = f"round {self.round_id}: client {row.client}"
         if row.client not in self.participants:
             raise SecAggError(f"{where} is not one of the round's clients")
-        if row.client in self.rows:
+        if row.client in self.shares:
             raise SecAggError(f"{where} sent a second masked row")
         if self._requests is not None:
             raise SecAggError(f"{where}: its masked row came after the round closed")
@@ -78,24 +79,25 @@ class MaskedRound:
         short = [j for j, sealed in row.shares.items() if len(sealed) != SEALED_SHARE_BYTES]
         if short:
             raise SecAggError(f"{where}: sealed shares for clients {short[:5]} are not {SEALED_SHARE_BYTES} bytes")
-        self.rows[row.client] = row
+        self.total += row.masked
+        self.shares[row.client] = row.shares
 
     def close(self) -> dict[int, UnmaskRequest]:
         """The unmask request for each client whose row arrived, or SecAggError if too few did."""
-        answered = tuple(sorted(self.rows))
+        answered = tuple(sorted(self.shares))
         if len(answered) < self.threshold:
             raise SecAggError(
                 f"round {self.round_id}: only {len(answered)} clients answered; secure aggregation needs "
                 f"{self.threshold} to unmask the sum"
             )
-        dropped = tuple(j for j in self.participants if j not in self.rows)
+        dropped = tuple(j for j in self.participants if j not in self.shares)
         self._requests = {
             j: UnmaskRequest(
                 self.round_id,
                 self.attempt,
                 answered,
                 dropped,
-                tuple((i, self.rows[i].shares[j]) for i in answered if i != j),
+                tuple((i, self.shares[i][j]) for i in answered if i != j),
             )
             for j in answered
         }
@@ -107,7 +109,7 @@ class MaskedRound:
         if self._requests is None:
             raise RuntimeError("close() the round before finishing it")
         where = f"round {self.round_id}"
-        answered = tuple(sorted(self.rows))
+        answered = tuple(sorted(self.shares))
         dropped = self._requests[answered[0]].dropped
         replies = {j: reply for j, reply in replies.items() if j in self._requests}
         for j, reply in replies.items():
@@ -125,9 +127,7 @@ class MaskedRound:
                 f"{where}: clients {silent[:5]} answered but gave no unmasking, and only they can remove their "
                 f"masks with the clients that dropped ({list(dropped[:5])})"
             )
-        total = np.zeros(self.length, dtype=np.uint64)
-        for i in answered:
-            total += self.rows[i].masked
+        total = self.total.copy()
         holders = sorted(replies)[: self.threshold]  # the first t in index order: the same bits every time
         for i in answered:
             try:

@@ -26,7 +26,7 @@ import numpy as np
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.secagg import crypto, fixedpoint, shamir
 from fedsaddle.common.secagg.fixedpoint import Ring
-from fedsaddle.common.secagg.settings import SecAggError, SecAggSettings
+from fedsaddle.common.secagg.settings import SecAggError, SecAggSettings, round_threshold
 
 SELF_MASK_BYTES = 16  # b_i: a 128-bit seed, an element of the sharing field
 
@@ -61,6 +61,7 @@ class UnmaskReply(NamedTuple):
 class _Answered(NamedTuple):
     attempt: int
     participants: tuple[int, ...]
+    threshold: int
     own_share: int  # this client's share of its own b_i
 
 
@@ -138,9 +139,11 @@ class Party:
         unknown = [j for j in clients if j != self.index and j not in self._pairwise]
         if unknown:
             raise SecAggError(f"{where}: no agreed key with clients {unknown[:5]}")
-        if len(clients) < self.settings.threshold:
+        threshold = round_threshold(self.settings, len(clients))
+        if len(clients) < 2 or len(clients) < threshold:
             raise SecAggError(
-                f"{where}: {len(clients)} clients take part, fewer than the threshold {self.settings.threshold}"
+                f"{where}: {len(clients)} clients take part, fewer than 2 or than the threshold {threshold}: "
+                "their sum would reveal too much"
             )
         before = self._answered.get(round_id)
         if round_id in self._unmasked or (before is not None and attempt <= before.attempt):
@@ -148,7 +151,7 @@ class Party:
         bound = self.settings.bound
         encoded = fixedpoint.encode(row, self.settings.scale_bits, bound, round_id)
         self_seed = secrets.token_bytes(SELF_MASK_BYTES)
-        shares = shamir.split(int.from_bytes(self_seed, "little"), self.settings.threshold, clients)
+        shares = shamir.split(int.from_bytes(self_seed, "little"), threshold, clients)
         sealed = {
             j: crypto.seal(self._pairwise[j], shamir.to_bytes(share), self.run_id, round_id, attempt, self.index, j)
             for j, share in shares.items()
@@ -160,7 +163,7 @@ class Party:
         combine_masks(self.index, clients, seeds, len(row), into=masked)
         # Only the latest round can still be unmasked: older ones are forgotten (the pool finishes a round
         # before it starts the next, so a request for one of them is stale).
-        self._answered = {round_id: _Answered(attempt, clients, shares[self.index])}
+        self._answered = {round_id: _Answered(attempt, clients, threshold, shares[self.index])}
         return MaskedRow(self.index, masked, sealed)
 
     def unmask(self, request: UnmaskRequest) -> UnmaskReply:
@@ -182,9 +185,9 @@ class Party:
             raise SecAggError(f"{where}: clients {both[:5]} are listed both as answered and as dropped")
         if sorted(answered + dropped) != list(record.participants):
             raise SecAggError(f"{where}: answered and dropped clients are not the clients the round was sent to")
-        if len(answered) < self.settings.threshold:
+        if len(answered) < record.threshold:
             raise SecAggError(
-                f"{where}: only {len(answered)} clients answered, fewer than the threshold {self.settings.threshold}; "
+                f"{where}: only {len(answered)} clients answered, fewer than the threshold {record.threshold}; "
                 "unmasking now could reveal a single client's answer"
             )
         b_shares = {self.index: shamir.to_bytes(record.own_share)}

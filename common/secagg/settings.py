@@ -15,13 +15,14 @@ class SecAggError(ValueError):
 class SecAggSettings(NamedTuple):
     """A run's secure aggregation, as the coordinator tells it to every client.
 
-    threshold: how many of a round's clients must answer the unmasking (t of Shamir's t-of-k);
+    threshold: the least number of a round's clients that must answer for it to be unmasked (t of
+    Shamir's t-of-k); a round of k clients needs max(threshold, floor(k/2) + 1), a majority always;
     scale_bits: values are encoded as round(v * 2^scale_bits);
     bound: every value a client sends must satisfy |v| <= bound, so that the sum of
     `parties` such values cannot leave the signed range of the ring.
     """
 
-    threshold: int
+    threshold: int = 0  # 0: a majority of each round's clients
     scale_bits: int = SCALE_BITS
     bound: float = 0.0  # 0: default_bound(parties, scale_bits)
 
@@ -46,6 +47,12 @@ def check_bound(parties: int, bound: float, scale_bits: int) -> None:
             f"a bound of {bound:g} with scale 2^-{scale_bits} lets {parties} clients' sum overflow the 64-bit ring; "
             f"the largest safe bound is {default_bound(parties, scale_bits):g}"
         )
+
+
+def round_threshold(settings: SecAggSettings, parties: int) -> int:
+    """t for a round of `parties` clients: the configured one, and never less than a majority (a client
+    computes it from the round's clients itself, so a coordinator cannot lower it)."""
+    return max(settings.threshold, default_threshold(parties))
 
 
 def default_threshold(parties: int) -> int:

@@ -73,6 +73,8 @@ class RoundAnswers:
 
     def mean_objective(self) -> float | None:
         """f(z) = the aggregated f_i(z), when the task asked for objectives."""
+        if self._mean_objective is not None:  # passed in (a batch's, or a secure aggregate's)
+            return self._mean_objective
         if self.objective is None:
             return None
         if self._mean_objective is None:
