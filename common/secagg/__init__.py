@@ -5,7 +5,7 @@ do no I/O, shared by the client runtime, the in-process pool and the gRPC pool:
 
 * `fixedpoint` - answers as integers in the ring Z/2^64, so that masks cancel exactly;
 * `shamir`     - t-of-k secret sharing over a prime field (the self-mask seeds);
-* `crypto`     - X25519 key agreement, HKDF, the ChaCha20 mask generator and the
+* `crypto`     - X25519 key agreement, HKDF, the AES-CTR mask generator and the
                  ChaCha20-Poly1305 envelope of shares (all from `cryptography`);
 * `party`      - one client's side: masks its row, answers unmask requests or refuses;
 * `aggregator` - the coordinator's side: checks masked rows, asks for the unmasking, sums.

@@ -4,7 +4,9 @@
   bound to the run and to both indices and public keys;
 * per-round seeds: HKDF of the pairwise key (or of a self-mask seed) with the run,
   round and attempt, so that revealing one round's seed reveals no other round's;
-* mask expansion: the ChaCha20 keystream of a seed, read as little-endian uint64;
+* mask expansion: the AES-256-CTR keystream of a seed, read as little-endian uint64
+  (AES-CTR rather than ChaCha20: with AES instructions, as on every x86-64 and ARMv8
+  server, it expands a mask about 1.7x faster here, and masks are most of the cost);
 * share envelopes: ChaCha20-Poly1305 under a key derived from the pairwise key, the
   run, round, attempt, sender and receiver as associated data (a share moved to
   another round or another pair fails authentication).
@@ -19,7 +21,7 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -30,7 +32,7 @@ PUBLIC_KEY_BYTES = 32
 SEED_BYTES = 32
 NONCE_BYTES = 12
 TAG_BYTES = 16
-_ZERO_NONCE = bytes(16)  # ChaCha20's 16-byte counter and nonce: each seed expands one stream only
+_ZERO_COUNTER = bytes(16)  # AES-CTR's initial counter block: each seed expands one stream only
 
 
 class KeyRejected(ValueError):
@@ -75,8 +77,8 @@ def round_seed(key: bytes, purpose: str, run_id: str, round_id: int, attempt: in
 
 
 def expand(seed: bytes, length: int) -> Ring:
-    """`length` pseudo-random ring elements: the ChaCha20 keystream of the seed."""
-    stream = Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
+    """`length` pseudo-random ring elements: the AES-256-CTR keystream of the seed."""
+    stream = Cipher(algorithms.AES(seed), modes.CTR(_ZERO_COUNTER)).encryptor()
     mask = np.zeros(length, dtype=np.uint64)
     buffer = mask.data.cast("B")
     stream.update_into(buffer, buffer)  # the keystream XOR zeros, written in place
