@@ -18,7 +18,11 @@ from pydantic import ValidationError
 from fedsaddle.common import blas, wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec, problem_class
-from fedsaddle.common.tasks import EvaluateTask
+from fedsaddle.common.secagg import SecAggError, messages
+from fedsaddle.common.secagg.party import Party
+from fedsaddle.common.secagg.rows import mask_answer
+from fedsaddle.common.secagg.settings import check_bound
+from fedsaddle.common.tasks import EvaluateTask, Task
 from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
@@ -58,6 +62,9 @@ class ClientSession:
         # A line in the log every `heartbeat_s` of a run, so that a site's operator sees it work.
         self.heartbeat_s = HEARTBEAT_S
         self._tasks, self._said = 0, time.monotonic()
+        # Secure aggregation (docs/privacy.md): one party per hosted client, and each one's own weight.
+        self._parties: dict[int, Party] = {}
+        self._weights: dict[int, float] | None = None
 
     @property
     def chunk_bytes(self) -> int:
@@ -94,6 +101,11 @@ class ClientSession:
             return [pb.ClientMessage(ready=self._start_run(instruction.run))]
         if kind == "chunk":
             return self._chunk(instruction.chunk)
+        if kind == "keys":
+            self._key_directory(instruction.keys)
+            return []
+        if kind == "unmask":
+            return [self._unmask(instruction.unmask)]
         if kind == "rejected":
             rejected = instruction.rejected
             code = pb.RejectCode.Name(rejected.code) if rejected.code in pb.RejectCode.values() else rejected.code
@@ -166,6 +178,18 @@ class ClientSession:
                     raise ValueError(f"problem {spec.name} has no per-client sample counts to weight by")
                 counts = sample_counts()
             worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
+            self._parties, self._weights, keys = {}, None, []
+            if run.HasField("secure_aggregation"):
+                secure = run.secure_aggregation
+                settings = messages.read_settings(secure)
+                check_bound(max(n, len(self.indices), 2), settings.bound, settings.scale_bits)
+                self._parties = {i: Party(i, run.run_id, settings) for i in self.indices}
+                keys = [self._parties[i].public_key for i in self.indices]
+                if secure.weigh_by_samples:  # each client weighs its own row; the counts never leave
+                    sample_counts = getattr(shards, "sample_counts", None)
+                    if sample_counts is None:
+                        raise ValueError(f"problem {spec.name} has no per-client sample counts to weight by")
+                    self._weights = dict(zip(self.indices, (float(c) for c in sample_counts()), strict=True))
         except ValidationError as exc:
             return self._cannot(run, f"the coordinator's problem does not validate here: {exc.errors()[0]['msg']}")
         except (ProblemNotFound, DataError, ValueError) as exc:
@@ -181,7 +205,9 @@ class ClientSession:
         log.info(
             "run %s: clients %s ready (dimension %d; %s)", self._run_name, list(self.indices), shards.dimension, stack
         )
-        return pb.Ready(run_id=run.run_id, dimension=shards.dimension, sample_counts=counts, numeric_stack=stack)
+        return pb.Ready(
+            run_id=run.run_id, dimension=shards.dimension, sample_counts=counts, numeric_stack=stack, public_keys=keys
+        )
 
     def _other_metrics(self, asked: tuple[str, ...]) -> str:
         """The error for an evaluation task whose metrics are not the run's problem's (the answer's layout)."""
@@ -223,10 +249,57 @@ class ClientSession:
             if len(named) < len(clients):  # each would be computed and sent again: an answer of any size
                 raise ClientError(f"the task names clients {some(clients)}, some more than once")
         round_id = message.round_id
-        answer = self._answers.encode(run_id, round_id, self.worker.execute(task, round_id, clients))
+        if self._parties:
+            answer = self._masked(message, task, clients)
+        else:
+            answer = self._answers.encode(run_id, round_id, self.worker.execute(task, round_id, clients))
         self._tasks += 1
         now = time.monotonic()
         if now - self._said >= self.heartbeat_s:
             self._said = now
             log.info("run %s: %d tasks answered, now at round %d", self._run_name, self._tasks, round_id)
         return answer
+
+    # -- secure aggregation ----------------------------------------------------------------
+
+    def _key_directory(self, directory: pb.KeyDirectory) -> None:
+        """Agree on pairwise keys with every other client; a replayed, stale or forged directory ends
+        the session (ClientError), as a coordinator that sends one is not following the protocol."""
+        self._check_run(directory.run_id)
+        if not self._parties:
+            raise ClientError(f"a key directory for run {self._run_name!r}, which has no secure aggregation")
+        try:
+            keys = messages.read_key_directory(directory)
+            for party in self._parties.values():
+                party.agree(int(directory.epoch), keys)
+        except (SecAggError, wire.WireError) as exc:
+            raise ClientError(f"refused the coordinator's key directory: {exc}") from None
+        log.info(
+            "run %s: agreed pairwise keys with %d clients (epoch %d)", self._run_name, len(keys) - 1, directory.epoch
+        )
+
+    def _masked(self, message: pb.Task, task: Task, clients: tuple[int, ...] | None) -> Iterable[bytes]:
+        """The task's answer as masked rows, one per answering client, each masked by its own party."""
+        assert self.worker is not None
+        round_clients = tuple(int(i) for i in message.round_clients) or tuple(range(self._federation_size))
+        answer = self.worker.execute(task, message.round_id, clients)
+        try:
+            masked = mask_answer(self._parties, answer, task, message.round_id, 0, round_clients, self._weights)
+        except SecAggError as exc:  # the coordinator asked for a round that cannot be summed safely
+            raise ClientError(f"refused to answer: {exc}") from None
+        if masked.diverged:
+            log.error("run %s: %s", self._run_name, masked.reason)
+        return messages.masked_answer(self._run_id, message.round_id, masked, self.chunk_bytes)
+
+    def _unmask(self, request: pb.UnmaskRequest) -> bytes:
+        """A client's part of unmasking a round, or its refusal (sent back, naming the round)."""
+        self._check_run(request.run_id)
+        party = self._parties.get(request.client)
+        if party is None:
+            raise ClientError(f"an unmask request for client {request.client}, not hosted here")
+        try:
+            reply = party.unmask(messages.read_unmask_request(request))
+        except SecAggError as exc:
+            log.error("run %s: client %d refuses to unmask: %s", self._run_name, request.client, exc)
+            return messages.unmask_reply(self._run_id, request.round_id, request.client, None, str(exc))
+        return messages.unmask_reply(self._run_id, request.round_id, request.client, reply)

@@ -70,6 +70,9 @@ class Answer(NamedTuple):
     objective: Array | None = None  # shape (len(indices),), when asked for
     diverged: bool = False
     counts: Array | None = None  # evaluation: held-out rows per client (the weights of its metrics)
+    # Secure aggregation (over gRPC): vectors are masked rows (uint64), and these each row's sealed shares.
+    shares: tuple[dict[int, bytes], ...] | None = None
+    reason: str = ""  # why the clients diverged, when they say (a value outside the fixed-point bound)
 
 
 def step_weight(decay: Decay, k: int) -> float:

@@ -335,12 +335,20 @@ def task_message(run_id: str, round_id: int, task: Task, payload_length: int) ->
 
 
 def encode_task(
-    run_id: str, round_id: int, task: Task, chunk_bytes: int, client_indices: Sequence[int] = ()
+    run_id: str,
+    round_id: int,
+    task: Task,
+    chunk_bytes: int,
+    client_indices: Sequence[int] = (),
+    round_clients: Sequence[int] = (),
 ) -> list[bytes]:
-    """The serialized Task instruction, followed by serialized Chunks if the payload is larger than one chunk."""
+    """The serialized Task instruction, followed by serialized Chunks if the payload is larger than one chunk.
+
+    `round_clients`: under secure aggregation, every client of a sampled round (empty: all, or no masks)."""
     parts = _parts(task.payload())
     size = sum(len(part) for part in parts)
     message = task_message(run_id, round_id, task, size // 8)
+    message.round_clients.extend(round_clients)
     if size > chunk_bytes:
         message.client_indices.extend(client_indices)
         return [pb.Instruction(task=message).SerializeToString(), *chunks(parts, chunk_bytes)]
@@ -348,9 +356,10 @@ def encode_task(
         message.client_indices.extend(client_indices)
         message.payload = b"".join(parts)
         return [pb.Instruction(task=message).SerializeToString()]
-    # Fields 1-6, the payload (7), then client_indices (8) and metric_names (9).
-    back = pb.Task(client_indices=client_indices, metric_names=message.metric_names)
+    # Fields 1-6, the payload (7), then client_indices (8), metric_names (9) and round_clients (10).
+    back = pb.Task(client_indices=client_indices, metric_names=message.metric_names, round_clients=round_clients)
     message.ClearField("metric_names")
+    message.ClearField("round_clients")
     return [
         with_payload(_INSTRUCTION_TASK, message.SerializeToString(), _TASK_PAYLOAD, parts, back.SerializeToString())
     ]

@@ -68,16 +68,18 @@ DONE: Outcome
 FAILED: Outcome
 
 class ClientMessage(_message.Message):
-    __slots__ = ("hello", "ready", "answer", "chunk")
+    __slots__ = ("hello", "ready", "answer", "chunk", "unmasked")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    UNMASKED_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     ready: Ready
     answer: Answer
     chunk: Chunk
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., answer: _Optional[_Union[Answer, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    unmasked: UnmaskReply
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., answer: _Optional[_Union[Answer, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., unmasked: _Optional[_Union[UnmaskReply, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("protocol_version", "client_indices", "client_name")
@@ -90,21 +92,23 @@ class Hello(_message.Message):
     def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., client_indices: _Optional[_Iterable[int]] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("run_id", "dimension", "sample_counts", "error", "numeric_stack")
+    __slots__ = ("run_id", "dimension", "sample_counts", "error", "numeric_stack", "public_keys")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DIMENSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUMERIC_STACK_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEYS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     dimension: int
     sample_counts: _containers.RepeatedScalarFieldContainer[int]
     error: str
     numeric_stack: str
-    def __init__(self, run_id: _Optional[str] = ..., dimension: _Optional[int] = ..., sample_counts: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., numeric_stack: _Optional[str] = ...) -> None: ...
+    public_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, run_id: _Optional[str] = ..., dimension: _Optional[int] = ..., sample_counts: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., numeric_stack: _Optional[str] = ..., public_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Answer(_message.Message):
-    __slots__ = ("run_id", "round_id", "client_indices", "payload_length", "payload", "objective", "diverged", "sample_counts")
+    __slots__ = ("run_id", "round_id", "client_indices", "payload_length", "payload", "objective", "diverged", "sample_counts", "masked", "shares", "diverged_reason")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +117,9 @@ class Answer(_message.Message):
     OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
     DIVERGED_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_REASON_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round_id: int
     client_indices: _containers.RepeatedScalarFieldContainer[int]
@@ -121,23 +128,62 @@ class Answer(_message.Message):
     objective: bytes
     diverged: bool
     sample_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., client_indices: _Optional[_Iterable[int]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., objective: _Optional[bytes] = ..., diverged: _Optional[bool] = ..., sample_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    masked: bool
+    shares: _containers.RepeatedCompositeFieldContainer[SealedShares]
+    diverged_reason: str
+    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., client_indices: _Optional[_Iterable[int]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., objective: _Optional[bytes] = ..., diverged: _Optional[bool] = ..., sample_counts: _Optional[_Iterable[int]] = ..., masked: _Optional[bool] = ..., shares: _Optional[_Iterable[_Union[SealedShares, _Mapping]]] = ..., diverged_reason: _Optional[str] = ...) -> None: ...
+
+class SealedShares(_message.Message):
+    __slots__ = ("holders", "sealed")
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    holders: _containers.RepeatedScalarFieldContainer[int]
+    sealed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, holders: _Optional[_Iterable[int]] = ..., sealed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class UnmaskReply(_message.Message):
+    __slots__ = ("run_id", "round_id", "client", "self_mask_shares", "pairwise_seeds", "error")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    SELF_MASK_SHARES_FIELD_NUMBER: _ClassVar[int]
+    PAIRWISE_SEEDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round_id: int
+    client: int
+    self_mask_shares: _containers.RepeatedCompositeFieldContainer[ClientValue]
+    pairwise_seeds: _containers.RepeatedCompositeFieldContainer[ClientValue]
+    error: str
+    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., client: _Optional[int] = ..., self_mask_shares: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., pairwise_seeds: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ClientValue(_message.Message):
+    __slots__ = ("client", "value")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    client: int
+    value: bytes
+    def __init__(self, client: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class Instruction(_message.Message):
-    __slots__ = ("welcome", "run", "task", "chunk", "rejected", "goodbye")
+    __slots__ = ("welcome", "run", "task", "chunk", "rejected", "goodbye", "keys", "unmask")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNMASK_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     run: RunSpec
     task: Task
     chunk: Chunk
     rejected: Rejected
     goodbye: Goodbye
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+    keys: KeyDirectory
+    unmask: UnmaskRequest
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., keys: _Optional[_Union[KeyDirectory, _Mapping]] = ..., unmask: _Optional[_Union[UnmaskRequest, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("federation_id", "num_clients", "chunk_bytes")
@@ -150,7 +196,7 @@ class Welcome(_message.Message):
     def __init__(self, federation_id: _Optional[str] = ..., num_clients: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("run_id", "problem_name", "problem_json", "synthetic_seed", "noise_seed", "gradient_noise", "dimension", "want_sample_counts")
+    __slots__ = ("run_id", "problem_name", "problem_json", "synthetic_seed", "noise_seed", "gradient_noise", "dimension", "want_sample_counts", "secure_aggregation")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_NAME_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +205,7 @@ class RunSpec(_message.Message):
     GRADIENT_NOISE_FIELD_NUMBER: _ClassVar[int]
     DIMENSION_FIELD_NUMBER: _ClassVar[int]
     WANT_SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SECURE_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     problem_name: str
     problem_json: str
@@ -167,7 +214,46 @@ class RunSpec(_message.Message):
     gradient_noise: float
     dimension: int
     want_sample_counts: bool
-    def __init__(self, run_id: _Optional[str] = ..., problem_name: _Optional[str] = ..., problem_json: _Optional[str] = ..., synthetic_seed: _Optional[int] = ..., noise_seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ..., want_sample_counts: _Optional[bool] = ...) -> None: ...
+    secure_aggregation: SecureAggregation
+    def __init__(self, run_id: _Optional[str] = ..., problem_name: _Optional[str] = ..., problem_json: _Optional[str] = ..., synthetic_seed: _Optional[int] = ..., noise_seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ..., want_sample_counts: _Optional[bool] = ..., secure_aggregation: _Optional[_Union[SecureAggregation, _Mapping]] = ...) -> None: ...
+
+class SecureAggregation(_message.Message):
+    __slots__ = ("threshold", "scale_bits", "bound", "weigh_by_samples")
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    SCALE_BITS_FIELD_NUMBER: _ClassVar[int]
+    BOUND_FIELD_NUMBER: _ClassVar[int]
+    WEIGH_BY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    threshold: int
+    scale_bits: int
+    bound: float
+    weigh_by_samples: bool
+    def __init__(self, threshold: _Optional[int] = ..., scale_bits: _Optional[int] = ..., bound: _Optional[float] = ..., weigh_by_samples: _Optional[bool] = ...) -> None: ...
+
+class KeyDirectory(_message.Message):
+    __slots__ = ("run_id", "epoch", "keys")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    epoch: int
+    keys: _containers.RepeatedCompositeFieldContainer[ClientValue]
+    def __init__(self, run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ...) -> None: ...
+
+class UnmaskRequest(_message.Message):
+    __slots__ = ("run_id", "round_id", "client", "answered", "dropped", "shares")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round_id: int
+    client: int
+    answered: _containers.RepeatedScalarFieldContainer[int]
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    shares: _containers.RepeatedCompositeFieldContainer[ClientValue]
+    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., client: _Optional[int] = ..., answered: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., shares: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ...) -> None: ...
 
 class GradientParams(_message.Message):
     __slots__ = ("batch", "exact", "want_objective")
@@ -196,7 +282,7 @@ class LocalSteps(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., gamma_local: _Optional[float] = ..., step_offset: _Optional[int] = ..., decay: _Optional[_Union[StepDecay, str]] = ..., correction: _Optional[_Union[Correction, str]] = ..., theta: _Optional[float] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("run_id", "round_id", "kind", "gradient", "local", "payload_length", "payload", "client_indices", "metric_names")
+    __slots__ = ("run_id", "round_id", "kind", "gradient", "local", "payload_length", "payload", "client_indices", "metric_names", "round_clients")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +292,7 @@ class Task(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CLIENT_INDICES_FIELD_NUMBER: _ClassVar[int]
     METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round_id: int
     kind: TaskKind
@@ -215,7 +302,8 @@ class Task(_message.Message):
     payload: bytes
     client_indices: _containers.RepeatedScalarFieldContainer[int]
     metric_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., gradient: _Optional[_Union[GradientParams, _Mapping]] = ..., local: _Optional[_Union[LocalSteps, _Mapping]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., client_indices: _Optional[_Iterable[int]] = ..., metric_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    round_clients: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., gradient: _Optional[_Union[GradientParams, _Mapping]] = ..., local: _Optional[_Union[LocalSteps, _Mapping]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., client_indices: _Optional[_Iterable[int]] = ..., metric_names: _Optional[_Iterable[str]] = ..., round_clients: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")

@@ -13,6 +13,7 @@ import numpy as np
 
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
+from fedsaddle.common.secagg import messages
 from fedsaddle.common.tasks import Answer
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.transport.refusal import Refusal
@@ -56,6 +57,7 @@ class Expectation(NamedTuple):
     # The session's clients in the order its Hello listed them, when that is not index order and
     # the task names none of them (all take part): an answer may list them so, too.
     listed: tuple[int, ...] | None = None
+    masked: bool = False  # secure aggregation: masked rows of `entries` ring elements, with sealed shares
 
 
 def answer_header(
@@ -109,6 +111,13 @@ def answer(header: pb.Answer, payload: bytes | memoryview, expected: Expectation
     """The answer's vectors, checked (length, finiteness, objective); Refusal(INVALID_ARGUMENT) if bad.
     Call it only on a header that passed `answer_header`."""
     listed = expected.listed is not None and tuple(header.client_indices) == expected.listed
+    if expected.masked:
+        if listed:
+            raise Refusal(INVALID, f"masked rows must list clients {some(expected.indices)} in index order")
+        try:
+            return messages.read_masked_answer(header, payload, expected.entries)
+        except wire.WireError as exc:
+            raise Refusal(INVALID, str(exc)) from None
     try:
         # answer_header found the header's clients to be expected.indices, or those in the Hello's order
         answer = wire.decode_answer(

@@ -30,6 +30,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
+from fedsaddle.common.secagg import messages
+from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.rows import MaskedAnswer, row_length
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.common.text import printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
@@ -39,7 +42,7 @@ from fedsaddle.server.transport.auth import Authenticator
 from fedsaddle.server.transport.checks import Expectation
 from fedsaddle.server.transport.gate import ConnectionGate, GatedHealth
 from fedsaddle.server.transport.loop import LoopRunner
-from fedsaddle.server.transport.rounds import Barriers, OpenRound, RunStart
+from fedsaddle.server.transport.rounds import Barriers, OpenRound, RunStart, Unmasking
 from fedsaddle.server.transport.servicer import SERVICE, SessionService
 from fedsaddle.server.transport.sessions import Limits, Overflow, Registry, Session
 
@@ -69,6 +72,7 @@ class Round:
     floats: int  # float64 entries the task carries per client
     subset: set[int] | None  # the clients taking part (None: all)
     pieces_for: Callable[[tuple[int, ...]], list[bytes]]  # the task for a session with only some of them
+    masked: bool = False  # secure aggregation: answers are masked rows of `entries` ring elements
 
 
 RoundOutcome = tuple[list[Answer], int, int]  # the answers in client order, bytes sent, bytes received
@@ -134,6 +138,7 @@ class GrpcPool(ClientPool):
         self.straggler_deadline_s, self.min_clients = straggler_deadline_s, min_clients
         self._spec: bytes | None = None  # the current run's RunSpec, for sessions that rejoin
         self._counts: list[int] | None = None  # the clients' sample counts in this run (weighting: samples)
+        self._public_keys_of: dict[int, bytes] = {}  # secure aggregation: each client's key in this run
         self._resent = [0, 0, 0]  # messages, float64 entries and bytes sent again to rejoining sessions
         self._stacks: dict[int, str] = {}  # client index -> the numeric stack its process reported in Ready
         self._warned_stacks: dict[str, list[int]] = {}  # the differing stacks last warned about
@@ -268,8 +273,10 @@ class GrpcPool(ClientPool):
             noise_seed=run.seed,
             gradient_noise=run.gradient_noise,
             dimension=run.dimension,
-            want_sample_counts=run.weighting == "samples",
+            want_sample_counts=run.weighting == "samples" and run.secure is None,
         )
+        if run.secure is not None:  # (clients weigh their own rows: the counts stay with them)
+            spec.secure_aggregation.CopyFrom(messages.settings_message(run.secure, run.weighting == "samples"))
         if run.problem_object.synthetic:
             spec.synthetic_seed = run.seed  # a benchmark source: clients generate their data from it
         return self._call(self._start_run(run, pb.Instruction(run=spec).SerializeToString()))
@@ -278,8 +285,8 @@ class GrpcPool(ClientPool):
         """Send the RunSpec to every session and wait until all are Ready; PoolError naming any that is not.
 
         Returns the clients' sample counts by index, when the run asked for them."""
-        self._spec, self._counts = spec, None
-        self.service.entries_per_client = run.dimension
+        self._spec, self._counts, self._public_keys_of = spec, None, {}
+        self.service.entries_per_client = run.dimension + (2 if run.secure is not None else 0)  # (masked rows)
         sessions = await self._present(f"before run {run.run_id}", None)
         barrier = RunStart(list(sessions), f"the start of run {run.run_id}", self.rejoin_timeout_s, run_id=run.run_id)
         self.barriers.starting = barrier
@@ -297,8 +304,10 @@ class GrpcPool(ClientPool):
             session.ready_run = run.run_id
             for index, count in zip(session.hello_order, barrier.ready[session.id].sample_counts, strict=False):
                 counts[index] = count
+            for index, key in zip(session.hello_order, barrier.ready[session.id].public_keys, strict=False):
+                self._public_keys_of[index] = key
             self._note_stack(session, barrier.ready[session.id])
-        self._counts = counts if run.weighting == "samples" else None
+        self._counts = counts if run.weighting == "samples" and run.secure is None else None
         self._warn_if_stacks_differ(run.run_id)
         return self._counts
 
@@ -336,6 +345,19 @@ class GrpcPool(ClientPool):
                 f"{session.describe()} has data of dimension {ready.dimension}, "
                 f"but run {run.run_id} expects {run.dimension}"
             )
+        if run.secure is not None:
+            if len(ready.public_keys) != len(session.indices):
+                return (
+                    f"{session.describe()} sent {len(ready.public_keys)} public keys for {len(session.indices)} "
+                    f"clients; run {run.run_id} uses secure aggregation"
+                )
+            if self._public_keys_of and any(self._public_keys_of.get(i) for i in session.indices):
+                # A process that restarted has new keys; the run would need every client to agree anew.
+                return (
+                    f"{session.describe()} rejoined run {run.run_id} with new keys: secure aggregation does not "
+                    "take a client back into a run yet (resume the run instead)"
+                )
+            return None
         reported = list(ready.sample_counts)
         if run.weighting == "samples" and len(reported) != len(session.indices):
             return f"{session.describe()} reported {len(reported)} sample counts for {len(session.indices)} clients"
@@ -436,6 +458,79 @@ class GrpcPool(ClientPool):
         counts.bytes_up += bytes_up
         return answers
 
+    # -- secure aggregation --------------------------------------------------------------------
+
+    def _public_keys(self) -> dict[int, bytes]:
+        return dict(self._public_keys_of)
+
+    def _send_directory(self, epoch: int, keys: dict[int, bytes]) -> None:
+        assert self.run is not None
+        directory = messages.key_directory(self.run.run_id, epoch, keys)
+
+        async def send() -> int:
+            return sum(self._deliver(session, [directory]) for session in self.registry.live())
+
+        self.traffic["privacy"].bytes_down += self._call(send())
+
+    def _exchange_masked(
+        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
+    ) -> list[MaskedAnswer]:
+        run = self.run
+        assert run is not None
+        clients = () if participants is None else participants
+        pieces = wire.encode_task(run.run_id, round_id, task, self.chunk_bytes, round_clients=clients)
+        traffic = round_traffic(task, run.num_clients, run.dimension)
+        subset = None if participants is None else set(participants)
+
+        def pieces_for(indices: tuple[int, ...]) -> list[bytes]:
+            return wire.encode_task(run.run_id, round_id, task, self.chunk_bytes, indices, clients)
+
+        entries = row_length(task, run.dimension)
+        round_ = Round(pieces, round_id, entries, False, False, traffic.floats_down, subset, pieces_for, masked=True)
+        try:
+            answers, bytes_down, bytes_up = self._call(self._round(round_))
+        finally:
+            self._count_resent()
+        counts = self.traffic[category]
+        counts.bytes_down += bytes_down
+        counts.bytes_up += bytes_up
+        return [messages.as_masked(answer) for answer in answers]
+
+    def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:
+        assert self.run is not None
+        replies, refusals, bytes_down, bytes_up = self._call(self._unmasking(self.run.run_id, requests))
+        privacy = self.traffic["privacy"]
+        privacy.bytes_down += bytes_down
+        privacy.bytes_up += bytes_up
+        if refusals:
+            client, reason = min(refusals.items())
+            raise PoolError(f"client {client} refused to unmask: {reason}")
+        return replies
+
+    async def _unmasking(
+        self, run_id: str, requests: dict[int, UnmaskRequest]
+    ) -> tuple[dict[int, UnmaskReply], dict[int, str], int, int]:
+        """Send each request to the session hosting its client; the replies, the refusals, the bytes both ways."""
+        round_id = next(iter(requests.values())).round_id
+        asked = [(s, sorted(set(s.indices) & set(requests))) for s in self.registry.live()]
+        asked = [(s, clients) for s, clients in asked if clients]
+        barrier = Unmasking(
+            [s for s, _ in asked],
+            f"the unmasking of round {round_id}",
+            run_id=run_id,
+            round_id=round_id,
+            expected={s.id: set(clients) for s, clients in asked},
+        )
+        self.barriers.unmask = barrier
+        sent = 0
+        try:
+            for session, clients in asked:
+                sent += self._deliver(session, [messages.unmask_request(run_id, j, requests[j]) for j in clients])
+            await barrier.wait(self.round_timeout_s)
+        finally:
+            self.barriers.unmask = None
+        return barrier.replies, barrier.refusals, sent, barrier.bytes_up
+
     def _count_resent(self) -> None:
         """Fold what was sent again to rejoining sessions into the retransmission counts."""
         messages, floats, size = self._resent
@@ -470,6 +565,7 @@ class GrpcPool(ClientPool):
                     round_.want_objective,
                     round_.evaluation,
                     s.listed_for(mine),
+                    round_.masked,
                 )
                 for s, mine in taking_part
             },

@@ -10,10 +10,15 @@ rejoin timeout for a new session with the same indices to take its place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fedsaddle.common import wire
+from fedsaddle.common.secagg import messages
+from fedsaddle.common.secagg.party import UnmaskReply
 from fedsaddle.common.tasks import Answer
+from fedsaddle.common.text import printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import ClientLost
 from fedsaddle.server.transport.checks import Expectation
@@ -205,14 +210,57 @@ class OpenRound(Barrier):
         await super().wait(timeout - self.straggler_deadline_s)
 
 
+@dataclass(eq=False)
+class Unmasking(Barrier):
+    """Secure aggregation's unmask sub-exchange: each asked client's reply, or its refusal.
+
+    A session lost here does not fail the barrier: the unmasking goes on with the replies
+    that came (the aggregator decides whether they are enough), and so does a timeout."""
+
+    run_id: str = ""
+    round_id: int = 0
+    expected: dict[str, set[int]] = field(default_factory=dict)  # session id -> clients asked
+    replies: dict[int, UnmaskReply] = field(default_factory=dict)
+    refusals: dict[int, str] = field(default_factory=dict)  # client -> why it refused (or sent garbage)
+    bytes_up: int = 0
+
+    def accept(self, session: Session, reply: pb.UnmaskReply, size: int) -> bool:
+        """Take a client's reply; False if this barrier does not wait on it."""
+        asked = self.expected.get(session.id)
+        client = int(reply.client)
+        if asked is None or client not in asked or reply.run_id != self.run_id or reply.round_id != self.round_id:
+            return False
+        asked.discard(client)
+        self.bytes_up += size
+        if reply.error:
+            self.refusals[client] = printable(reply.error, 1024)
+        else:
+            try:
+                self.replies[client] = messages.read_unmask_reply(reply)
+            except wire.WireError as exc:
+                self.refusals[client] = f"a malformed unmasking: {exc}"
+        if not asked:
+            self._heard(session)
+        return True
+
+    def lose(self, session: Session, reason: str) -> None:
+        if session.id in self.pending and not self.done:
+            self._heard(session)  # its clients give no unmasking
+
+    async def wait(self, timeout: float) -> None:
+        with contextlib.suppress(ClientLost):  # silent clients give no unmasking either
+            await super().wait(timeout)
+
+
 @dataclass
 class Barriers:
     """The barrier the coordinator waits on now, if any (one at a time)."""
 
     starting: RunStart | None = None
     round: OpenRound | None = None
+    unmask: Unmasking | None = None
 
     def lose(self, session: Session, reason: str) -> None:
-        for barrier in (self.starting, self.round):
+        for barrier in (self.starting, self.round, self.unmask):
             if barrier is not None:
                 barrier.lose(session, reason)

@@ -278,6 +278,10 @@ class SessionService:
                         taken = self.on_ready(session, message.ready)
                     if not taken:  # (a late one is possible: a RunSpec resent as a run ended)
                         self._count_refusal(session, f"a Ready for run {printable(run_id, 64)!r}, not under way")
+                elif kind == "unmasked":
+                    unmasking = self.barriers.unmask
+                    if unmasking is None or not unmasking.accept(session, message.unmasked, received.size):
+                        self._count_refusal(session, f"an unmasking for round {message.unmasked.round_id}, not asked")
                 elif kind == "answer":
                     if pending is not None and not pending.refused:
                         self._reject(session, pending.header.round_id, checks.INVALID, "a new Answer before the chunks")

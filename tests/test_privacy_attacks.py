@@ -1,0 +1,134 @@
+"""A coordinator that breaks secure aggregation's rules, against real client processes: honest clients
+refuse, naming the round, and the coordinator never gets what would unmask a client that answered."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import stop_processes
+
+from fedsaddle.common.problems import PaperRegressionSpec
+from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.settings import SecAggSettings
+from fedsaddle.common.tasks import GradientTask
+from fedsaddle.launch import start_clients
+from fedsaddle.server.pool import ClientLost, PoolError, RunInfo
+from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+CLIENTS = 4  # threshold: a majority, 3
+Rewrite = Callable[[dict[int, UnmaskRequest]], dict[int, UnmaskRequest]]
+
+
+class Hostile(GrpcPool):
+    """A coordinator that rewrites its unmask requests, or sends its key directory twice."""
+
+    rewrite: Rewrite | None = None
+    replay_keys = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gathered: dict[int, UnmaskReply] = {}
+        self.refusals: dict[int, str] = {}
+
+    def _send_directory(self, epoch: int, keys: dict[int, bytes]) -> None:
+        super()._send_directory(epoch, keys)
+        if self.replay_keys:
+            super()._send_directory(epoch, keys)
+
+    async def _unmasking(
+        self, run_id: str, requests: dict[int, UnmaskRequest]
+    ) -> tuple[dict[int, UnmaskReply], dict[int, str], int, int]:
+        if self.rewrite is not None:
+            requests = self.rewrite(requests)
+        replies, refusals, down, up = await super()._unmasking(run_id, requests)
+        self.gathered, self.refusals = dict(replies), dict(refusals)
+        return replies, refusals, down, up
+
+
+@contextmanager
+def federation(hostile: Hostile) -> Iterator[list[subprocess.Popen[bytes]]]:
+    processes = start_clients(hostile.address, [str(i) for i in range(CLIENTS)], quiet=False)
+    try:
+        hostile.wait_for_clients(60)
+        yield processes
+    finally:
+        hostile.close()
+        logs = [read_stderr(p) for p in processes]
+        stop_processes(processes)
+        hostile.client_logs = logs  # type: ignore[attr-defined]
+
+
+def read_stderr(process: subprocess.Popen[bytes], timeout: float = 30) -> str:
+    try:
+        _, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+    return err.decode(errors="replace") if err else ""
+
+
+def start(pool: Hostile) -> None:
+    problem = PaperRegressionSpec(num_clients=CLIENTS, dim=3)
+    pool.start_run(RunInfo("attack", problem, seed=0, secure=SecAggSettings(0, 40, 1e4)))
+
+
+def test_calling_a_client_that_answered_dropped_gets_no_unmasking_of_it() -> None:
+    def call_client_1_dropped(requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskRequest]:
+        # Client 1 answered. Say it dropped, and keep its shares back: the others cannot tell, and give
+        # their pairwise seeds with 1; the coordinator now also needs b_1, which only 1's shares give.
+        answered = tuple(i for i in requests[0].answered if i != 1)
+        return {
+            j: request._replace(
+                answered=answered if j != 1 else request.answered,
+                dropped=(1,),
+                shares=tuple(s for s in request.shares if s[0] != 1),
+            )
+            for j, request in requests.items()
+        }
+
+    pool = Hostile(CLIENTS, "127.0.0.1:0")
+    pool.rewrite = call_client_1_dropped
+    with federation(pool):
+        start(pool)
+        with pytest.raises(
+            PoolError, match=r"client 1 refused to unmask: round 1: the coordinator lists this client \(1\)"
+        ):
+            pool.exchange(GradientTask(np.ones(6)))
+    # The seeds with 1 came from the others, but no share of b_1 from anyone: y_1 stays masked.
+    assert sorted(pool.refusals) == [1]
+    assert pool.gathered and all(1 in reply.seeds for reply in pool.gathered.values())
+    assert not any(1 in reply.b_shares for reply in pool.gathered.values())
+
+
+def test_claiming_fewer_survivors_than_the_threshold_is_refused_by_every_client() -> None:
+    def two_survivors(requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskRequest]:
+        return {
+            j: request._replace(answered=(0, 1), dropped=(2, 3), shares=tuple(s for s in request.shares if s[0] < 2))
+            for j, request in requests.items()
+            if j < 2
+        }
+
+    pool = Hostile(CLIENTS, "127.0.0.1:0")
+    pool.rewrite = two_survivors
+    with federation(pool):
+        start(pool)
+        with pytest.raises(PoolError, match="round 1: only 2 clients answered, fewer than the threshold 3"):
+            pool.exchange(GradientTask(np.ones(6)))
+    assert sorted(pool.refusals) == [0, 1] and not pool.gathered
+
+
+def test_a_replayed_key_directory_ends_every_honest_session_saying_why() -> None:
+    pool = Hostile(CLIENTS, "127.0.0.1:0")
+    pool.replay_keys = True
+    with federation(pool):
+        start(pool)
+        with pytest.raises(ClientLost):
+            pool.exchange(GradientTask(np.ones(6)))
+    for log in pool.client_logs:  # type: ignore[attr-defined]
+        assert "refused the coordinator's key directory" in log, log
+        assert "key directory of epoch 0 refused: this client already agreed to epoch 0" in log, log

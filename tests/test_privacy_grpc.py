@@ -1,0 +1,253 @@
+"""Secure aggregation over gRPC with real client processes: the same bits as simulate, and a curious
+coordinator that rebuilds a client's data from plain answers but not from masked ones."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from conftest import stop_processes
+
+from fedsaddle import api
+from fedsaddle.common.problems import make_problem, parse_spec, read_client_data
+from fedsaddle.common.secagg import fixedpoint
+from fedsaddle.common.secagg.rows import MaskedAnswer
+from fedsaddle.common.tasks import Answer, GradientTask, Task
+from fedsaddle.experiments.datasets import split
+from fedsaddle.launch import index_groups, start_clients
+from fedsaddle.server.config import parse_config
+from fedsaddle.server.driver import run_algorithm
+from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.pool import Category
+from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+CLIENTS, FEATURES, LAM = 10, 10, 0.1
+
+
+def without_bytes(traffic: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Counts as simulate has them too (bytes on the wire are gRPC's alone)."""
+    return {name: {k: v for k, v in counts.items() if not k.startswith("bytes")} for name, counts in traffic.items()}
+
+
+def test_simulate_and_the_federation_agree_bit_for_bit_for_every_algorithm(tmp_path: Path) -> None:
+    config = yaml.safe_load((EXAMPLES / "paper-s10.yaml").read_text())
+    config.update(rounds=30, privacy={"secure_aggregation": True}, output={"plot": False})
+    alone = api.run(config, out=tmp_path)
+    # Processes of 3, 3, 3 and 1 clients: each hosted client masks its own row.
+    federated = api.run(config, transport="grpc", clients_per_process=3, out=tmp_path)
+    assert federated.failure is None
+    for ours, theirs in zip(alone.results, federated.results, strict=True):
+        assert theirs.status == ours.status == "ok", theirs.detail
+        assert theirs.z_sha256 == ours.z_sha256, ours.name
+        assert without_bytes(theirs.traffic) == without_bytes(ours.traffic), ours.name
+        assert theirs.traffic["privacy"]["bytes_up"] > 0 and theirs.traffic["privacy"]["bytes_down"] > 0
+
+
+@pytest.fixture(scope="module")
+def diabetes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("diabetes")
+    split("diabetes", CLIENTS, "label-skew", seed=1, out=folder)
+    return folder
+
+
+def regression(rounds: int, secure: bool, algorithm: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {
+        "name": "diabetes",
+        "problem": {"name": "linear_regression", "features": FEATURES, "lam": LAM, "num_clients": CLIENTS},
+        "rounds": rounds,
+        "algorithms": [algorithm],
+        "privacy": {"secure_aggregation": secure},
+        "output": {"plot": False},
+        **fields,
+    }
+
+
+def test_weighted_runs_with_evaluation_agree_bit_for_bit(tmp_path: Path, diabetes: Path) -> None:
+    config = regression(
+        101,
+        True,
+        {"name": "scaffold_s", "gamma_local": 0.2},
+        weighting="samples",
+        evaluate_every=25,
+        sync={"kind": "fixed", "tau": 10},
+    )
+    data = str(diabetes / "client-{i:03d}.npz")
+    alone = api.run(config, data=data, out=tmp_path)
+    federated = api.run(config, data=data, transport="grpc", clients_per_process=5, out=tmp_path)
+    ((ours,), (theirs,)) = alone.results, federated.results
+    assert theirs.status == ours.status == "ok", theirs.detail
+    assert theirs.z_sha256 == ours.z_sha256
+    assert without_bytes(theirs.traffic) == without_bytes(ours.traffic)
+    assert [r.get("test_mse") for r in theirs.records] == [r.get("test_mse") for r in ours.records]
+    assert theirs.traffic["evaluation"]["rounds"] == 3  # steps 0, 25 and 50 (SCAFFOLD-S: 2 rounds a step)
+
+
+# -- a curious coordinator -----------------------------------------------------------------------
+
+
+class Curious(GrpcPool):
+    """A coordinator that follows the protocol and keeps every vector its transport receives."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plain: list[tuple[Task, list[Answer]]] = []
+        self.masked: list[tuple[Task, list[MaskedAnswer]]] = []
+
+    def _exchange(self, task: Task, round_id: int, category: Category, participants: Any) -> list[Answer]:
+        answers = super()._exchange(task, round_id, category, participants)
+        self.plain.append((task, answers))
+        return answers
+
+    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
+        answers = super()._exchange_masked(task, round_id, category, participants)
+        self.masked.append((task, answers))
+        return answers
+
+
+@contextmanager
+def curious_federation(diabetes: Path) -> Iterator[Curious]:
+    pool = Curious(CLIENTS, "127.0.0.1:0")
+    data = {i: str(diabetes / f"client-{i:03d}.npz") for i in range(CLIENTS)}
+    processes = start_clients(pool.address, index_groups(CLIENTS, 2), data=data)
+    try:
+        pool.wait_for_clients(60)
+        yield pool
+    finally:
+        pool.close()
+        stop_processes(processes)
+
+
+def rebuild_moments(points: np.ndarray, answers: np.ndarray) -> np.ndarray:
+    """A_i from (z, G_i(z)) pairs, knowing the problem's public form (common/problems/regression.py):
+    -grad_y f_i = y - b_i/2 + A_i x/2 and grad_x f_i = lam x - A_i y/2, i.e. for every round
+    A_i x - b_i = 2 (G_y - y) and A_i y = -2 (G_x - lam x): least squares over the rounds."""
+    x, y = points[:, :FEATURES], points[:, FEATURES:]
+    gx, gy = answers[:, :FEATURES], answers[:, FEATURES:]
+    design = np.vstack([np.hstack([x, np.ones((len(x), 1))]), np.hstack([y, np.zeros((len(y), 1))])])
+    targets = np.vstack([2 * (gy - y), -2 * (gx - LAM * x)])
+    solution: np.ndarray = np.linalg.lstsq(design, targets, rcond=None)[0][:FEATURES].T
+    return solution
+
+
+def test_a_curious_coordinator_rebuilds_a_clients_data_from_plain_answers_but_not_from_masked_ones(
+    diabetes: Path,
+) -> None:
+    spy, rounds = 3, 2 * FEATURES + 2
+    truth = read_client_data(diabetes / f"client-{spy:03d}.npz")
+    moments = truth.X.T @ truth.X / truth.samples  # X_i^T X_i / m_i: what the client keeps to itself
+    algorithm = {"name": "minibatch_md", "gamma": 0.5}
+    recorded: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
+    received = np.zeros(0, dtype=np.uint64)
+    for secure in (False, True):
+        config = parse_config(regression(rounds, secure, algorithm, init="random"))
+        with curious_federation(diabetes) as pool:
+            result = run_algorithm(config.algorithms[0], config, pool, run_id=f"curious-{secure}")
+        assert result.status == "ok", result.detail
+        if secure:
+            assert not pool.plain  # no plain answer ever reached it
+            points = np.array([task.z for task, _ in pool.masked if isinstance(task, GradientTask)])
+            received = np.array(
+                [row.masked for _, answers in pool.masked for a in answers for row in a.rows if row.client == spy]
+            )
+            # The best it can do: read the masked rows as values (the row's first 2p entries are w G_i).
+            seen = fixedpoint.decode(received[:, : 2 * FEATURES], 40)
+        else:
+            points = np.array([task.z for task, _ in pool.plain if isinstance(task, GradientTask)])
+            seen = np.array(
+                [a.vectors[a.indices.index(spy)] for _, answers in pool.plain for a in answers if spy in a.indices]
+            )
+        assert len(points) == len(seen) == rounds
+        recorded[secure] = points, seen
+    # Without secure aggregation, the leak: X_i^T X_i / m_i to 1e-9 from one run's answers.
+    leaked = rebuild_moments(*recorded[False])
+    assert np.linalg.norm(leaked - moments) <= 1e-9 * np.linalg.norm(moments)
+    # With it, the same reconstruction is off by far more than the size of the moments themselves ...
+    masked_points, masked_values = recorded[True]
+    guessed = rebuild_moments(masked_points, masked_values)
+    assert np.linalg.norm(guessed - moments) > 100 * np.linalg.norm(moments)
+    # ... and what it received does not depend on the client's true answers at those points.
+    problem = make_problem(parse_spec(regression(1, True, algorithm)["problem"]))
+    client = problem.load(diabetes / f"client-{spy:03d}.npz")  # type: ignore[attr-defined]
+    true_answers = np.array([problem.gradient(client, z) for z in masked_points])  # type: ignore[attr-defined]
+    ones = np.unpackbits(np.ascontiguousarray(received).view(np.uint8)).mean()
+    assert abs(ones - 0.5) < 0.01  # every bit of every masked row a fair coin
+    correlation = np.corrcoef(masked_values.ravel(), true_answers.ravel())[0, 1]
+    assert abs(correlation) < 0.25  # (440 pairs: independent ones stay within 0.2 with odds > 99.99%)
+
+
+# -- a client killed mid-round -----------------------------------------------------------------
+
+
+VICTIM, LAST_ROUND = 4, 5
+
+
+class Dropping(LocalPool):
+    """simulate, with client VICTIM's masked row lost in the last round (as if its process died)."""
+
+    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
+        (answer,) = super()._exchange_masked(task, round_id, category, participants)
+        if round_id == LAST_ROUND:
+            answer = answer._replace(rows=tuple(row for row in answer.rows if row.client != VICTIM))
+        return [answer]
+
+
+class Killing(GrpcPool):
+    """A coordinator whose client VICTIM is frozen as the last round starts and SIGKILLed once the
+    others have answered it: the round loses it mid-round."""
+
+    victim: subprocess.Popen[bytes] | None = None
+
+    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
+        if round_id == LAST_ROUND and self.victim is not None:
+            victim = self.victim
+            victim.send_signal(signal.SIGSTOP)  # it gets the task, but does not answer it
+
+            def kill_when_the_others_answered() -> None:
+                while (round_ := self.barriers.round) is None or round_.answered_clients() < CLIENTS - 1:
+                    time.sleep(0.01)
+                victim.send_signal(signal.SIGKILL)
+
+            threading.Thread(target=kill_when_the_others_answered, daemon=True).start()
+        return super()._exchange_masked(task, round_id, category, participants)
+
+
+def test_a_client_killed_mid_round_is_unmasked_around_and_the_run_equals_simulate_with_that_dropout(
+    diabetes: Path,
+) -> None:
+    config = parse_config(
+        regression(
+            LAST_ROUND,
+            True,
+            {"name": "minibatch_md", "gamma": 0.5},
+            participation={"straggler_deadline_s": 30, "min_clients": 6},
+        )
+    )
+    data = {i: str(diabetes / f"client-{i:03d}.npz") for i in range(CLIENTS)}
+    alone = run_algorithm(config.algorithms[0], config, Dropping(data=data), run_id="dropout")
+    pool = Killing(CLIENTS, "127.0.0.1:0", straggler_deadline_s=30, min_clients=6)
+    processes = start_clients(pool.address, [str(i) for i in range(CLIENTS)], data=data)
+    pool.victim = processes[VICTIM]
+    try:
+        pool.wait_for_clients(60)
+        federated = run_algorithm(config.algorithms[0], config, pool, run_id="dropout")
+    finally:
+        pool.close()
+        codes = stop_processes(processes)
+    assert codes[VICTIM] == -signal.SIGKILL
+    assert federated.status == alone.status == "ok", federated.detail
+    assert federated.z_sha256 == alone.z_sha256
+    assert without_bytes(federated.traffic) == without_bytes(alone.traffic)
+    algorithm = federated.traffic["algorithm"]
+    assert algorithm["messages_up"] == CLIENTS * LAST_ROUND - 1  # the last round closed without the victim
+    privacy = federated.traffic["privacy"]
+    assert privacy["messages_up"] == CLIENTS + CLIENTS * LAST_ROUND - 1  # keys, then the survivors' unmasking
