@@ -22,7 +22,7 @@ all: test
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,data,plot,docs]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,data,plot,docs,privacy]'
 	touch $(STAMP)
 
 install: $(STAMP)

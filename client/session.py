@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable
 
 from pydantic import ValidationError
 
 from fedsaddle.common import blas, wire
+from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.indices import some
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec, problem_class
 from fedsaddle.common.secagg import SecAggError, messages
@@ -65,6 +67,7 @@ class ClientSession:
         # Secure aggregation (docs/privacy.md): one party per hosted client, and each one's own weight.
         self._parties: dict[int, Party] = {}
         self._weights: dict[int, float] | None = None
+        self._dp: DpSettings | None = None  # differential privacy's clipping and this process's noise
 
     @property
     def chunk_bytes(self) -> int:
@@ -178,7 +181,14 @@ class ClientSession:
                     raise ValueError(f"problem {spec.name} has no per-client sample counts to weight by")
                 counts = sample_counts()
             worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
-            self._parties, self._weights, keys = {}, None, []
+            self._parties, self._weights, self._dp, keys = {}, None, None, []
+            if run.HasField("dp"):
+                clip, multiplier = run.dp.clip, run.dp.noise_multiplier
+                if not (math.isfinite(clip) and clip > 0 and math.isfinite(multiplier) and multiplier > 0):
+                    raise ValueError(f"differential privacy needs a finite clip and noise multiplier > 0, got {run.dp}")
+                if not run.HasField("secure_aggregation"):
+                    raise ValueError("the coordinator asks for differential privacy's noise without secure aggregation")
+                self._dp = DpSettings(clip, multiplier)
             if run.HasField("secure_aggregation"):
                 secure = run.secure_aggregation
                 settings = messages.read_settings(secure)
@@ -284,7 +294,9 @@ class ClientSession:
         round_clients = tuple(int(i) for i in message.round_clients) or tuple(range(self._federation_size))
         answer = self.worker.execute(task, message.round_id, clients)
         try:
-            masked = mask_answer(self._parties, answer, task, message.round_id, 0, round_clients, self._weights)
+            masked = mask_answer(
+                self._parties, answer, task, message.round_id, 0, round_clients, self._weights, self._dp
+            )
         except SecAggError as exc:  # the coordinator asked for a round that cannot be summed safely
             raise ClientError(f"refused to answer: {exc}") from None
         if masked.diverged:

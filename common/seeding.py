@@ -16,6 +16,7 @@ SYNC = 4  # the coordinator's synchronization intervals
 SOLUTION = 5  # a problem's planted solution
 INIT = 6  # a random starting point
 SAMPLING = 7  # the coordinator's choice of the clients that take part in a round
+DP_NOISE = 8  # the coordinator's noise on a round's sum (central differential privacy)
 SHARED = 2**32 - 1  # "client index" of data shared by all clients
 
 

@@ -196,7 +196,7 @@ class Welcome(_message.Message):
     def __init__(self, federation_id: _Optional[str] = ..., num_clients: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("run_id", "problem_name", "problem_json", "synthetic_seed", "noise_seed", "gradient_noise", "dimension", "want_sample_counts", "secure_aggregation")
+    __slots__ = ("run_id", "problem_name", "problem_json", "synthetic_seed", "noise_seed", "gradient_noise", "dimension", "want_sample_counts", "secure_aggregation", "dp")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_NAME_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class RunSpec(_message.Message):
     DIMENSION_FIELD_NUMBER: _ClassVar[int]
     WANT_SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     SECURE_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     problem_name: str
     problem_json: str
@@ -215,7 +216,16 @@ class RunSpec(_message.Message):
     dimension: int
     want_sample_counts: bool
     secure_aggregation: SecureAggregation
-    def __init__(self, run_id: _Optional[str] = ..., problem_name: _Optional[str] = ..., problem_json: _Optional[str] = ..., synthetic_seed: _Optional[int] = ..., noise_seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ..., want_sample_counts: _Optional[bool] = ..., secure_aggregation: _Optional[_Union[SecureAggregation, _Mapping]] = ...) -> None: ...
+    dp: DifferentialPrivacy
+    def __init__(self, run_id: _Optional[str] = ..., problem_name: _Optional[str] = ..., problem_json: _Optional[str] = ..., synthetic_seed: _Optional[int] = ..., noise_seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ..., want_sample_counts: _Optional[bool] = ..., secure_aggregation: _Optional[_Union[SecureAggregation, _Mapping]] = ..., dp: _Optional[_Union[DifferentialPrivacy, _Mapping]] = ...) -> None: ...
+
+class DifferentialPrivacy(_message.Message):
+    __slots__ = ("clip", "noise_multiplier")
+    CLIP_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    clip: float
+    noise_multiplier: float
+    def __init__(self, clip: _Optional[float] = ..., noise_multiplier: _Optional[float] = ...) -> None: ...
 
 class SecureAggregation(_message.Message):
     __slots__ = ("threshold", "scale_bits", "bound", "weigh_by_samples")

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from fedsaddle.common import wire
+from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.problems import (
     PaperRegressionSpec,
     ProblemNotFound,
@@ -327,8 +328,21 @@ class ParticipationSpec(_Model):
         return self
 
 
+class DpSpec(_Model):
+    """Client-level differential privacy: each client's answer clipped, Gaussian noise on each round's sum."""
+
+    clip: float = Field(gt=0, description="C: each client's answer (with its objective) is scaled to L2 norm <= C")
+    noise_multiplier: float = Field(
+        gt=0, description="z: each round's sum carries Gaussian noise of standard deviation z * C per entry"
+    )
+    delta: float = Field(1e-5, gt=0, lt=1, description="the delta at which epsilon is reported")
+
+    def settings(self) -> DpSettings:
+        return DpSettings(self.clip, self.noise_multiplier)
+
+
 class PrivacySpec(_Model):
-    """Opt-in privacy: secure aggregation (docs/privacy.md)."""
+    """Opt-in privacy: secure aggregation and differential privacy (docs/privacy.md)."""
 
     secure_aggregation: bool = Field(
         False, description="the coordinator learns only sums over each round's clients, never one client's answer"
@@ -347,6 +361,12 @@ class PrivacySpec(_Model):
         gt=0,
         description="largest |value| a client may send (it refuses beyond it); default: the largest the "
         "number of clients allows without the sum overflowing",
+    )
+
+    dp: DpSpec | None = Field(
+        None,
+        description="differential privacy: noise added by the clients under secure aggregation, "
+        "else by the coordinator",
     )
 
     def settings(self, num_clients: int) -> SecAggSettings:
@@ -424,6 +444,16 @@ class RunConfig(_Model):
         quorum = self.participation.min_clients
         if quorum is not None and quorum > self.problem.num_clients:
             raise ValueError(f"participation.min_clients: {quorum} is more than the {self.problem.num_clients} clients")
+        return self
+
+    @model_validator(mode="after")
+    def _dp_is_sound(self) -> RunConfig:
+        if self.privacy.dp is None:
+            return self
+        if self.weighting != "uniform":  # the weights would be released without noise
+            raise ValueError("privacy.dp: differential privacy needs weighting: uniform")
+        if self.evaluate_every:  # evaluation metrics are per-client data released without noise
+            raise ValueError("privacy.dp: evaluate_every would release the clients' metrics without noise; set it to 0")
         return self
 
     @model_validator(mode="after")

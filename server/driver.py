@@ -22,6 +22,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from fedsaddle.common import seeding
+from fedsaddle.common.dp import epsilon
 from fedsaddle.common.numeric import Array, row_norms, sha256
 from fedsaddle.common.problems import make_problem, solution
 from fedsaddle.common.stop import Stopped
@@ -91,7 +92,7 @@ def run_loop(
 
 
 # What every step's record holds; any other field is an evaluation metric.
-RECORD_FIELDS = frozenset({"step", "rounds", "paper_rounds", "time_s", "dist_x", "dist_z"})
+RECORD_FIELDS = frozenset({"step", "rounds", "paper_rounds", "time_s", "dist_x", "dist_z", "epsilon"})
 
 
 def record_metrics(record: dict[str, float | int]) -> dict[str, float]:
@@ -314,11 +315,19 @@ def make_run(spec: AlgorithmSpec, config: RunConfig, resume: Resume | None = Non
     return Run(spec.display_name, spec.model_dump(mode="json"), algorithm, initial_point(config), config, resume)
 
 
+def privacy_spent(config: RunConfig, rounds: int) -> float:
+    """epsilon (at the config's delta) after `rounds` algorithm rounds of a run with differential privacy."""
+    dp = config.privacy.dp
+    assert dp is not None
+    return epsilon(dp.settings(), config.participation.fraction, rounds, dp.delta)
+
+
 def run_info(config: RunConfig, run_id: str) -> RunInfo:
     fraction = config.participation.fraction
     privacy = config.privacy
     secure = privacy.settings(config.problem.num_clients) if privacy.secure_aggregation else None
-    return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction, secure)
+    dp = privacy.dp.settings() if privacy.dp is not None else None
+    return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction, secure, dp)
 
 
 def run_algorithm(
@@ -362,6 +371,8 @@ def run_algorithm(
                     xs, zs = distances(iterate[None], z_star[None], dim_x)
                     dist_x, dist_z = float(xs[0]), float(zs[0])
                 going = run.record(event, rounds, dist_x, dist_z)
+                if config.privacy.dp is not None:  # spent so far, in every record (metrics.jsonl: live)
+                    run.records[-1]["epsilon"] = privacy_spent(config, rounds)
                 # Every `evaluate_every` steps, and at the end: the final iterate's metrics are the result.
                 every = config.evaluate_every
                 if going and every and (event.steps % every == 0 or run.ends_at(event)):
@@ -386,6 +397,17 @@ def run_algorithm(
         stopped_by = exc
     traffic = pool.traffic or fresh_traffic(config.problem.num_clients)  # empty if the run never started
     result = run.result({category: counts.as_dict() for category, counts in traffic.items()})
+    dp = config.privacy.dp
+    if dp is not None:
+        epsilon_spent = privacy_spent(config, traffic["algorithm"].rounds if "algorithm" in traffic else 0)
+        result.extra["privacy"] = {
+            "epsilon": epsilon_spent,
+            "delta": dp.delta,
+            "clip": dp.clip,
+            "noise_multiplier": dp.noise_multiplier,
+            "noise_added_by": "clients" if config.privacy.secure_aggregation else "coordinator",
+            "accountant": "dp-accounting RDP, sampled Gaussian mechanism, one release per algorithm round",
+        }
     if stopped_by is not None:
         raise RunStopped(result, stopped_by) from stopped_by
     return result

@@ -76,7 +76,8 @@ class LocalPool(ClientPool):
         assert self._worker is not None
         answer = self._worker.execute(task, round_id, participants)
         clients = participants if participants is not None else tuple(range(self._require_run().num_clients))
-        return [mask_answer(self._parties, answer, task, round_id, 0, clients, self._sample_counts)]
+        run = self._require_run()
+        return [mask_answer(self._parties, answer, task, round_id, 0, clients, self._sample_counts, run.dp)]
 
     def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:
         return {j: self._parties[j].unmask(request) for j, request in requests.items()}

@@ -28,8 +28,9 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from fedsaddle.common import seeding
-from fedsaddle.common.numeric import Array
+from fedsaddle.common import dp, seeding
+from fedsaddle.common.dp import DpSettings
+from fedsaddle.common.numeric import Array, ordered_sum
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.secagg import SecAggError, SecAggSettings
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
@@ -81,6 +82,7 @@ class RunInfo:
     weighting: Weighting = "uniform"
     fraction: float = 1.0  # clients sampled per round (from the coordinator's seed); 1: all
     secure: SecAggSettings | None = None  # secure aggregation (its bound resolved), or None: plain answers
+    dp: DpSettings | None = None  # differential privacy: clipping and noise on every algorithm round's sum
 
     @cached_property
     def problem_object(self) -> Problem:
@@ -234,7 +236,32 @@ class ClientPool(abc.ABC):
         self.traffic[category].add(settlement.tally)
         if settlement.answers is None:
             raise Diverged(self.round_id, settlement.diverged)
+        if run.dp is not None and category == "algorithm":
+            return self._central_dp(run.dp, task, replies, settlement.answers.indices)
         return settlement.answers
+
+    def _central_dp(
+        self, settings: DpSettings, task: Task, replies: list[Answer], indices: tuple[int, ...] | None
+    ) -> RoundAnswers:
+        """Central DP: each client's row [v_i, (f_i)] clipped, N(0, sigma^2) added to the sum by the coordinator
+        (from the run's seed: a trusted coordinator's own randomness), then averaged. The rows are added in
+        client-index order."""
+        run = self._require_run()
+        want_objective = isinstance(task, GradientTask) and task.want_objective
+        rows: list[tuple[int, Array]] = []
+        for reply in replies:
+            for k, index in enumerate(reply.indices):
+                row = reply.vectors[k]
+                if want_objective and reply.objective is not None:
+                    row = np.append(row, reply.objective[k])
+                rows.append((index, dp.clip(row, settings.clip)))
+        rows.sort(key=lambda pair: pair[0])
+        total = ordered_sum(np.array([row for _, row in rows]))
+        noise = seeding.rng(run.seed, seeding.DP_NOISE, self.round_id).normal(0.0, settings.sigma, total.shape)
+        mean = (total + noise) / len(rows)
+        dim = run.dimension
+        mean_objective = float(mean[dim]) if want_objective else None
+        return RoundAnswers(None, None, None, indices, aggregated=(mean[:dim], mean_objective))
 
     # -- secure aggregation ----------------------------------------------------------------
 

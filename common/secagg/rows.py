@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fedsaddle.common import dp
+from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.secagg import fixedpoint
 from fedsaddle.common.secagg.fixedpoint import FixedPointOverflow, Ring
@@ -55,8 +57,12 @@ def mask_answer(
     attempt: int,
     participants: Sequence[int],
     weights: Mapping[int, float] | None = None,
+    private: DpSettings | None = None,
 ) -> MaskedAnswer:
-    """Mask each answering client's row with its own Party (clients hosted together are not summed first)."""
+    """Mask each answering client's row with its own Party (clients hosted together are not summed first).
+
+    `private`: differential privacy; each client clips its answer (with its objective) and adds its share of
+    the round's noise before masking (evaluation rounds are not private: the config refuses them)."""
     if answer.diverged:
         return MaskedAnswer((), tuple(answer.indices), "produced non-finite values")
     rows: list[MaskedRow] = []
@@ -67,7 +73,12 @@ def mask_answer(
         else:
             weight = 1.0 if weights is None else float(weights[index])
         objective = None if answer.objective is None else float(answer.objective[k])
-        row = build_row(answer.vectors[k], weight, objective)
+        vector = answer.vectors[k]
+        if private is not None and not isinstance(task, EvaluateTask):
+            values = vector if objective is None else np.append(vector, objective)
+            values = dp.client_share(values, private, len(participants), dp.private_rng())
+            vector, objective = values[: len(vector)], None if objective is None else float(values[-1])
+        row = build_row(vector, weight, objective)
         try:
             rows.append(parties[index].mask(round_id, attempt, participants, row))
         except FixedPointOverflow as exc:

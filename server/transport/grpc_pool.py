@@ -277,6 +277,8 @@ class GrpcPool(ClientPool):
         )
         if run.secure is not None:  # (clients weigh their own rows: the counts stay with them)
             spec.secure_aggregation.CopyFrom(messages.settings_message(run.secure, run.weighting == "samples"))
+            if run.dp is not None:  # the clients add the noise (without secure aggregation, the coordinator does)
+                spec.dp.CopyFrom(pb.DifferentialPrivacy(clip=run.dp.clip, noise_multiplier=run.dp.noise_multiplier))
         if run.problem_object.synthetic:
             spec.synthetic_seed = run.seed  # a benchmark source: clients generate their data from it
         return self._call(self._start_run(run, pb.Instruction(run=spec).SerializeToString()))
