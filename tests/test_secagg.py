@@ -147,7 +147,7 @@ def test_masks_are_deterministic_per_seed_and_uniform_looking() -> None:
 
 
 def test_sealed_shares_open_only_in_their_own_context() -> None:
-    key = bytes(range(32))
+    key = crypto.envelope(bytes(range(32)))
     sealed = crypto.seal(key, b"share", RUN, 3, 0, 1, 2)
     assert crypto.open_sealed(key, sealed, RUN, 3, 0, 1, 2) == b"share"
     for context in [(RUN, 4, 0, 1, 2), (RUN, 3, 1, 1, 2), (RUN, 3, 0, 2, 1), ("other", 3, 0, 1, 2)]:

@@ -91,23 +91,27 @@ def _share_context(run_id: str, round_id: int, attempt: int, sender: int, receiv
     return b"fedsaddle secagg share" + _field(run_id) + struct.pack("<QQQQ", round_id, attempt, sender, receiver)
 
 
-def seal(key: bytes, plaintext: bytes, run_id: str, round_id: int, attempt: int, sender: int, receiver: int) -> bytes:
+def envelope(pairwise: bytes) -> ChaCha20Poly1305:
+    """The AEAD a pair seals its shares with, under a key derived from their pairwise key (once per run)."""
+    return ChaCha20Poly1305(_hkdf(pairwise, b"fedsaddle secagg share key"))
+
+
+def seal(
+    aead: ChaCha20Poly1305, plaintext: bytes, run_id: str, round_id: int, attempt: int, sender: int, receiver: int
+) -> bytes:
     """nonce || ChaCha20-Poly1305(plaintext), bound to the run, round, attempt and the pair (in order)."""
     nonce = os.urandom(NONCE_BYTES)
-    envelope_key = _hkdf(key, b"fedsaddle secagg share key")
-    context = _share_context(run_id, round_id, attempt, sender, receiver)
-    return nonce + ChaCha20Poly1305(envelope_key).encrypt(nonce, plaintext, context)
+    return nonce + aead.encrypt(nonce, plaintext, _share_context(run_id, round_id, attempt, sender, receiver))
 
 
 def open_sealed(
-    key: bytes, sealed: bytes, run_id: str, round_id: int, attempt: int, sender: int, receiver: int
+    aead: ChaCha20Poly1305, sealed: bytes, run_id: str, round_id: int, attempt: int, sender: int, receiver: int
 ) -> bytes:
     """The plaintext of `seal`, or ValueError if it was altered or belongs elsewhere."""
     if len(sealed) < NONCE_BYTES + TAG_BYTES:
         raise ValueError(f"it is {len(sealed)} bytes, too short to be sealed")
-    envelope_key = _hkdf(key, b"fedsaddle secagg share key")
     context = _share_context(run_id, round_id, attempt, sender, receiver)
     try:
-        return ChaCha20Poly1305(envelope_key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], context)
+        return aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], context)
     except InvalidTag:
         raise ValueError("it fails authentication") from None

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.secagg import crypto, fixedpoint, shamir
@@ -91,6 +92,7 @@ class Party:
         self.public_key = crypto.public_bytes(self._private)
         self.epoch = -1  # the key directory's epoch this party has agreed to (-1: none yet)
         self._pairwise: dict[int, bytes] = {}
+        self._envelopes: dict[int, ChaCha20Poly1305] = {}  # per peer: the AEAD its shares travel in
         self._answered: dict[int, _Answered] = {}  # round id -> what this party sent in it
         self._unmasked: set[int] = set()  # rounds whose unmasking this party has given
 
@@ -125,6 +127,7 @@ class Party:
             except crypto.KeyRejected as exc:
                 raise SecAggError(f"run {self.run_id!r}: key directory of epoch {epoch}: {exc}") from None
         self._pairwise, self.epoch = pairwise, epoch
+        self._envelopes = {j: crypto.envelope(key) for j, key in pairwise.items()}
 
     # -- a round -------------------------------------------------------------------------
 
@@ -153,7 +156,7 @@ class Party:
         self_seed = secrets.token_bytes(SELF_MASK_BYTES)
         shares = shamir.split(int.from_bytes(self_seed, "little"), threshold, clients)
         sealed = {
-            j: crypto.seal(self._pairwise[j], shamir.to_bytes(share), self.run_id, round_id, attempt, self.index, j)
+            j: crypto.seal(self._envelopes[j], shamir.to_bytes(share), self.run_id, round_id, attempt, self.index, j)
             for j, share in shares.items()
             if j != self.index
         }
@@ -198,7 +201,7 @@ class Party:
                 raise SecAggError(f"{where}: two shares from client {sender}")
             try:
                 plain = crypto.open_sealed(
-                    self._pairwise[sender], sealed, self.run_id, round_id, request.attempt, sender, self.index
+                    self._envelopes[sender], sealed, self.run_id, round_id, request.attempt, sender, self.index
                 )
                 shamir.from_bytes(plain)
             except ValueError as exc:
