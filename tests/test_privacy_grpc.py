@@ -53,6 +53,23 @@ def test_simulate_and_the_federation_agree_bit_for_bit_for_every_algorithm(tmp_p
         assert theirs.traffic["privacy"]["bytes_up"] > 0 and theirs.traffic["privacy"]["bytes_down"] > 0
 
 
+def test_sampled_rounds_mask_among_the_drawn_clients_only(tmp_path: Path) -> None:
+    config = yaml.safe_load((EXAMPLES / "paper-s10.yaml").read_text())
+    config.update(
+        rounds=20,
+        privacy={"secure_aggregation": True},
+        participation={"fraction": 0.5},
+        output={"plot": False},
+        algorithms=[config["algorithms"][3]],  # SCAFFOLD-S: sampled rounds of both kinds
+    )
+    (ours,) = api.run(config, out=tmp_path).results
+    (theirs,) = api.run(config, transport="grpc", clients_per_process=3, out=tmp_path).results
+    assert theirs.status == ours.status == "ok", theirs.detail
+    assert theirs.z_sha256 == ours.z_sha256
+    assert without_bytes(theirs.traffic) == without_bytes(ours.traffic)
+    assert theirs.traffic["algorithm"]["messages_up"] == 5 * theirs.traffic["algorithm"]["rounds"]
+
+
 @pytest.fixture(scope="module")
 def diabetes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("diabetes")

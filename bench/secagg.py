@@ -1,0 +1,176 @@
+"""Secure aggregation's cost: secure against plain gradient rounds in the same run, setup, growth with n.
+
+1. Round latency over gRPC, one client process per client (10 by default): the
+   same pool and processes alternate blocks of plain rounds and of secure rounds
+   (each block announces its run again, so both see the same machine), median
+   [q1, q3] per round and the ratio secure/plain.
+2. Setup: the start of a run and its first round (under secure aggregation: the key
+   agreement, keys up, the directory down, each client deriving n - 1 pairwise keys),
+   plain and secure, over gRPC for n = 10 (10 processes) and n = 100 (10 processes
+   of 10 clients each).
+3. Growth with n, in-process (the cryptographic work alone, no transport): a secure
+   gradient round at d = 10 for several n against a plain one, and the key agreement.
+   (Part 1 prints the bytes of the unmask sub-exchange per round over gRPC.)
+
+    python bench/secagg.py                       # all three
+    python bench/secagg.py --dims 10 --rounds 200 --skip-setup --skip-growth
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems import PaperRegressionSpec
+from fedsaddle.common.secagg import SecAggSettings
+from fedsaddle.common.secagg.settings import default_bound
+from fedsaddle.launch import index_groups, reap, start_clients
+from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.pool import ClientPool, RunInfo
+from fedsaddle.server.transport.grpc_pool import GrpcPool
+
+
+def run_info(name: str, n: int, d: int, secure: bool) -> RunInfo:
+    settings = SecAggSettings(0, 40, default_bound(n)) if secure else None
+    return RunInfo(name, PaperRegressionSpec(num_clients=n, dim=d, s=1.0), 0, 0.0, secure=settings)
+
+
+def time_rounds(pool: ClientPool, z: Array, rounds: int) -> list[float]:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        pool.gradients(z)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def quartiles(times: list[float]) -> str:
+    if len(times) < 2:
+        return f"{1e3 * times[0]:.2f}"
+    q1, median, q3 = statistics.quantiles(times, n=4)
+    return f"{1e3 * median:.2f} [{1e3 * q1:.2f}, {1e3 * q3:.2f}]"
+
+
+def latency(n: int, dims: list[int], rounds: int, blocks: int) -> None:
+    pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600)
+    processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False)
+    rows = []
+    try:
+        pool.wait_for_clients(120)
+        for d in dims:
+            times: dict[bool, list[float]] = {False: [], True: []}
+            z = np.ones(2 * d)
+            per_block = max(1, rounds // blocks)
+            for block in range(blocks + 1):  # block 0 warms both up and is not timed
+                for secure in (False, True):
+                    pool.start_run(run_info(f"bench-{d}-{secure}-{block}", n, d, secure))
+                    timed = time_rounds(pool, z, per_block if block else 2)
+                    if block:
+                        times[secure] += timed
+            rows.append(
+                (d, times[False], times[True], pool.traffic["privacy"].bytes_up / pool.traffic["algorithm"].rounds)
+            )
+    finally:
+        pool.close()
+        reap(processes)
+    print(f"1. gradient rounds over gRPC, {n} client processes on 127.0.0.1; ms per round, median [q1, q3]")
+    header = f"{'d':>9} {'plain':>24} {'secure':>24} {'ratio':>6} {'privacy bytes/round':>20}"
+    print(header)
+    print("-" * len(header))
+    for d, plain, secure, extra in rows:
+        ratio = statistics.median(secure) / statistics.median(plain)
+        print(f"{d:>9} {quartiles(plain):>24} {quartiles(secure):>24} {ratio:>6.2f} {extra:>20.0f}", flush=True)
+
+
+def setup(sizes: list[int], d: int, repeats: int) -> None:
+    print(
+        f"\n2. run start over gRPC (data loaded, and the key agreement when secure), d = {d}; ms, median of {repeats}"
+    )
+    header = f"{'n':>5} {'processes':>9} {'plain':>9} {'secure':>9} {'key agreement':>14}"
+    print(header)
+    print("-" * len(header))
+    for n in sizes:
+        groups = index_groups(n, max(1, n // 10))
+        pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600)
+        processes = start_clients(pool.address, groups, capture=False)
+        try:
+            pool.wait_for_clients(300)
+            spent: dict[bool, list[float]] = {False: [], True: []}
+            for k in range(repeats + 1):
+                for secure in (False, True):
+                    start = time.perf_counter()
+                    pool.start_run(run_info(f"setup-{n}-{k}-{secure}", n, d, secure))
+                    pool.gradients(np.ones(2 * d))  # the clients derive their pairwise keys before they answer
+                    if k:  # the first announces the data for the first time: not timed
+                        spent[secure].append(time.perf_counter() - start)
+        finally:
+            pool.close()
+            reap(processes)
+        plain, secure = statistics.median(spent[False]), statistics.median(spent[True])
+        print(f"{n:>5} {len(groups):>9} {1e3 * plain:>9.1f} {1e3 * secure:>9.1f} {1e3 * (secure - plain):>14.1f}")
+
+
+class TimedLocalPool(LocalPool):
+    """The in-process pool, timing its key agreement (every client's keys, the directory, the derivations)."""
+
+    agreement = 0.0
+
+    def _agree_keys(self, run: RunInfo, settings: SecAggSettings) -> None:
+        start = time.perf_counter()
+        super()._agree_keys(run, settings)
+        self.agreement = time.perf_counter() - start
+
+
+def growth(sizes: list[int], d: int, rounds: int) -> None:
+    print(f"\n3. growth with n, in-process (the cryptography alone), d = {d}; ms per gradient round, median")
+    header = f"{'n':>5} {'plain':>9} {'secure':>9} {'secure - plain':>15} {'per client':>11} {'key agreement':>14}"
+    print(header)
+    print("-" * len(header))
+    for n in sizes:
+        spent = {}
+        agreement = 0.0
+        for secure in (False, True):
+            pool = TimedLocalPool()
+            pool.start_run(run_info(f"growth-{n}-{secure}", n, d, secure))
+            agreement = max(agreement, pool.agreement)
+            z = np.ones(2 * d)
+            time_rounds(pool, z, 2)
+            spent[secure] = statistics.median(time_rounds(pool, z, rounds))
+        plain, secure_round = spent[False], spent[True]
+        extra = secure_round - plain
+        print(
+            f"{n:>5} {1e3 * plain:>9.2f} {1e3 * secure_round:>9.2f} {1e3 * extra:>15.2f} {1e3 * extra / n:>11.3f} "
+            f"{1e3 * agreement:>14.1f}",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dims", type=float, nargs="+", default=[10, 1e6], help="d: x and y each in R^d")
+    parser.add_argument("--clients", type=int, default=10, help="clients in part 1, one process each")
+    parser.add_argument("--rounds", type=int, default=60, help="timed rounds per dimension and kind (part 1)")
+    parser.add_argument("--large-rounds", type=int, default=10, help="timed rounds at d >= 1e5 (part 1)")
+    parser.add_argument("--blocks", type=int, default=5, help="plain and secure alternate in this many blocks")
+    parser.add_argument("--setup-sizes", type=int, nargs="+", default=[10, 100], help="n in part 2")
+    parser.add_argument("--growth-sizes", type=int, nargs="+", default=[3, 10, 30, 100], help="n in part 3")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-setup", action="store_true")
+    parser.add_argument("--skip-growth", action="store_true")
+    args = parser.parse_args()
+    dims = [int(v) for v in args.dims]
+    if not args.skip_latency:
+        for d in dims:
+            latency(args.clients, [d], args.large_rounds if d >= 100_000 else args.rounds, args.blocks)
+    if not args.skip_setup:
+        setup(args.setup_sizes, 10, 3)
+    if not args.skip_growth:
+        growth(args.growth_sizes, 10, 10)
+
+
+if __name__ == "__main__":
+    main()
