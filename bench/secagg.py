@@ -87,10 +87,9 @@ def latency(n: int, dims: list[int], rounds: int, blocks: int) -> None:
 
 
 def setup(sizes: list[int], d: int, repeats: int) -> None:
-    print(
-        f"\n2. run start over gRPC (data loaded, and the key agreement when secure), d = {d}; ms, median of {repeats}"
-    )
-    header = f"{'n':>5} {'processes':>9} {'plain':>9} {'secure':>9} {'key agreement':>14}"
+    print(f"\n2. run start and its first round over gRPC, d = {d}; ms, median of {repeats}")
+    print("   (secure - plain: the key agreement, the clients' key derivations included, and one round's masking)")
+    header = f"{'n':>5} {'processes':>9} {'plain':>9} {'secure':>9} {'secure - plain':>14}"
     print(header)
     print("-" * len(header))
     for n in sizes:
