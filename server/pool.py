@@ -148,6 +148,13 @@ class TrafficCounts:
             traffic.floats_up * times
         )
 
+    def merge(self, other: TrafficCounts) -> None:
+        """Add another count of the same category (of the same federation) to this one."""
+        for name in ("rounds", "messages_down", "messages_up", "floats_down", "floats_up", "bytes_down", "bytes_up"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.per_client_floats_down += other.per_client_floats_down
+        self.per_client_floats_up += other.per_client_floats_up
+
     def add_entries(self, clients: Sequence[int], floats_up: int) -> None:
         """Count entries that rode in other messages (secure aggregation's weight column): no round, no message."""
         self.floats_up += len(clients) * floats_up
@@ -320,7 +327,10 @@ class ClientPool(abc.ABC):
         self.round_id = round_id
         for category, counts in traffic.items():
             if category in self.traffic:
-                self.traffic[category] = TrafficCounts.from_dict(self.traffic[category].num_clients, counts)
+                restored = TrafficCounts.from_dict(self.traffic[category].num_clients, counts)
+                if category == "privacy":  # this start's key agreement happened: it is added, not forgotten
+                    restored.merge(self.traffic["privacy"])
+                self.traffic[category] = restored
 
     def gradients(self, z: Array, *, exact: bool = False, category: Category = "algorithm") -> RoundAnswers:
         """One round of G_i(z) from every client (a convenience over `exchange`)."""

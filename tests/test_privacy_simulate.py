@@ -3,12 +3,18 @@ algorithm runs, the sum is exact, the privacy traffic has its own category, bad 
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
+from conftest import CLIENT_ENV, fedsaddle
 
 from fedsaddle.common.secagg import fixedpoint
 from fedsaddle.common.secagg.rows import MaskedAnswer, build_row
@@ -203,3 +209,44 @@ def test_unsafe_settings_are_refused_naming_the_field(
     data["privacy"]["secure_aggregation"] = False  # the same fields are harmless when it is off
     if "scale_bits" not in privacy:
         parse_config(data)
+
+
+def test_a_stopped_secure_run_resumes_bit_identical_with_a_new_key_agreement(tmp_path: Path) -> None:
+    config = {
+        "name": "secure-resumed",
+        "problem": {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 3.0},
+        "algorithms": [{"name": "scaffold_s", "gamma_local": 0.02}],
+        "rounds": 3001,
+        "privacy": {"secure_aggregation": True},
+        "output": {"plot": False, "checkpoint_every": 25},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    whole = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "whole"), timeout=600)
+    assert whole.returncode == 0, whole.stderr
+    (expected,) = (tmp_path / "whole").iterdir()
+    first = subprocess.Popen(
+        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path)],
+        cwd=tmp_path,
+        env=CLIENT_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.send_signal(signal.SIGTERM)
+    _, log = first.communicate(timeout=120)
+    assert first.returncode == 0, log
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    done = fedsaddle("simulate", "--resume", str(run_dir), timeout=600)
+    assert done.returncode == 0, done.stderr
+    (a,) = json.loads((expected / "summary.json").read_text())["algorithms"]
+    (b,) = json.loads((run_dir / "summary.json").read_text())["algorithms"]
+    assert a["z_sha256"] == b["z_sha256"]
+    assert a["traffic"]["algorithm"] == b["traffic"]["algorithm"]
+    # The resumed run agreed on new keys: one more key agreement round, three more messages each way.
+    privacy_a, privacy_b = a["traffic"]["privacy"], b["traffic"]["privacy"]
+    assert privacy_b["rounds"] == privacy_a["rounds"] + 1
+    assert privacy_b["messages_up"] == privacy_a["messages_up"] + 3
