@@ -20,15 +20,19 @@ from conftest import stop_processes
 from fedsaddle import api
 from fedsaddle.common.problems import make_problem, parse_spec, read_client_data
 from fedsaddle.common.secagg import fixedpoint
+from fedsaddle.common.secagg.aggregator import SEALED_SHARE_BYTES
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, GradientTask, Task
 from fedsaddle.experiments.datasets import split
 from fedsaddle.launch import index_groups, start_clients
+from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.config import parse_config
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import Category
+from fedsaddle.server.transport import checks
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.refusal import Refusal
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CLIENTS, FEATURES, LAM = 10, 10, 0.1
@@ -268,3 +272,18 @@ def test_a_client_killed_mid_round_is_unmasked_around_and_the_run_equals_simulat
     assert algorithm["messages_up"] == CLIENTS * LAST_ROUND - 1  # the last round closed without the victim
     privacy = federated.traffic["privacy"]
     assert privacy["messages_up"] == CLIENTS + CLIENTS * LAST_ROUND - 1  # keys, then the survivors' unmasking
+
+
+def test_a_masked_answer_whose_shares_miss_a_client_of_the_round_is_refused_before_it_is_used() -> None:
+    expected = checks.Expectation("r", 7, (1,), 3, False, masked=True, round_clients=(0, 1, 2))
+    header = pb.Answer(run_id="r", round_id=7, client_indices=[1], payload_length=3, masked=True)
+    header.shares.add(holders=[0], sealed=[bytes(SEALED_SHARE_BYTES)])  # client 2's share is missing
+    payload = np.zeros(3, dtype="<u8").tobytes()
+    with pytest.raises(Refusal, match=r"client 1: sealed shares for clients \[0\], expected one for each other client"):
+        checks.answer(header, payload, expected)
+    header.shares[0].holders.append(2)
+    header.shares[0].sealed.append(bytes(SEALED_SHARE_BYTES))
+    answer = checks.answer(header, payload, expected)
+    assert answer.shares is not None and sorted(answer.shares[0]) == [0, 2]
+    with pytest.raises(Refusal, match="masked rows of 16 bytes, expected 24"):
+        checks.answer(header, payload[:16], expected)

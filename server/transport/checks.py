@@ -58,6 +58,7 @@ class Expectation(NamedTuple):
     # the task names none of them (all take part): an answer may list them so, too.
     listed: tuple[int, ...] | None = None
     masked: bool = False  # secure aggregation: masked rows of `entries` ring elements, with sealed shares
+    round_clients: tuple[int, ...] = ()  # secure aggregation: the round's clients (each row's share holders)
 
 
 def answer_header(
@@ -115,9 +116,18 @@ def answer(header: pb.Answer, payload: bytes | memoryview, expected: Expectation
         if listed:
             raise Refusal(INVALID, f"masked rows must list clients {some(expected.indices)} in index order")
         try:
-            return messages.read_masked_answer(header, payload, expected.entries)
+            masked = messages.read_masked_answer(header, payload, expected.entries)
         except wire.WireError as exc:
             raise Refusal(INVALID, str(exc)) from None
+        for client, shares in zip(masked.indices, masked.shares or (), strict=False):
+            others = [j for j in expected.round_clients if j != client]
+            if sorted(shares) != others:
+                raise Refusal(
+                    INVALID,
+                    f"client {client}: sealed shares for clients {some(list(shares))}, expected one for each other "
+                    f"client of round {expected.round_id} ({some(others)})",
+                )
+        return masked
     try:
         # answer_header found the header's clients to be expected.indices, or those in the Hello's order
         answer = wire.decode_answer(

@@ -554,6 +554,10 @@ class GrpcPool(ClientPool):
             mine = session.indices if round_.subset is None else tuple(i for i in session.indices if i in round_.subset)
             if mine:
                 taking_part.append((session, mine))
+        # Secure aggregation: every client of the round, whose shares each masked row must carry.
+        round_clients = (
+            tuple(sorted(round_.subset)) if round_.subset is not None else tuple(range(self.run.num_clients))
+        )
         barrier = OpenRound(
             [s for s, _ in taking_part],
             f"round {round_id}",
@@ -568,6 +572,7 @@ class GrpcPool(ClientPool):
                     round_.evaluation,
                     s.listed_for(mine),
                     round_.masked,
+                    round_clients,
                 )
                 for s, mine in taking_part
             },
