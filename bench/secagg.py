@@ -89,7 +89,7 @@ def latency(n: int, dims: list[int], rounds: int, blocks: int) -> None:
 def setup(sizes: list[int], d: int, repeats: int) -> None:
     print(f"\n2. run start and its first round over gRPC, d = {d}; ms, median of {repeats}")
     print("   (secure - plain: the key agreement, the clients' key derivations included, and one round's masking)")
-    header = f"{'n':>5} {'processes':>9} {'plain':>9} {'secure':>9} {'secure - plain':>14}"
+    header = f"{'n':>5} {'processes':>9} {'plain':>9} {'secure':>9} {'secure - plain':>15}"
     print(header)
     print("-" * len(header))
     for n in sizes:
@@ -110,7 +110,7 @@ def setup(sizes: list[int], d: int, repeats: int) -> None:
             pool.close()
             reap(processes)
         plain, secure = statistics.median(spent[False]), statistics.median(spent[True])
-        print(f"{n:>5} {len(groups):>9} {1e3 * plain:>9.1f} {1e3 * secure:>9.1f} {1e3 * (secure - plain):>14.1f}")
+        print(f"{n:>5} {len(groups):>9} {1e3 * plain:>9.1f} {1e3 * secure:>9.1f} {1e3 * (secure - plain):>15.1f}")
 
 
 class TimedLocalPool(LocalPool):
