@@ -7,6 +7,10 @@
     for result in report.results:
         print(result.name, result.status, result.records[-1])
 
+Each result carries the final iterate, `result.final_z` (a numpy float64 vector
+z = (x, y), x first, as long as the problem's dims), also written to the run
+directory as `final_z-NAME.npy`; `result.z_sha256` is its hash.
+
 `config` is a RunConfig, a mapping of config fields (as a YAML file would give),
 or the path of a YAML/JSON config. `data` gives each client's own data file: a
 pattern with `{i}`, one path per client in index order, or a mapping index ->
@@ -66,7 +70,14 @@ def run(
     out: str | Path | None = None,
     progress: Callable[[str, int, int, float], None] | None = None,
 ) -> Report:
-    """Run every algorithm of the config; the in-process run computes the reference z* itself when it can."""
+    """Run every algorithm of the config.
+
+    `reference`: a known saddle point z* (a vector as long as z) to measure the runs against; the
+    records and the summary then carry ||x - x*|| and ||z - z*||, the rounds-to table and
+    distance.png. Without it, a synthetic problem's planted z* is used, and an in-process run on
+    data asks the problem's `reference_solution` (a gRPC run has no data to compute it from).
+    `out`: the folder for the run directory (overrides the config's output.dir).
+    """
     config = load(config)
     if out is not None:
         config = config.model_copy(update={"output": config.output.model_copy(update={"dir": str(out)})})

@@ -500,6 +500,17 @@ def cmd_new(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_compare_runs(args: argparse.Namespace) -> int:
+    from fedsaddle.compare import RunDirError, main_compare
+
+    try:
+        code, lines = main_compare(args.first, args.second, args.limit)
+    except RunDirError as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(lines))
+    return code
+
+
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
@@ -860,6 +871,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("kind", choices=["problem", "algorithm"], help="what to start (algorithms: not yet possible)")
     p.add_argument("name", help="its name, a Python module name (e.g. robust_regression)")
     p.add_argument("--out", help="folder to write (default: ./NAME; must not exist or be empty)")
+
+    p = command(
+        "compare-runs",
+        "compare two run directories: exit 0 if they computed the same (hashes, final iterates, counts, metrics), "
+        "1 if not; wall-clock times, wire bytes and where outputs went are ignored",
+        cmd_compare_runs,
+    )
+    p.add_argument("first", metavar="RUN_DIR", help="a run directory (holds summary.json)")
+    p.add_argument("second", metavar="OTHER_RUN_DIR", help="the run directory to compare it with")
+    p.add_argument("--limit", type=positive_int, default=20, help="differences to print at most")
 
     p = command("show-config", "print a config with every default filled in", cmd_show_config)
     p.add_argument("--config", help="config file (default: the built-in one)")

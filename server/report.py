@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from fedsaddle.common.problems import make_problem
 from fedsaddle.server.config import RunConfig
@@ -34,13 +37,18 @@ def make_run_dir(config: RunConfig) -> Path:
 def write_summary(
     run_dir: Path, config: RunConfig, results: Sequence[AlgorithmResult], transport: dict[str, Any]
 ) -> None:
-    """summary.json and the plot, once the run has ended (config.json and metrics.jsonl are written as it goes)."""
+    """summary.json, each algorithm's final iterate (.npy) and the plot, once the run has ended
+    (config.json and metrics.jsonl are written as it goes)."""
+    files = write_final_iterates(run_dir, results)
     summary = {
         "name": config.name,
         "transport": transport,
         "round_convention": config.round_convention,
         "budget": config.rounds,
-        "algorithms": [{**r.summary(), "rounds_to": rounds_to(r, config)} for r in results],
+        "algorithms": [
+            {**r.summary(), "z_file": file, "rounds_to": rounds_to(r, config)}
+            for r, file in zip(results, files, strict=True)
+        ],
     }
     (run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
     if not config.output.plot:
@@ -54,6 +62,26 @@ def write_summary(
             plot_metrics(run_dir / "metrics.png", config, results)
     except ImportError:
         log.warning("no plots: matplotlib is not installed (pip install 'fedsaddle[plot]')")
+
+
+def final_iterate_file(name: str) -> str:
+    """The file name of an algorithm's final iterate in a run directory: final_z-NAME.npy, with any
+    character that does not belong in a file name (a label's '/', spaces) written as '_'."""
+    return "final_z-" + re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".npy"
+
+
+def write_final_iterates(run_dir: Path, results: Sequence[AlgorithmResult]) -> list[str]:
+    """Each algorithm's final iterate z = (x, y) as a 1-D little-endian float64 .npy file (numpy's
+    format, `np.load` reads it); `sha256(np.load(file))` of fedsaddle.common.numeric, the SHA-256 of
+    the array's raw bytes, is the summary's z_sha256. The file names, in the results' order."""
+    names: list[str] = []
+    for result in results:
+        name = final_iterate_file(result.name)
+        if name in names:  # two labels that differ only in characters a file name cannot hold
+            name = name[: -len(".npy")] + f"-{len(names)}.npy"
+        np.save(run_dir / name, np.ascontiguousarray(result.final_z, dtype="<f8"), allow_pickle=False)
+        names.append(name)
+    return names
 
 
 def accuracy_label(accuracy: float) -> str:
