@@ -172,7 +172,7 @@ class ClientSession:
             if n and spec.num_clients != n:  # a synthetic problem's data generation scales with it
                 raise ValueError(f"the run's problem has {spec.num_clients} clients; the federation has {n}")
             seed = run.synthetic_seed if run.HasField("synthetic_seed") else None
-            shards = self.shards.get(spec, seed, self.indices)
+            shards = self.shards.get(spec, seed, self.indices, "samples" if run.want_sample_counts else "uniform")
             self._metrics = tuple(problem_class(spec.name, spec.plugin, self.shards.trusted).metric_names)
             counts: list[int] = []
             if run.want_sample_counts:

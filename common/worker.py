@@ -12,6 +12,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -264,13 +265,21 @@ class ShardCache:
         self.check_statistics = check_statistics
         self.data = {int(i): str(p) for i, p in (data or {}).items()}
         self.trusted = trusted
-        self._entries: OrderedDict[tuple[str, int, tuple[int, ...]], Shards] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int, tuple[int, ...], str], Shards] = OrderedDict()
 
-    def get(self, spec: ProblemSpec, seed: int | None, indices: Sequence[int]) -> Shards:
-        """The shards of clients `indices`; DataError naming a file and its fault, ValueError otherwise."""
+    def get(
+        self,
+        spec: ProblemSpec,
+        seed: int | None,
+        indices: Sequence[int],
+        weighting: Literal["uniform", "samples"] = "uniform",
+    ) -> Shards:
+        """The shards of clients `indices`; DataError naming a file and its fault, ValueError otherwise.
+
+        `weighting`: the run's, which a data problem's clients see in their ClientContext."""
         problem = make_problem(spec, self.trusted)
         synthetic = isinstance(problem, SyntheticProblem)
-        key = (spec.model_dump_json(), seed if synthetic and seed is not None else -1, tuple(indices))
+        key = (spec.model_dump_json(), seed if synthetic and seed is not None else -1, tuple(indices), weighting)
         shards = self._entries.get(key)
         if shards is not None:
             self._entries.move_to_end(key)
@@ -292,7 +301,7 @@ class ShardCache:
                     datas.append(problem.load(self.data[i]))
                 except DataError as exc:
                     raise DataError(f"client {i}: {exc}") from None
-            shards = ProblemShards(problem, datas, indices)
+            shards = ProblemShards(problem, datas, indices, weighting)
             if self.check_statistics:
                 try:
                     found = disagreements(problem, datas, indices)

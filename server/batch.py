@@ -116,7 +116,7 @@ class _Workers:
         noise = {c.gradient_noise for c in configs}
         if len(noise) != 1:
             raise ValueError("a batch needs one gradient_noise for all runs")
-        shards = [cache.get(c.problem, c.seed, range(c.problem.num_clients)) for c in configs]
+        shards = [cache.get(c.problem, c.seed, range(c.problem.num_clients), c.weighting) for c in configs]
         for member, shard in zip(members, shards, strict=True):
             if member.config.weighting == "samples":
                 # The same rule as ClientPool.start_run: aggregation weighted by the clients' sample counts.

@@ -44,7 +44,7 @@ class LocalPool(ClientPool):
 
     def _announce(self, run: RunInfo) -> Sequence[int] | None:
         blas.apply()  # the thread count client processes use: BLAS's sums depend on it (common/blas.py)
-        shards = self.cache.get(run.problem, run.seed, range(run.num_clients))
+        shards = self.cache.get(run.problem, run.seed, range(run.num_clients), run.weighting)
         self._worker = Worker(shards, run.seed, run.gradient_noise)
         counts = getattr(shards, "sample_counts", None)
         self._parties, self._sample_counts = {}, None
@@ -92,7 +92,7 @@ def reference_solution(config: RunConfig, cache: ShardCache) -> Array | None:
     problem = make_problem(config.problem)
     if not isinstance(problem, DataProblem):
         return None
-    shards = cache.get(config.problem, config.seed, range(config.problem.num_clients))
+    shards = cache.get(config.problem, config.seed, range(config.problem.num_clients), config.weighting)
     datas = shards.datas  # type: ignore[attr-defined]
     weights = np.array([d.samples for d in datas], dtype=float) if config.weighting == "samples" else None
     return problem.reference_solution(datas, weights)

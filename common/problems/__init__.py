@@ -5,7 +5,15 @@ problems (and which ones a client agrees to load), data.py for the data file
 formats, shards.py for how clients' oracles are vectorized.
 """
 
-from fedsaddle.common.problems.base import ClientData, DataError, DataProblem, Problem, ProblemSpec, SyntheticProblem
+from fedsaddle.common.problems.base import (
+    ClientContext,
+    ClientData,
+    DataError,
+    DataProblem,
+    Problem,
+    ProblemSpec,
+    SyntheticProblem,
+)
 from fedsaddle.common.problems.data import data_paths, read_client_data
 from fedsaddle.common.problems.registry import (
     ProblemNotFound,
@@ -19,6 +27,7 @@ from fedsaddle.common.problems.shards import ProblemError, ProblemShards, Shards
 from fedsaddle.common.problems.synthetic import PaperRegressionSpec, QuadraticGameSpec
 
 __all__ = [
+    "ClientContext",
     "ClientData",
     "DataError",
     "DataProblem",

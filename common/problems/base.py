@@ -24,6 +24,16 @@ and name it in the config, `problem: {name: my_problem, plugin: "mypkg.module:My
 or register it as a package entry point in the group `fedsaddle.problems`. Client
 processes load only the problems they trust (see registry.py).
 
+Client identity: `gradient`, `objective` and `metrics` that take a keyword argument
+`client` receive a ClientContext (the client's index, the number of clients, its
+aggregation weight), e.g. `def gradient(self, data, z, *, client): ...`; methods
+without it are called as before. Synthetic problems get the hosted indices and
+spec.num_clients in `shards(seed, indices)` already.
+
+Constrained domains: `domains()` may declare a domain per block of z (a box, a
+Euclidean ball, the probability simplex; see domains.py); every algorithm then
+keeps its iterates in it.
+
 The spec is public: it travels to every client as JSON and lands in the run
 directory. It must never hold data, nor anything data can be rebuilt from.
 Each client loads its own data file (`load`), which never leaves its process.
@@ -37,9 +47,11 @@ their data is by construction not private.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,7 +62,43 @@ from fedsaddle.common.problems.data import ClientData, DataError, read_client_da
 if TYPE_CHECKING:
     from fedsaddle.common.problems.shards import Shards
 
-__all__ = ["ClientData", "DataError", "DataProblem", "Problem", "ProblemSpec", "SyntheticProblem"]
+__all__ = ["ClientContext", "ClientData", "DataError", "DataProblem", "Problem", "ProblemSpec", "SyntheticProblem"]
+
+
+@dataclass(frozen=True)
+class ClientContext:
+    """Who a client is in the federation, for problems whose f_i depends on it.
+
+    The federation's objective is f = sum_i weight_i f_i. Under the paper's uniform
+    weighting weight_i = 1 / num_clients. Under `weighting: samples` it is
+    samples_i / sum_j samples_j, and the sum over the other clients is not known to any
+    client when its data is loaded: `weight` is then None (use `samples`, this client's
+    training rows, and uniform weighting if f_i must know its exact share).
+    """
+
+    index: int  # i, in [0, num_clients)
+    num_clients: int  # n
+    weight: float | None  # this client's aggregation weight (see above)
+    samples: int  # this client's training rows (0 for synthetic shards)
+    weighting: Literal["uniform", "samples"] = "uniform"
+
+
+def client_context(
+    index: int, num_clients: int, samples: int, weighting: Literal["uniform", "samples"] = "uniform"
+) -> ClientContext:
+    """The context of client `index` under a run's weighting."""
+    weight = 1.0 / num_clients if weighting == "uniform" else None
+    return ClientContext(index, num_clients, weight, samples, weighting)
+
+
+def accepts_client(method: Callable[..., Any]) -> bool:
+    """Whether a problem method takes the keyword argument `client` (a ClientContext)."""
+    try:
+        parameters = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    found = parameters.get("client")
+    return found is not None and found.kind in (found.KEYWORD_ONLY, found.POSITIONAL_OR_KEYWORD)
 
 
 class ProblemSpec(BaseModel):
@@ -96,6 +144,9 @@ class DataProblem(Problem):
     def check(self, data: ClientData) -> ClientData:
         """Refuse data this problem cannot use (raise DataError naming data.path and the fault)."""
         return data
+
+    # Each of gradient, objective and metrics may also take a keyword argument `client`, a
+    # ClientContext (index, num_clients, weight); fedsaddle passes it only to methods that take it.
 
     @abc.abstractmethod
     def gradient(self, data: ClientData, z: Array) -> Array:

@@ -15,12 +15,12 @@ column, made contiguous, to the problem's own per-client methods.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.problems.base import DataProblem
+from fedsaddle.common.problems.base import DataProblem, accepts_client, client_context
 from fedsaddle.common.problems.data import ClientData
 
 
@@ -53,28 +53,46 @@ class ProblemShards:
     naming the client and the fault, instead of ending the client process mid-round.
     """
 
-    def __init__(self, problem: DataProblem, datas: Sequence[ClientData], indices: Sequence[int]) -> None:
+    def __init__(
+        self,
+        problem: DataProblem,
+        datas: Sequence[ClientData],
+        indices: Sequence[int],
+        weighting: Literal["uniform", "samples"] = "uniform",
+    ) -> None:
         if len(datas) != len(indices):
             raise ValueError(f"{len(indices)} clients need {len(indices)} data files, got {len(datas)}")
         self.problem = problem
         self.datas = list(datas)
         self.indices = tuple(indices)
         self.dimension = problem.dimension
+        n = problem.spec.num_clients
+        self.contexts = [
+            client_context(i, n, data.samples, weighting) for i, data in zip(self.indices, self.datas, strict=True)
+        ]
+        # Which of the problem's methods take the client's context (detected once, by signature).
+        self._with_context = {
+            name: accepts_client(getattr(problem, name)) for name in ("gradient", "objective", "metrics")
+        }
         zero = np.zeros((self.dimension, len(self.datas)))
         self.gradient(zero)
         self.objective(zero)
         if problem.metric_names:
             self.evaluate(zero[:, 0])
 
-    def _call(self, method: Callable[[ClientData, Array], Any], j: int, z: Array) -> Any:
-        """The problem's `method` on client j's data at z; ProblemError if it raises."""
+    def _call(self, name: str, j: int, z: Array) -> Any:
+        """The problem's method `name` on client j's data at z (with its context, if the method takes
+        it); ProblemError if it raises."""
+        method: Callable[..., Any] = getattr(self.problem, name)
         try:
+            if self._with_context[name]:
+                return method(self.datas[j], z, client=self.contexts[j])
             return method(self.datas[j], z)
         except Exception as exc:
-            raise ProblemError(f"{self._where(method, j)} raised {type(exc).__name__}: {exc}") from exc
+            raise ProblemError(f"{self._where(name, j)} raised {type(exc).__name__}: {exc}") from exc
 
-    def _where(self, method: Callable[..., Any], j: int) -> str:
-        return f"problem {self.problem.spec.name!r}: {method.__name__}() on client {self.indices[j]}'s data"
+    def _where(self, name: str, j: int) -> str:
+        return f"problem {self.problem.spec.name!r}: {name}() on client {self.indices[j]}'s data"
 
     def _columns(self, z: Array) -> list[tuple[int, tuple[int, ...], Array]]:
         """(client position, index of its column in z[0], its z as a contiguous vector) for every column."""
@@ -88,11 +106,11 @@ class ProblemShards:
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         out = np.empty_like(z) if out is None else out
         for j, where, column in self._columns(z):
-            g = self._call(self.problem.gradient, j, column)
+            g = self._call("gradient", j, column)
             if np.shape(g) != (self.dimension,):
                 dim_x, dim_y = self.problem.dims()
                 raise ProblemError(
-                    f"{self._where(self.problem.gradient, j)} returned shape {np.shape(g)}; "
+                    f"{self._where('gradient', j)} returned shape {np.shape(g)}; "
                     f"G_i(z) has dim_x + dim_y = {dim_x} + {dim_y} = {self.dimension} entries"
                 )
             target: tuple[slice | int, ...] = (slice(None), *where)
@@ -102,10 +120,10 @@ class ProblemShards:
     def objective(self, z: Array) -> Array:
         values = np.empty(z.shape[1:])
         for j, where, column in self._columns(z):
-            value = self._call(self.problem.objective, j, column)
+            value = self._call("objective", j, column)
             if np.ndim(value) != 0:
                 raise ProblemError(
-                    f"{self._where(self.problem.objective, j)} returned shape {np.shape(value)}; f_i(z) is a number"
+                    f"{self._where('objective', j)} returned shape {np.shape(value)}; f_i(z) is a number"
                 )
             values[where] = value
         return values
@@ -117,10 +135,10 @@ class ProblemShards:
         counts = np.zeros(len(self.datas))
         for j, data in enumerate(self.datas):
             if data.heldout:
-                found = self._call(self.problem.metrics, j, np.ascontiguousarray(z))
+                found = self._call("metrics", j, np.ascontiguousarray(z))
                 if np.shape(found) != (len(names),):
                     raise ProblemError(
-                        f"{self._where(self.problem.metrics, j)} returned shape {np.shape(found)}; "
+                        f"{self._where('metrics', j)} returned shape {np.shape(found)}; "
                         f"it must give one value per metric name {list(names)}"
                     )
                 values[j] = found
