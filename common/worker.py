@@ -28,6 +28,7 @@ from fedsaddle.common.problems import (
     SyntheticProblem,
     make_problem,
 )
+from fedsaddle.common.problems.domains import Domain, problem_domain
 from fedsaddle.common.problems.statistics import disagreements
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, LocalStepsTask, Task, step_weight
 
@@ -72,6 +73,8 @@ class Worker:
         # in it. In-process callers keep their vectors, which are never written.
         self.scratch_tasks = scratch_tasks
         self._buffers: dict[tuple[str, tuple[int, ...]], Array] = {}
+        # A constrained problem's domain (common/problems/domains.py): local steps are projected onto it.
+        self.domain: Domain | None = getattr(shards, "domain", None)
 
     def _buffer(self, name: str, shape: tuple[int, ...]) -> Array:
         """An array kept from task to task: at a million entries, a fresh one would cost a page
@@ -97,6 +100,7 @@ class Worker:
         selected.noise_scale = self.noise_scale
         selected.reuse_answers = selected.scratch_tasks = False
         selected._buffers = {}
+        selected.domain = self.domain
         return selected
 
     def execute(self, task: Task, round_id: int, clients: tuple[int, ...] | None = None) -> Answer:
@@ -174,6 +178,8 @@ class Worker:
         return g, objective
 
     def _local_steps(self, task: LocalStepsTask, round_id: int) -> Array:
+        if self.domain is not None:
+            return self._projected_local_steps(task, round_id, self.domain)
         z_start = self._per_client(task.z_start)
         shape = z_start.shape
         gamma_local, theta = self._per_run(task.gamma_local), self._per_run(task.theta)
@@ -218,6 +224,37 @@ class Worker:
                 else:
                     direction_sum[rows] += np.multiply(weight, g[rows], out=part)
                 z[rows] -= np.multiply(gamma_local * weight, g[rows], out=part)
+        return direction_sum
+
+    def _projected_local_steps(self, task: LocalStepsTask, round_id: int, domain: Domain) -> Array:
+        """Local steps on a constrained problem: z_i <- P(z_i - gamma_l w_l g_i^l), with the direction
+        of `_local_steps` (FedAvg-S's or SCAFFOLD-S's), and the answer sum_l (z_i^l - z_i^{l+1}) /
+        gamma_l: the steps actually taken, which is sum_l w_l g_i^l wherever the projection does not
+        act. With gamma_l = 0 (SCAFFOLD-S allows it) nothing moves and the answer is sum_l w_l g_i^l."""
+        z_start = np.ascontiguousarray(self._per_client(task.z_start))
+        gamma_local, theta = self._per_run(task.gamma_local), self._per_run(task.theta)
+        moves = bool(np.all(np.asarray(gamma_local) > 0))
+        noisy = self.noise_scale > 0
+        streams = self._streams(round_id) if noisy else []
+        control = None if task.control is None else task.control.T[:, None]
+        grad_start = self.shards.gradient(z_start) if control is not None else None
+        z = z_start.copy()
+        direction_sum = np.zeros(z.shape)
+        for step in range(task.steps):
+            weight = step_weight(task.decay, task.step_offset + step)
+            g = self.shards.gradient(z)
+            if noisy:
+                g += self._noise(streams)
+            if control is not None and grad_start is not None:
+                g -= grad_start + self._noise(streams) if noisy else grad_start
+                g += theta * (z - z_start)
+                g += control
+            if not moves:
+                direction_sum += weight * g
+                continue
+            z_next = domain.project(z - gamma_local * weight * g)
+            direction_sum += (z - z_next) / gamma_local
+            z = z_next
         return direction_sum
 
 
@@ -309,6 +346,10 @@ class ShardCache:
                     found = [f"problem {spec.name!r}: statistics() raised {type(exc).__name__}: {exc}"]
                 for disagreement in found:
                     log.warning("%s", disagreement)
+        if isinstance(problem, SyntheticProblem):
+            domain = problem_domain(problem)
+            if domain is not None:  # the worker projects local steps onto it (ProblemShards carry it already)
+                shards.domain = domain  # type: ignore[attr-defined]
         self._entries[key] = shards
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)

@@ -36,6 +36,7 @@ from fedsaddle.common.problems import (
     parse_spec,
     problem_class,
 )
+from fedsaddle.common.problems.domains import DomainError, problem_domain
 from fedsaddle.common.problems.registry import add_plugin_folder
 from fedsaddle.common.secagg.settings import (
     SCALE_BITS,
@@ -437,6 +438,10 @@ class RunConfig(_Model):
         if info.context and info.context.get("problem_invalid"):
             return self  # the problem's own errors are reported; nothing to check it against
         problem = make_problem(self.problem)
+        try:
+            problem_domain(problem)  # a declared domain must fit the problem's dimensions
+        except DomainError as exc:
+            raise ValueError(str(exc)) from None
         if self.evaluate_every and not problem.metric_names:
             raise ValueError(f"evaluate_every: problem {self.problem.name} has no evaluation metrics")
         if self.weighting == "samples" and problem.synthetic:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems import make_problem
 from fedsaddle.common.stop import Stopped
 from fedsaddle.server import checkpoint
 from fedsaddle.server.algorithms import build
@@ -32,6 +33,7 @@ from fedsaddle.server.driver import (
     RunStopped,
     StepDone,
     StepHook,
+    check_reference,
     run_algorithm,
 )
 from fedsaddle.server.pool import ClientPool, PoolError
@@ -98,6 +100,7 @@ def run_config(
 
     `reference`: a known z* to measure against (see run_algorithm); `on_step` sees every
     step's record once it is written (the command line shows the latest metrics with it)."""
+    check_reference(make_problem(config.problem), reference)  # before anything is written
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
     return _run(config, pool, transport, run_dir, 0, [], None, progress, reference, on_step)

@@ -24,7 +24,8 @@ import numpy as np
 from fedsaddle.common import seeding
 from fedsaddle.common.dp import epsilon
 from fedsaddle.common.numeric import Array, row_norms, sha256
-from fedsaddle.common.problems import make_problem, solution
+from fedsaddle.common.problems import Problem, make_problem, solution
+from fedsaddle.common.problems.domains import DomainError, problem_domain
 from fedsaddle.common.stop import Stopped
 from fedsaddle.common.tasks import EvaluateTask, Task
 from fedsaddle.server.algorithms import Algorithm, RoundAnswers, StepCost, build
@@ -301,17 +302,24 @@ class RunStopped(Exception):
 
 
 def initial_point(config: RunConfig) -> Array:
-    dim = make_problem(config.problem).dimension
+    """z0 as the config's `init` says; on a constrained problem, projected onto its domain (zeros
+    onto the simplex are its centre, ones onto a ball of radius r its point r/sqrt(size) (1, ..., 1))."""
+    problem = make_problem(config.problem)
+    dim = problem.dimension
     if config.init == "ones":
-        return np.ones(dim)
-    if config.init == "zeros":
-        return np.zeros(dim)
-    return seeding.rng(config.seed, seeding.INIT).standard_normal(dim)
+        z0 = np.ones(dim)
+    elif config.init == "zeros":
+        z0 = np.zeros(dim)
+    else:
+        z0 = seeding.rng(config.seed, seeding.INIT).standard_normal(dim)
+    domain = problem_domain(problem)
+    return z0 if domain is None else domain.project(z0)
 
 
 def make_run(spec: AlgorithmSpec, config: RunConfig, resume: Resume | None = None) -> Run:
-    dim_x, _ = make_problem(config.problem).dims()
-    algorithm = build(spec, config.sync, dim_x=dim_x)
+    problem = make_problem(config.problem)
+    dim_x, _ = problem.dims()
+    algorithm = build(spec, config.sync, dim_x=dim_x, domain=problem_domain(problem))
     return Run(spec.display_name, spec.model_dump(mode="json"), algorithm, initial_point(config), config, resume)
 
 
@@ -328,6 +336,21 @@ def run_info(config: RunConfig, run_id: str) -> RunInfo:
     secure = privacy.settings(config.problem.num_clients) if privacy.secure_aggregation else None
     dp = privacy.dp.settings() if privacy.dp is not None else None
     return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction, secure, dp)
+
+
+def check_reference(problem: Problem, z_star: Array | None) -> None:
+    """DomainError if a reference z* is not a vector of the problem's size inside its domain."""
+    if z_star is None:
+        return
+    if np.shape(z_star) != (problem.dimension,) or not np.isfinite(z_star).all():
+        raise DomainError(
+            f"the reference z* has shape {np.shape(z_star)}"
+            + ("" if np.shape(z_star) != (problem.dimension,) else " with entries that are not finite")
+            + f"; problem {problem.spec.name!r} has z of {problem.dimension} finite entries"
+        )
+    domain = problem_domain(problem)
+    if domain is not None:
+        domain.check(z_star, "the reference z*")
 
 
 def run_algorithm(
@@ -353,6 +376,7 @@ def run_algorithm(
     run = make_run(spec, config, resume)
     problem = make_problem(config.problem)
     z_star = reference if reference is not None else solution(config.problem, config.seed)
+    check_reference(problem, z_star)
     dim_x, _ = problem.dims()
     stopped_by: BaseException | None = None
     try:

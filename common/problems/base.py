@@ -60,6 +60,7 @@ from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems.data import ClientData, DataError, read_client_data
 
 if TYPE_CHECKING:
+    from fedsaddle.common.problems.domains import Block
     from fedsaddle.common.problems.shards import Shards
 
 __all__ = ["ClientContext", "ClientData", "DataError", "DataProblem", "Problem", "ProblemSpec", "SyntheticProblem"]
@@ -132,6 +133,11 @@ class Problem(abc.ABC):
         """Length of z = (x, y)."""
         dim_x, dim_y = self.dims()
         return dim_x + dim_y
+
+    def domains(self) -> Sequence[Block] | None:
+        """The domain of each block of z, in order, covering all dim_x + dim_y entries (Free, Box,
+        Ball, Simplex from fedsaddle.common.problems.domains); None: unconstrained (the default)."""
+        return None
 
 
 class DataProblem(Problem):

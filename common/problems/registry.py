@@ -39,6 +39,7 @@ BUILT_IN = {
     "linear_regression": "fedsaddle.common.problems.regression:LinearRegression",
     "auc": "fedsaddle.common.problems.auc:AucMaximization",
     "fair_logistic": "fedsaddle.common.problems.fairness:FairLogistic",
+    "agnostic": "fedsaddle.common.problems.agnostic:AgnosticLogistic",
 }
 
 

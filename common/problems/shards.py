@@ -22,6 +22,7 @@ import numpy as np
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems.base import DataProblem, accepts_client, client_context
 from fedsaddle.common.problems.data import ClientData
+from fedsaddle.common.problems.domains import problem_domain
 
 
 class Shards(Protocol):
@@ -70,6 +71,7 @@ class ProblemShards:
         self.contexts = [
             client_context(i, n, data.samples, weighting) for i, data in zip(self.indices, self.datas, strict=True)
         ]
+        self.domain = problem_domain(problem)
         # Which of the problem's methods take the client's context (detected once, by signature).
         self._with_context = {
             name: accepts_client(getattr(problem, name)) for name in ("gradient", "objective", "metrics")
@@ -156,6 +158,7 @@ class StackedShards:
         self.runs = list(runs)
         self.indices = runs[0].indices
         self.dimension = runs[0].dimension
+        self.domain = getattr(runs[0], "domain", None)
 
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         return np.stack([run.gradient(z[..., b]) for b, run in enumerate(self.runs)], axis=-1, out=out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedsaddle.common.problems.domains import Domain
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, RoundAnswers, StepCost, load_state, save_state
 from fedsaddle.server.algorithms.catalyst import (
     FixedSyncs,
@@ -60,8 +61,19 @@ def stop_rule(spec: FixedInnerStop | ObjectiveStop | GradientStop) -> InnerStop:
     return GradientMapping(spec.rtol, spec.max_inner_syncs)
 
 
-def build(spec: AlgorithmSpec, sync: FixedSync | RandomSync, dim_x: int | None = None) -> Algorithm[Any]:
-    """The algorithm a config entry describes, under the run's synchronization schedule."""
+def build(
+    spec: AlgorithmSpec, sync: FixedSync | RandomSync, dim_x: int | None = None, domain: Domain | None = None
+) -> Algorithm[Any]:
+    """The algorithm a config entry describes, under the run's synchronization schedule, keeping its
+    iterates in `domain` (None: unconstrained)."""
+    algorithm = _build(spec, sync, dim_x)
+    algorithm.domain = domain
+    if isinstance(algorithm, ScaffoldCatalystS):
+        algorithm.inner_solver.domain = domain
+    return algorithm
+
+
+def _build(spec: AlgorithmSpec, sync: FixedSync | RandomSync, dim_x: int | None = None) -> Algorithm[Any]:
     schedule = schedule_of(sync)
     if isinstance(spec, MinibatchMDSpec):
         return MinibatchMirrorDescent(gamma=spec.gamma, minibatch=schedule.minibatch)

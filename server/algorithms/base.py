@@ -30,6 +30,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import numpy as np
 
 from fedsaddle.common.numeric import Array, ordered_sum, running_sum
+from fedsaddle.common.problems.domains import Domain
 from fedsaddle.common.tasks import Task
 
 State = TypeVar("State")
@@ -132,10 +133,20 @@ class StepCost(NamedTuple):
 
 
 class Algorithm(abc.ABC, Generic[State]):
-    """One of the paper's algorithms, as generators of exchanges over an explicit state."""
+    """One of the paper's algorithms, as generators of exchanges over an explicit state.
+
+    On a constrained problem (`domain` set) every global step is followed by the Euclidean
+    projection onto the domain (the clients project their local steps, common/worker.py);
+    unconstrained, `project` returns its argument untouched, so nothing changes by a bit.
+    """
 
     name: str
     state_type: type  # the NamedTuple of its state (to read one back from a file)
+    domain: Domain | None = None
+
+    def project(self, z: Array) -> Array:
+        """z projected onto the problem's domain (z itself when unconstrained)."""
+        return z if self.domain is None else self.domain.project(z)
 
     @abc.abstractmethod
     def init(self, z0: Array, seed: int) -> Exchanges[State]:

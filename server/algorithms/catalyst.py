@@ -27,7 +27,8 @@ The inner stop rule is a small strategy (config `stop`):
              more float per client);
   gradient   stop when ||G^theta(z~)|| <= rtol ||G(z_bar)||. By strong
              monotonicity (mu + theta) this bounds the distance to the proximal
-             point, and it costs no communication.
+             point, and it costs no communication. On a constrained domain both
+             norms are of the projected residual z - P(z - G(z)).
 
 theta is fixed (the paper's theta = 1) or estimated: the theory sets theta = c mu
 (low heterogeneity) or beta - mu (high), with mu the strong monotonicity, which
@@ -53,6 +54,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fedsaddle.common.numeric import Array, dot, norm
+from fedsaddle.common.problems.domains import Domain
 from fedsaddle.common.tasks import GradientTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, positive
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldS, ScaffoldState
@@ -80,6 +82,7 @@ class InnerProgress(NamedTuple):
     anchor_grad_norm: float  # ||G(z_bar^t)||
     objective: float  # f^theta(z~) now (objective rule only)
     previous_objective: float  # f^theta(z~) at the previous inner sync, or f(z_bar^t)
+    domain: Domain | None = None  # a constrained problem's domain (the gradient rule measures its residual)
 
 
 class FixedSyncs:
@@ -117,7 +120,14 @@ class GradientMapping:
 
     def done(self, progress: InnerProgress) -> bool:
         grad_theta = progress.grad_tilde + progress.theta * (progress.z_tilde - progress.z_bar)
-        return progress.inner_syncs >= self.max_syncs or norm(grad_theta) <= self.rtol * progress.anchor_grad_norm
+        size = residual(progress.z_tilde, grad_theta, progress.domain)
+        return progress.inner_syncs >= self.max_syncs or size <= self.rtol * progress.anchor_grad_norm
+
+
+def residual(z: Array, gradient: Array, domain: Domain | None) -> float:
+    """||G(z)||, or on a constrained domain the projected one ||z - P(z - G(z))||: zero exactly at
+    the (constrained) saddle point, where G itself need not vanish."""
+    return norm(gradient) if domain is None else norm(z - domain.project(z - gradient))
 
 
 InnerStop = FixedSyncs | ObjectiveDecrease | GradientMapping
@@ -180,7 +190,7 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
             theta=self.theta,
             meta_iterations=0,
             inner_syncs=0,
-            anchor_grad_norm=norm(grad),
+            anchor_grad_norm=residual(z0, grad, self.domain),
             last_objective=0.0 if objective is None else objective,
             secant_inner=0.0,
             secant_norm=0.0,
@@ -203,6 +213,7 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
             state.anchor_grad_norm,
             objective,
             state.last_objective,
+            self.domain,
         )
         if not self.stop.done(progress):
             return state._replace(
@@ -220,7 +231,7 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
             theta=self._next_theta(state.theta, secant_inner, secant_norm, inner.z_tilde),
             meta_iterations=state.meta_iterations + 1,
             inner_syncs=0,
-            anchor_grad_norm=norm(inner.grad_tilde),
+            anchor_grad_norm=residual(inner.z_tilde, inner.grad_tilde, self.domain),
             last_objective=objective if f is None else f,
             secant_inner=0.0,
             secant_norm=0.0,

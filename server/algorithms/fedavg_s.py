@@ -14,6 +14,10 @@ framework). The box sends the unweighted sum under a constant step; weighting th
 sum keeps z~ equal to the clients' average iterate when gamma_g = gamma_l, which
 is how the paper defines FedAvg-S. Cost: one round per sync.
 
+Constrained problems: each local step is projected onto the domain and the clients
+send the sum of the steps actually taken, sum_l (z_i^l - z_i^{l+1}) / gamma_l (equal
+to sum_l w_l g_i^l where no projection acts); the server step is projected too.
+
 Missing clients: the server step averages the direction sums of the clients that
 answered. FedAvg-S's client drift is then joined by the sampling noise; with
 heterogeneous clients it settles further from z*.
@@ -64,7 +68,7 @@ class FedAvgS(Algorithm[FedAvgState]):
             decay=self.decay,
         )
         # Server: z~ <- z~ - gamma_g * (1/n) sum_i sum_l w_l g_i^l.
-        z_tilde = state.z_tilde - self.gamma_global * sums.mean()
+        z_tilde = self.project(state.z_tilde - self.gamma_global * sums.mean())
         return FedAvgState(z_tilde, clock, syncs=state.syncs + 1, local_steps=state.local_steps + tau_k)
 
     def iterate(self, state: FedAvgState) -> Array:

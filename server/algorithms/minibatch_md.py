@@ -7,9 +7,10 @@ estimates in all) and steps:
     z <- z - gamma * (1/n) sum_i G^_i(z)
 
 With the Euclidean mirror map on an unconstrained domain the mirror step is this
-plain step. tau is deterministic, as the paper says; under random
-synchronization it is round(1/p) (see SyncSchedule.minibatch). Cost: one round
-per step.
+plain step; on a constrained one (Problem.domains) it is followed by the Euclidean
+projection onto the domain, the mirror step of the Euclidean mirror map there.
+tau is deterministic, as the paper says; under random synchronization it is
+round(1/p) (see SyncSchedule.minibatch). Cost: one round per step.
 
 Missing clients (participation.fraction < 1, or a straggler deadline that closed
 the round): the step uses the mean over the clients that answered. Under uniform
@@ -48,8 +49,8 @@ class MinibatchMirrorDescent(Algorithm[MDState]):
     def step(self, state: MDState) -> Exchanges[MDState]:
         # Clients: the average of tau estimates G^_i(z) at the server's z.
         answers = yield GradientTask(state.z, batch=self.minibatch)
-        # Server: z <- z - gamma * (1/n) sum_i G^_i(z).
-        return MDState(z=state.z - self.gamma * answers.mean(), steps=state.steps + 1)
+        # Server: z <- z - gamma * (1/n) sum_i G^_i(z)  (then onto the domain, if constrained).
+        return MDState(z=self.project(state.z - self.gamma * answers.mean()), steps=state.steps + 1)
 
     def iterate(self, state: MDState) -> Array:
         return state.z

@@ -8,7 +8,8 @@ extragradient method):
     z^{r+1}   <- z^r - gamma * G^(z^{r+1/2})
 
 tau is deterministic, as for Minibatch Mirror Descent. Cost: two rounds per
-step, in both conventions (the paper counts both too).
+step, in both conventions (the paper counts both too). On a constrained problem
+both points are projected onto the domain (Euclidean mirror-prox on a convex set).
 
 Missing clients: each of the two gathers averages the clients that answered it
 (two independent samples), an unbiased but noisy G; as for Minibatch MD the
@@ -45,10 +46,10 @@ class MirrorProx(Algorithm[MirrorProxState]):
     def step(self, state: MirrorProxState) -> Exchanges[MirrorProxState]:
         # z^{r+1/2} <- z^r - gamma * G^(z^r)
         answers = yield GradientTask(state.z, batch=self.minibatch)
-        z_half = state.z - self.gamma * answers.mean()
+        z_half = self.project(state.z - self.gamma * answers.mean())
         # z^{r+1} <- z^r - gamma * G^(z^{r+1/2})
         answers = yield GradientTask(z_half, batch=self.minibatch)
-        return MirrorProxState(z=state.z - self.gamma * answers.mean(), steps=state.steps + 1)
+        return MirrorProxState(z=self.project(state.z - self.gamma * answers.mean()), steps=state.steps + 1)
 
     def iterate(self, state: MirrorProxState) -> Array:
         return state.z

@@ -21,6 +21,11 @@ broadcasts of the averaged sum and of z~^{k+1} fold into the next task.
 `sync` also serves SCAFFOLD-Catalyst-S as its inner solver: with theta > 0 it
 runs on the regularized G_i^theta(z) = G_i(z) + theta (z - z_bar) (catalyst.py).
 
+Constrained problems (Problem.domains): every local step and the server step are
+projected onto the domain; the clients send the steps actually taken (see
+fedavg_s.py). A constrained saddle point z* stays a fixed point: there -G(z*) lies in
+the normal cone, so every projected local step from z~ = z* returns z*.
+
 Missing clients: the server step averages the direction sums of the clients that
 answered the local-steps round, and the control G(z~) is the mean over those
 that answered the gradient round (each round draws its own sample). The control
@@ -81,7 +86,7 @@ class ScaffoldS(Algorithm[ScaffoldState]):
         control = state.grad_tilde if z_bar is None else state.grad_tilde + theta * (state.z_tilde - z_bar)
         sums = yield LocalStepsTask(state.z_tilde, tau_k, self.gamma_local, control=control, theta=theta)
         # z~^{k+1} <- z~^k - gamma_g (1/n) sum_i sum_l g_i^l
-        z_tilde = state.z_tilde - self.gamma_global * sums.mean()
+        z_tilde = self.project(state.z_tilde - self.gamma_global * sums.mean())
         # Clients communicate G_i(z~^{k+1}); the server forms G(z~^{k+1}).
         answers = yield GradientTask(z_tilde, exact=True, want_objective=want_objective)
         return ScaffoldState(z_tilde, answers.mean(), clock, state.syncs + 1), answers.mean_objective()
