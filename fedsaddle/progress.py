@@ -67,9 +67,14 @@ class Progress:
         self.update(name, spent, budget, "  ".join(note for note in notes if note))
 
     def step(self, run: Run, done: StepDone, pool: ClientPool) -> None:
-        """The driver's step hook: keeps each algorithm's latest metrics for its note ('test_auc 0.8976')."""
+        """The driver's step hook: keeps each algorithm's latest metrics for its note, with the round
+        they were evaluated at ('test_auc 0.8976 (evaluated at round 200)'): between evaluations the
+        note is the last evaluation's, and says so, never passed off as the current iterate's."""
         from fedsaddle.server.driver import record_metrics
 
-        found = record_metrics(run.records[-1])
+        record = run.records[-1]
+        found = record_metrics(record)
         if found:
-            self._metrics[run.name] = "  ".join(f"{k} {v:.4g}" for k, v in found.items())
+            at = record[run.convention.record_key]
+            values = "  ".join(f"{k} {v:.4g}" for k, v in found.items())
+            self._metrics[run.name] = f"{values} (evaluated at round {at})"

@@ -391,6 +391,12 @@ class OutputSpec(_Model):
     checkpoint_every: int = Field(
         0, ge=0, description="write checkpoint.npz every this many rounds, to resume a killed coordinator (0: never)"
     )
+    gradient_norm: bool = Field(
+        False,
+        description="at every evaluated step (evaluate_every, and the last) also gather the exact G_i(z) and record "
+        "grad_norm = ||G(z)|| of the federation's objective (on a constrained problem also residual = "
+        "||z - P(z - G(z))||): a convergence measure that needs no z*; one more exchange, counted as evaluation",
+    )
 
 
 class RunConfig(_Model):
@@ -442,8 +448,11 @@ class RunConfig(_Model):
             problem_domain(problem)  # a declared domain must fit the problem's dimensions
         except DomainError as exc:
             raise ValueError(str(exc)) from None
-        if self.evaluate_every and not problem.metric_names:
-            raise ValueError(f"evaluate_every: problem {self.problem.name} has no evaluation metrics")
+        if self.evaluate_every and not problem.metric_names and not self.output.gradient_norm:
+            raise ValueError(
+                f"evaluate_every: problem {self.problem.name} has no evaluation metrics "
+                "(output.gradient_norm: true evaluates ||G(z)|| on any problem)"
+            )
         if self.weighting == "samples" and problem.synthetic:
             raise ValueError(f"weighting: samples needs clients with data files; {self.problem.name} is synthetic")
         quorum = self.participation.min_clients

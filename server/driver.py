@@ -23,11 +23,11 @@ import numpy as np
 
 from fedsaddle.common import seeding
 from fedsaddle.common.dp import epsilon
-from fedsaddle.common.numeric import Array, row_norms, sha256
+from fedsaddle.common.numeric import Array, norm, row_norms, sha256
 from fedsaddle.common.problems import Problem, make_problem, solution
-from fedsaddle.common.problems.domains import DomainError, problem_domain
+from fedsaddle.common.problems.domains import Domain, DomainError, problem_domain
 from fedsaddle.common.stop import Stopped
-from fedsaddle.common.tasks import EvaluateTask, Task
+from fedsaddle.common.tasks import EvaluateTask, GradientTask, Task
 from fedsaddle.server.algorithms import Algorithm, RoundAnswers, StepCost, build
 from fedsaddle.server.config import AlgorithmSpec, RoundConvention, RunConfig
 from fedsaddle.server.pool import ClientPool, Diverged, RunInfo, fresh_traffic
@@ -338,6 +338,17 @@ def run_info(config: RunConfig, run_id: str) -> RunInfo:
     return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction, secure, dp)
 
 
+def gradient_norms(pool: ClientPool, z: Array, domain: Domain | None) -> dict[str, float]:
+    """||G(z)|| of the federation's objective at z, gathered exactly from the clients (an evaluation
+    exchange); on a constrained problem also the projected residual ||z - P(z - G(z))||, which is
+    zero at the constrained saddle point (where G need not vanish)."""
+    gradient = pool.exchange(GradientTask(z, exact=True), "evaluation").mean()
+    found = {"grad_norm": norm(gradient)}
+    if domain is not None:
+        found["residual"] = norm(z - domain.project(z - gradient))
+    return found
+
+
 def check_reference(problem: Problem, z_star: Array | None) -> None:
     """DomainError if a reference z* is not a vector of the problem's size inside its domain."""
     if z_star is None:
@@ -377,6 +388,7 @@ def run_algorithm(
     problem = make_problem(config.problem)
     z_star = reference if reference is not None else solution(config.problem, config.seed)
     check_reference(problem, z_star)
+    domain = problem_domain(problem)
     dim_x, _ = problem.dims()
     stopped_by: BaseException | None = None
     try:
@@ -400,8 +412,11 @@ def run_algorithm(
                 # Every `evaluate_every` steps, and at the end: the final iterate's metrics are the result.
                 every = config.evaluate_every
                 if going and every and (event.steps % every == 0 or run.ends_at(event)):
-                    evaluated = pool.exchange(EvaluateTask(iterate, problem.metric_names), "evaluation")
-                    run.records[-1].update(zip(problem.metric_names, evaluated.mean().tolist(), strict=True))
+                    if problem.metric_names:
+                        evaluated = pool.exchange(EvaluateTask(iterate, problem.metric_names), "evaluation")
+                        run.records[-1].update(zip(problem.metric_names, evaluated.mean().tolist(), strict=True))
+                    if config.output.gradient_norm:
+                        run.records[-1].update(gradient_norms(pool, iterate, domain))
                 if on_step is not None:
                     on_step(run, event, pool)
                 if not going:

@@ -203,6 +203,7 @@ def test_agnostic_runs_bit_identically_in_simulate_and_over_grpc(tmp_path: Path)
         "rounds": 30,
         "sync": {"kind": "random", "p": 0.25},
         "evaluate_every": 10,
+        "output": {"gradient_norm": True},
         "algorithms": [{**a, "gamma": 0.05} if "gamma" in a else a for a in ALGORITHMS],
     }
     path = tmp_path / "run.yaml"
@@ -216,6 +217,9 @@ def test_agnostic_runs_bit_identically_in_simulate_and_over_grpc(tmp_path: Path)
     same = fedsaddle("compare-runs", str(sim_dir), str(grpc_dir))
     assert same.returncode == 0, same.stdout
     domain = Domain([Free(31), Simplex(4)], 35)
+    records = [json.loads(line) for line in (sim_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if r["step"] % 10 == 0]
+    assert evaluated and all({"grad_norm", "residual", "test_loss", "test_accuracy"} <= set(r) for r in evaluated)
     for entry in json.loads((sim_dir / "summary.json").read_text())["algorithms"]:
         z = np.load(sim_dir / entry["z_file"])
         domain.check(z, entry["name"])
