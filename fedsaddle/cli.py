@@ -511,6 +511,35 @@ def cmd_compare_runs(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_check_problem(args: argparse.Namespace) -> int:
+    from fedsaddle.check import check_problem, distances
+    from fedsaddle.common.problems import DataError, ProblemError, make_problem
+
+    config = _config(args)
+    paths = _data_paths(args.data, range(config.problem.num_clients))
+    for run_dir in args.run_dir or []:
+        if not (Path(run_dir) / "summary.json").is_file():
+            raise UsageError(f"--run-dir {run_dir}: no summary.json there (not the run directory of a finished run)")
+    try:
+        report = check_problem(config, paths, args.points, args.pairs, args.seed, args.seconds)
+    except (DataError, ProblemError) as exc:
+        print(f"FAILED loading: {exc}")
+        return EXIT_RUN_FAILED
+    print("\n".join(report.lines))
+    if report.failure is not None:
+        return EXIT_RUN_FAILED
+    assert report.z_star is not None
+    if args.save_reference:
+        import numpy as np
+
+        np.save(args.save_reference, report.z_star.z, allow_pickle=False)
+        print(f"z* written to {args.save_reference} (api.run(..., reference=np.load(...)))")
+    dim_x, _ = make_problem(config.problem).dims()
+    for run_dir in args.run_dir or []:
+        print("\n".join(distances(report, Path(run_dir), dim_x)))
+    return EXIT_OK
+
+
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
@@ -881,6 +910,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("first", metavar="RUN_DIR", help="a run directory (holds summary.json)")
     p.add_argument("second", metavar="OTHER_RUN_DIR", help="the run directory to compare it with")
     p.add_argument("--limit", type=positive_int, default=20, help="differences to print at most")
+
+    p = command(
+        "check-problem",
+        "check a problem (a plug-in, on its data files) before federating it: gradient against finite differences "
+        "of the objective, monotonicity of G, and its saddle point z* (reference_solution, or numerical); "
+        "exit 0 if every check passes, 1 naming the first that fails",
+        cmd_check_problem,
+    )
+    p.add_argument("--config", help="run config naming the problem (default: the built-in one)")
+    with_data(p, "each client's")
+    p.add_argument("--points", type=positive_int, default=3, help="random points for the gradient check")
+    p.add_argument("--pairs", type=positive_int, default=20, help="random pairs for the monotonicity check")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random points")
+    p.add_argument("--seconds", type=positive_float, default=60.0, help="time allowed for a numerical z*")
+    p.add_argument("--save-reference", metavar="PATH", help="write z* to PATH (.npy)")
+    p.add_argument(
+        "--run-dir",
+        action="append",
+        metavar="RUN_DIR",
+        help="print each final iterate's distance to z* (never finer than z*'s accuracy); repeatable",
+    )
 
     p = command("show-config", "print a config with every default filled in", cmd_show_config)
     p.add_argument("--config", help="config file (default: the built-in one)")
