@@ -314,6 +314,16 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             run_problems(out, command, rounds, lambda done: progress.update("runs", done, total))
             print(f"report: {out / 'problems.md'} (figure_problems.png; {time.perf_counter() - started:.1f} s)")
             return EXIT_OK
+        if args.which == "agnostic":
+            from fedsaddle.experiments.agnostic import run_agnostic
+
+            seeds = range(args.seeds or 10)
+            grpc = args.transport == "grpc"
+            run_agnostic(
+                out, command, seeds, args.rounds or 2000, grpc, lambda done: progress.update("seeds", done, len(seeds))
+            )
+            print(f"report: {out / 'agnostic.md'} (figure_agnostic.png; {time.perf_counter() - started:.1f} s)")
+            return EXIT_OK
         if args.which == "ablations":
             from fedsaddle.experiments.ablations import run_ablations, variant_count
 
@@ -797,8 +807,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
         "which",
-        choices=["paper", "ablations", "noise", "problems"],
-        help="the paper's sweep, ablations of its open choices, stochastic gradients, or the real problems",
+        choices=["paper", "ablations", "noise", "problems", "agnostic"],
+        help="the paper's sweep, ablations of its open choices, stochastic gradients, the real problems, or "
+        "agnostic federated learning on breast_cancer",
     )
     p.add_argument(
         "--seeds", type=positive_int, help="seeds per setting (default 5; 1 with --transport grpc; the docs use 20)"

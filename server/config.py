@@ -595,7 +595,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
         try:
             data["problem"] = parse_spec(data["problem"])
         except ProblemNotFound as exc:
-            errors.append(f"  problem.name: {exc}")
+            errors.append(f"  problem.{exc.field}: {exc}")
             del data["problem"]
         except ValidationError as exc:
             plugin = data["problem"].get("plugin")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from fedsaddle.common.problems import (
     PaperRegressionSpec,
@@ -156,3 +159,19 @@ def test_real_problems_gradient_mappings_match_finite_differences(entry: dict[st
         derivative = (problem.objective(data, z + step) - problem.objective(data, z - step)) / 2e-6  # type: ignore[attr-defined]
         numeric[j] = derivative if j < dim_x else -derivative  # G = (grad_x f, -grad_y f)
     np.testing.assert_allclose(problem.gradient(data, z), numeric, rtol=1e-6, atol=1e-7)  # type: ignore[attr-defined]
+
+
+def test_a_plugin_that_cannot_be_imported_is_a_problem_plugin_error_that_says_how_to_fix_it(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    problem = {"name": "mine", "plugin": "my_absent_package.problem:Mine", "num_clients": 2}
+    path.write_text(yaml.safe_dump({"problem": problem, "algorithms": [{"name": "minibatch_md", "gamma": 0.1}]}))
+    done = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "problem.plugin: plugin 'my_absent_package.problem:Mine': cannot import 'my_absent_package.problem'" in (
+        done.stderr
+    )
+    assert "problem.name" not in done.stderr
+    for advice in ("pip install -e", "PYTHONPATH", "the coordinator", "every client process", "--problem"):
+        assert advice in done.stderr

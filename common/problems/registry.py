@@ -44,7 +44,13 @@ BUILT_IN = {
 
 
 class ProblemNotFound(ValueError):
-    """No problem of that name (or plugin path) can be loaded here; the message says why."""
+    """No problem of that name (or plugin path) can be loaded here; the message says why.
+
+    `field`: the config field at fault, `name` or `plugin`."""
+
+    def __init__(self, message: str, field: str = "name") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 _PLUGIN_FOLDERS: list[Path] = []  # the folders of the configs this process read
@@ -77,7 +83,7 @@ def _import(module_name: str) -> ModuleType:
         raise
 
 
-def _not_importable(path: str, module_name: str, exc: ImportError) -> ProblemNotFound:
+def _not_importable(path: str, module_name: str, exc: ImportError, field: str = "name") -> ProblemNotFound:
     """What to do about a plug-in module that cannot be imported, and in which processes."""
     if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
         looked = ", ".join(str(f) for f in (*_PLUGIN_FOLDERS, Path.cwd()))
@@ -87,25 +93,26 @@ def _not_importable(path: str, module_name: str, exc: ImportError) -> ProblemNot
             f"reads the config, and every client process (started with --problem {path}). Install its package "
             "in each (pip install -e PACKAGE_FOLDER, which also registers an entry point if it declares one), "
             "or start the command in the folder that holds the module (or its src/), "
-            "or put that folder on PYTHONPATH"
+            "or put that folder on PYTHONPATH",
+            field,
         )
-    return ProblemNotFound(f"plugin {path!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}")
+    return ProblemNotFound(f"plugin {path!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}", field)
 
 
-def load_path(path: str) -> type[Problem]:
-    """The Problem class at 'module:Class'."""
+def load_path(path: str, field: str = "name") -> type[Problem]:
+    """The Problem class at 'module:Class'; `field`: the config field it came from (for errors)."""
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute:
-        raise ProblemNotFound(f"plugin {path!r} must look like 'package.module:ClassName'")
+        raise ProblemNotFound(f"plugin {path!r} must look like 'package.module:ClassName'", field)
     try:
         module = _import(module_name)
     except ImportError as exc:
-        raise _not_importable(path, module_name, exc) from None
+        raise _not_importable(path, module_name, exc, field) from None
     found = getattr(module, attribute, None)
     if not (isinstance(found, type) and issubclass(found, Problem)):
-        raise ProblemNotFound(f"plugin {path!r}: {attribute!r} is not a fedsaddle Problem class")
+        raise ProblemNotFound(f"plugin {path!r}: {attribute!r} is not a fedsaddle Problem class", field)
     if not issubclass(found, DataProblem | SyntheticProblem):
-        raise ProblemNotFound(f"plugin {path!r}: subclass DataProblem (or SyntheticProblem)")
+        raise ProblemNotFound(f"plugin {path!r}: subclass DataProblem (or SyntheticProblem)", field)
     return found
 
 
@@ -146,12 +153,13 @@ def problem_class(name: str, plugin: str | None = None, trusted: Collection[str]
     if trusted is not None and plugin not in trusted:
         raise ProblemNotFound(
             f"problem {name[:64]!r} comes from plugin {plugin[:128]!r}, which this process does not trust "
-            f"(start it with --problem {plugin[:128]})"
+            f"(start it with --problem {plugin[:128]})",
+            "plugin",
         )
-    cls = load_path(plugin)
+    cls = load_path(plugin, "plugin")
     spec_name = cls.Spec.model_fields["name"].default
     if spec_name not in (None, name):
-        raise ProblemNotFound(f"plugin {plugin!r} defines problem {spec_name!r}, not {name!r}")
+        raise ProblemNotFound(f"plugin {plugin!r} defines problem {spec_name!r}, not {name!r}", "plugin")
     return cls
 
 
