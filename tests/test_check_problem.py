@@ -15,7 +15,7 @@ from conftest import fedsaddle
 from fedsaddle import api
 from fedsaddle.check import check_problem
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.problems import ClientData, DataProblem, ProblemSpec
+from fedsaddle.common.problems import ClientData, DataProblem, ProblemSpec, read_client_data
 from fedsaddle.common.problems.solve import numerical_saddle
 from fedsaddle.server.config import parse_config
 
@@ -138,3 +138,25 @@ def test_check_problem_on_agnostic_data_and_distances_never_finer_than_z_star(tm
     assert "< " in scaffold and "(z*'s accuracy)" in scaffold  # converged beyond what z* can tell
     assert "(z*'s accuracy)" not in fedavg  # client drift: a distance well above z*'s accuracy
     assert np.load(tmp_path / "z_star.npy").shape == (36,)
+
+
+def test_the_agnostic_experiments_central_saddle_agrees_with_the_generic_numerical_one(tmp_path: Path) -> None:
+    from fedsaddle.experiments import agnostic
+    from fedsaddle.experiments.datasets import split
+
+    split("breast_cancer", 4, "label-skew", 3, tmp_path)
+    paths = {i: str(tmp_path / f"client-{i:03d}.npz") for i in range(4)}
+    datas = [read_client_data(paths[i]) for i in range(4)]
+    dual, residual = agnostic.central_saddle(datas)
+    assert residual < 1e-13
+    run = parse_config(
+        {
+            "problem": {"name": "agnostic", "num_clients": 4, "features": 30, "lam": agnostic.LAM, "nu": agnostic.NU},
+            "algorithms": [{"name": "mirror_prox", "gamma": 0.1}],
+        }
+    )
+    report = check_problem(run, paths)
+    assert report.failure is None and report.z_star is not None
+    assert report.z_star.residual <= 1e-12
+    assert np.linalg.norm(report.z_star.z - dual) <= max(report.z_star.accuracy, 1e-12)
+    assert np.linalg.norm(report.z_star.z - dual) < 1e-10
