@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from fedsaddle import api
 from fedsaddle.common.numeric import Array, norm
 from fedsaddle.common.problems.agnostic import AgnosticLogistic, AgnosticSpec
 from fedsaddle.common.problems.base import client_context
@@ -177,19 +176,23 @@ class SeedResult:
     grpc_same: bool | None = None
 
 
-def run_seed(seed: int, rounds: int, folder: Path, grpc: bool) -> SeedResult:
+# api.run's signature, passed in by the command line (experiments never import fedsaddle's front end)
+Runner = Callable[..., Any]
+
+
+def run_seed(run: Runner, seed: int, rounds: int, folder: Path, grpc: bool) -> SeedResult:
     split("breast_cancer", CLIENTS, "label-skew", seed, folder / "data")
     pattern = str(folder / "data" / "client-{i:03d}.npz")
     datas = [read_client_data(pattern.format(i=i)) for i in range(CLIENTS)]
     uniform = model_for(datas, np.full(CLIENTS, 1.0 / CLIENTS))
     z_star, residual = central_saddle(datas)
-    report = api.run(config(seed, rounds), data=pattern, out=folder / "runs", reference=z_star)
+    report = run(config(seed, rounds), data=pattern, out=folder / "runs", reference=z_star)
     distances = {r.name: r.dist_z for r in report.results}
     curves = {r.name: [(int(rec["rounds"]), float(rec["dist_z"])) for rec in r.records] for r in report.results}
     hashes = {r.name: r.z_sha256 for r in report.results}
     same = None
     if grpc:
-        remote = api.run(config(seed, rounds), data=pattern, out=folder / "grpc", transport="grpc", reference=z_star)
+        remote = run(config(seed, rounds), data=pattern, out=folder / "grpc", transport="grpc", reference=z_star)
         same = [r.z_sha256 for r in remote.results] == list(hashes.values()) and all(
             a.traffic["algorithm"]["floats_up"] == b.traffic["algorithm"]["floats_up"]
             for a, b in zip(report.results, remote.results, strict=True)
@@ -208,13 +211,20 @@ def run_seed(seed: int, rounds: int, folder: Path, grpc: bool) -> SeedResult:
 
 
 def run_agnostic(
-    out: Path, command: str, seeds: Sequence[int], rounds: int, grpc: bool, progress: Callable[[int], None]
+    run: Runner,
+    out: Path,
+    command: str,
+    seeds: Sequence[int],
+    rounds: int,
+    grpc: bool,
+    progress: Callable[[int], None],
 ) -> list[SeedResult]:
+    """Every seed, in-process (and over gRPC with `grpc`), with `run` = fedsaddle.api.run."""
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for done, seed in enumerate(seeds, start=1):
         with tempfile.TemporaryDirectory() as folder:
-            results.append(run_seed(seed, rounds, Path(folder), grpc))
+            results.append(run_seed(run, seed, rounds, Path(folder), grpc))
         progress(done)
     write_report(out, command, results, rounds)
     return results

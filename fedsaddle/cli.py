@@ -315,12 +315,19 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             print(f"report: {out / 'problems.md'} (figure_problems.png; {time.perf_counter() - started:.1f} s)")
             return EXIT_OK
         if args.which == "agnostic":
+            from fedsaddle import api
             from fedsaddle.experiments.agnostic import run_agnostic
 
             seeds = range(args.seeds or 10)
             grpc = args.transport == "grpc"
             run_agnostic(
-                out, command, seeds, args.rounds or 2000, grpc, lambda done: progress.update("seeds", done, len(seeds))
+                api.run,
+                out,
+                command,
+                seeds,
+                args.rounds or 2000,
+                grpc,
+                lambda n: progress.update("seeds", n, len(seeds)),
             )
             print(f"report: {out / 'agnostic.md'} (figure_agnostic.png; {time.perf_counter() - started:.1f} s)")
             return EXIT_OK
