@@ -169,6 +169,7 @@ class SeedResult:
     z_star_residual: float
     uniform: tuple[Array, Array]  # per-client held-out (loss, accuracy)
     agnostic: tuple[Array, Array]
+    training: tuple[float, float]  # the worst client's training loss, uniform and agnostic
     weights: Array  # lambda*
     distances: dict[str, float]  # ||z - z*|| of each algorithm's final iterate
     curves: dict[str, list[tuple[int, float]]]  # (rounds, ||z - z*||)
@@ -202,6 +203,10 @@ def run_seed(run: Runner, seed: int, rounds: int, folder: Path, grpc: bool) -> S
         residual,
         per_client(datas, uniform),
         per_client(datas, z_star[: FEATURES + 1]),
+        (
+            max(_logistic(d, uniform)[0] for d in datas),
+            max(_logistic(d, z_star[: FEATURES + 1])[0] for d in datas),
+        ),
         z_star[FEATURES + 1 :],
         distances,
         curves,
@@ -239,6 +244,8 @@ def write_report(out: Path, command: str, results: Sequence[SeedResult], rounds:
     rows = []
     for r in results:
         cells = [
+            f"{r.training[0]:.4f}",
+            f"{r.training[1]:.4f}",
             f"{_worst(r.uniform[0], True):.4f}",
             f"{_worst(r.agnostic[0], True):.4f}",
             f"{_worst(r.uniform[1], False):.3f}",
@@ -253,6 +260,8 @@ def write_report(out: Path, command: str, results: Sequence[SeedResult], rounds:
         f"Worst client, uniform weights vs agnostic ({len(results)} seeds; held-out rows of each client)",
         "seed",
         [
+            "worst training loss, uniform",
+            "worst training loss, agnostic",
             "worst test loss, uniform",
             "worst test loss, agnostic",
             "worst accuracy, uniform",
