@@ -1,77 +1,89 @@
-"""The servicer of `Coordinator.Session`: thin. It decodes, checks, and hands over.
+"""The servicer of `Coordinator.Session`: a shell that only moves bytes and keeps time.
 
-Each client process's stream runs two coroutines: the handler below, which
-writes the session's queued Instructions (serialized once per round by the
-pool, passed through as bytes), and a reader that takes the process's messages:
-Ready goes to the run-start barrier, an Answer (with its Chunks) is checked
-(checks.py) and offered to the open round (rounds.py). A refused answer gets a
-Rejected instruction and changes nothing. A message that breaks the protocol
-ends the stream with INVALID_ARGUMENT, as do too many refused ones in one round
-(every message costs the coordinator work, a refused one buys nothing).
+Each client process's stream is admitted (Admission: streams per address, streams
+waiting for a Hello), handed to the protocol object (protocol.py) with its
+credentials, and then runs two coroutines: a reader that feeds every message to
+the protocol, and the handler itself, which writes the stream's queued
+Instructions (serialized once per round, passed through as bytes). Whatever the
+protocol answers is carried out here (`act`): bytes queued, a stream ended with a
+status, the pool's waiting operation settled. One timer wakes the protocol at its
+next deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any, NamedTuple, NoReturn
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from fedsaddle.common import wire
-from fedsaddle.common.text import RefusalLog, printable
-from fedsaddle.proto import fedsaddle_pb2 as pb
-from fedsaddle.server.transport import checks
 from fedsaddle.server.transport.auth import Authenticator, Identity
 from fedsaddle.server.transport.gate import ConnectionGate
+from fedsaddle.server.transport.protocol import (
+    Action,
+    Coordination,
+    End,
+    Failed,
+    Greeted,
+    Received,
+    Send,
+    Settled,
+    parse,
+)
 from fedsaddle.server.transport.refusal import Refusal
-from fedsaddle.server.transport.rounds import Barriers, OpenRound
-from fedsaddle.server.transport.sessions import Admission, Limits, Overflow, Registry, Session
+from fedsaddle.server.transport.sessions import Admission, Limits
 
 log = logging.getLogger("fedsaddle.coordinator")
 
 SERVICE = wire.SERVICE
-GOODBYE_GRACE_S = 2.0  # how long a told-goodbye session may take to close its side
 
 
-class Received(NamedTuple):
-    """A message as it came off the wire: parsed (None if the bytes are not a ClientMessage) and its size.
+class Outbox:
+    """A stream's instructions waiting for its writer, in order (None: end the stream).
 
-    A message that is only a Chunk is read by hand (wire.read_chunk): then `chunk` holds it
-    and `message` is None."""
+    A deque and one waiting writer: an asyncio.Queue would make a future for
+    every item and keep counts no one reads, and a round queues one item per
+    session."""
 
-    message: pb.ClientMessage | None
-    size: int
-    chunk: wire.RawChunk | None = None
+    def __init__(self) -> None:
+        self._items: deque[bytes | None] = deque()
+        self._writer: asyncio.Future[None] | None = None
+
+    def put(self, item: bytes | None) -> None:
+        self._items.append(item)
+        writer = self._writer
+        if writer is not None and not writer.done():
+            writer.set_result(None)
+
+    async def get(self) -> bytes | None:
+        while not self._items:
+            self._writer = asyncio.get_running_loop().create_future()
+            try:
+                await self._writer
+            finally:
+                self._writer = None
+        return self._items.popleft()
 
 
-class Incoming(NamedTuple):
-    """A chunked answer being read: its header, the chunks so far and its size on the wire. A refused
-    answer's chunks are still read to its end, checked but not kept (`refused`), and not refused
-    one by one."""
+@dataclass(eq=False)
+class Stream:
+    """The I/O side of one stream: what waits to be written, and how it is to end."""
 
-    header: pb.Answer
-    assembler: wire.Assembler
-    size: int
-    refused: bool = False
-
-
-# A session refused this many times in one round (since its last accepted answer) is ended. An honest
-# one is refused once or twice in a round at most: a straggler's answer that comes after the round closed.
-MAX_REFUSED_IN_A_ROUND = 32
-
-
-def parse(data: bytes) -> Received:
-    chunk = wire.read_chunk(data)
-    if chunk is not None:
-        return Received(None, len(data), chunk)
-    try:
-        return Received(pb.ClientMessage.FromString(data), len(data))
-    except DecodeError:
-        return Received(None, len(data))
+    key: int
+    peer: str
+    writer: asyncio.Task[Any] | None
+    bound: int  # undelivered bytes past which it stopped reading (set per round by the protocol)
+    outbox: Outbox
+    queued_bytes: int = 0
+    ending: End | None = None
+    greeted: bool = False  # past its Hello (admission no longer counts it as waiting)
+    joined: bool = False  # it holds a session (the gate counts its connection as carrying one)
 
 
 async def _end(context: grpc.aio.ServicerContext[Any, Any], refusal: Refusal) -> NoReturn:
@@ -88,36 +100,24 @@ async def _end(context: grpc.aio.ServicerContext[Any, Any], refusal: Refusal) ->
 
 
 class SessionService:
-    """Serves every Session stream of one coordinator."""
+    """Serves every Session stream of one coordinator (created on the server's event loop)."""
 
     def __init__(
-        self,
-        registry: Registry,
-        barriers: Barriers,
-        welcome: pb.Welcome,
-        authenticator: Authenticator | None = None,
-        limits: Limits | None = None,
+        self, protocol: Coordination, authenticator: Authenticator | None = None, limits: Limits | None = None
     ) -> None:
-        self.registry = registry
-        self.barriers = barriers
-        self.welcome = pb.Instruction(welcome=welcome).SerializeToString()
-        self.chunk_bytes = welcome.chunk_bytes
-        self.min_piece = wire.min_piece(welcome.chunk_bytes)
-        # The run's dimension (set by the pool): a refused answer's chunks are read and dropped up to
-        # what a session's clients could send, no further.
-        self.entries_per_client = 0
+        self.protocol = protocol
         self.authenticator = authenticator
         self.limits = limits or Limits()
-        self.shutting_down = False  # set by the pool when it says goodbye and stops the server
-        self.hello_timeout_s = self.limits.hello_timeout_s
         self.admission = Admission(
             self.limits.max_streams_per_peer, self.limits.max_pending_hellos, self.limits.max_quiet_per_peer
         )
-        self.refusals = RefusalLog(log)
+        self.refusals = protocol.refusals  # (flushed by the pool now and then: gate.py)
         self.gate: ConnectionGate | None = None  # told which connections carry a session (gate.py)
-        self.on_join: Callable[[Session], None] | None = None  # e.g. send a rejoining session the current run
-        # A Ready outside a run's start (a rejoining session's): whether it was for the run under way.
-        self.on_ready: Callable[[Session, pb.Ready], bool] | None = None
+        self.loop = asyncio.get_running_loop()
+        self.streams: dict[int, Stream] = {}
+        self._waiter: asyncio.Future[object] | None = None  # the pool's operation under way
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         session = grpc.stream_stream_rpc_method_handler(
@@ -125,7 +125,99 @@ class SessionService:
         )
         return grpc.method_handlers_generic_handler(SERVICE, {"Session": session})
 
-    # -- one stream -----------------------------------------------------------------------
+    # -- the pool's operations --------------------------------------------------------------
+
+    async def operate(self, actions: list[Action]) -> object:
+        """Carry out the actions that began an operation, and wait until the protocol settles it."""
+        waiter: asyncio.Future[object] = self.loop.create_future()
+        self._waiter = waiter
+        try:
+            self.act(actions)
+            return await waiter
+        finally:
+            self._waiter = None
+            if not waiter.done():  # interrupted: the protocol is not to settle it any more
+                self.protocol.abandon()
+                self._rearm()
+
+    # -- carrying out the protocol's actions ------------------------------------------------
+
+    def act(self, actions: Iterable[Action]) -> None:
+        todo = deque(actions)
+        while todo:
+            action = todo.popleft()
+            if isinstance(action, Send):
+                stream = self.streams.get(action.session)
+                if stream is None or stream.ending is not None:
+                    continue
+                if action.bound:
+                    stream.bound = action.bound
+                if stream.queued_bytes + len(action.data) > stream.bound:
+                    todo.extend(self.protocol.drop(stream.key, stream.queued_bytes, self.loop.time()))
+                    continue
+                stream.queued_bytes += len(action.data)
+                stream.outbox.put(action.data)
+            elif isinstance(action, End):
+                self._finish(action)
+            elif isinstance(action, Greeted):
+                stream = self.streams.get(action.session)
+                if stream is not None and not stream.greeted:
+                    self._greeted(stream, action.joined)
+            else:
+                self._settle(action)
+        self._rearm()
+
+    def _greeted(self, stream: Stream, joined: bool) -> None:
+        stream.greeted = True
+        self.admission.greeted(stream.peer.rsplit(":", 1)[0])
+        if joined and self.gate is not None:
+            stream.joined = True
+            self.gate.enter(stream.peer)
+
+    def _finish(self, end: End) -> None:
+        stream = self.streams.get(end.session)
+        if stream is None:
+            return
+        ending = stream.ending
+        if ending is not None and (ending.code is not None or end.code is None):
+            return  # the first status given is the one the stream ends with
+        stream.ending = end
+        stream.outbox.put(None)
+        if end.at_once and stream.writer is not None:
+            stream.writer.cancel()
+
+    def _settle(self, outcome: Settled | Failed) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        if isinstance(outcome, Failed):
+            waiter.set_exception(outcome.error)
+        else:
+            waiter.set_result(outcome.result)
+
+    def _rearm(self) -> None:
+        """Wake the protocol at its next deadline (one timer, moved only when the deadline moves)."""
+        deadline = self.protocol.next_deadline()
+        if deadline == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = None if deadline is None else self.loop.call_at(deadline, self._tick)
+
+    def _tick(self) -> None:
+        due = self._timer_at
+        self._timer = self._timer_at = None
+        # (the loop may call a moment before the deadline, by its clock's resolution)
+        now = self.loop.time() if due is None else max(self.loop.time(), due)
+        self.act(self.protocol.tick(now))
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._timer_at = None
+
+    # -- one stream -------------------------------------------------------------------------
 
     async def session(
         self, requests: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes]
@@ -139,259 +231,60 @@ class SessionService:
         try:
             self.admission.enter(host)
         except Refusal as refusal:
-            self.refusals.warn("refused a stream from %s: %s", peer, refusal.details)
+            self.protocol.refusals.warn("refused a stream from %s: %s", peer, refusal.details)
             await _end(context, refusal)
         try:
-            await self._serve(requests, context, peer, host)
+            await self._serve(requests, context, peer)
         finally:
             self.admission.leave(host)
 
     async def _serve(
-        self,
-        requests: AsyncIterator[Received],
-        context: grpc.aio.ServicerContext[Received, bytes],
-        peer: str,
-        host: str,
+        self, requests: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes], peer: str
     ) -> None:
-        incoming = requests.__aiter__()
-        refused: Refusal | None = None
+        identity: Identity | Refusal | None
         try:
-            session = await self._open(incoming, context, peer)
-        except Refusal as refusal:
-            self.refusals.warn("refused a session from %s: %s", peer, refusal.details)
-            refused = refusal
-        finally:
-            self.admission.greeted(host)
-        if refused is not None:
-            await _end(context, refused)
-        log.info("%s joined", session.describe())
-        session.task = asyncio.current_task()
-        reader = asyncio.create_task(self._read(session, incoming))
-        failure: Refusal | None = None
-        if self.gate is not None:
-            self.gate.enter(peer)
+            identity = self._authenticate(context)
+        except Refusal as refusal:  # told once the Hello comes, as that is checked first
+            identity = refusal
+        key = self.protocol.connect(peer, identity, self.loop.time())
+        stream = Stream(key, peer, asyncio.current_task(), self.limits.max_undelivered_bytes, Outbox())
+        self.streams[key] = stream
+        self._rearm()
+        reader = asyncio.create_task(self._read(stream, requests))
         try:
-            # In the same step as the registry took the session, before any await: a run the pool starts
-            # once this session completes the federation is sent to it by the pool, not again by on_join.
-            # What on_join queues goes out after the Welcome, which is written first.
-            if self.on_join is not None:
-                self.on_join(session)
-            await context.write(self.welcome)
-            while (item := await session.outbox.get()) is not None:
-                session.queued_bytes -= len(item)
+            while (item := await stream.outbox.get()) is not None:
+                stream.queued_bytes -= len(item)
                 await context.write(item)
-            if session.closing and not reader.done():
+            if stream.ending is not None and stream.ending.linger_s and not reader.done():
                 # After a goodbye, let the client close its side first: ending the call now would fail an
                 # answer it is writing, and it would never read the goodbye queued before that answer.
-                await asyncio.wait({reader}, timeout=GOODBYE_GRACE_S)
-            failure = reader.result() if reader.done() else None
-        except asyncio.CancelledError:  # dropped (see drop), the server stopping, or the client gone
-            if session.dropped is not None:
-                failure = session.dropped
-            elif self.shutting_down and not session.closing:
-                failure = Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
+                await asyncio.wait({reader}, timeout=stream.ending.linger_s)
+        except asyncio.CancelledError:  # dropped (its End says why), the server stopping, or the client gone
+            pass
         finally:
-            if self.gate is not None:
-                self.gate.leave(peer)
             reader.cancel()
-            if session.closing:
-                why = "ended its session"
-            elif failure is not None:  # the run that fails for it says why, not just that it left
-                why = f"was ended by the coordinator ({failure.details})"
-            else:
-                why = "disconnected"
-            self._close(session, why)
-        if failure is not None:
-            log.warning("ended the session of %s: %s", session.describe(), failure.details)
-            await _end(context, failure)
+            self.act(self.protocol.stream_ended(key, self.loop.time(), gone=True))
+            self.protocol.forget(key)
+            del self.streams[key]
+            if not stream.greeted:
+                self.admission.greeted(peer.rsplit(":", 1)[0])
+            if stream.joined and self.gate is not None:
+                self.gate.leave(peer)
+        ending = stream.ending
+        if ending is not None and ending.code is not None:
+            await _end(context, Refusal(ending.code, ending.details))
 
-    def drop(self, session: Session, reason: str) -> None:
-        """End a session from the coordinator's side (it stopped reading its stream): it is lost, by name."""
-        if not session.alive:
-            return
-        session.dropped = Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
-        self._close(session, f"was dropped: {reason}")
-        if session.task is not None:
-            session.task.cancel()
-
-    async def _open(
-        self, incoming: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes], peer: str
-    ) -> Session:
-        try:
-            first = await asyncio.wait_for(incoming.__anext__(), self.hello_timeout_s)
-        except TimeoutError:
-            raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, f"no Hello within {self.hello_timeout_s:g} s") from None
-        except StopAsyncIteration:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended before a Hello") from None
-        if first.message is None:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{first.size} bytes that are not a ClientMessage")
-        if first.message.WhichOneof("body") != "hello":
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with a Hello")
-        hello = first.message.hello
-        identity = self._authenticate(context)
-        indices = checks.hello_indices(hello, self.registry.num_clients)
-        if identity is not None:
-            Authenticator.check_indices(identity, indices)
-        ordered = tuple(sorted(indices))
-        listed = indices if indices != ordered else None
-        session = Session(ordered, peer, printable(hello.client_name, 256), identity, listed=listed)
-        session.max_queued_bytes = self.limits.max_undelivered_bytes
-        return self.registry.open(session)
+    async def _read(self, stream: Stream, requests: AsyncIterator[Received]) -> None:
+        """Feed the stream's messages to the protocol until it ends, or the protocol ends it."""
+        async for received in requests:
+            self.act(self.protocol.receive(stream.key, received, self.loop.time()))
+            del received  # not kept until the next message comes: it may be megabytes
+            if stream.ending is not None and stream.ending.code is not None:
+                return
+        self.act(self.protocol.stream_ended(stream.key, self.loop.time()))
 
     def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Identity | None:
         if self.authenticator is None:
             return None
         common_names = context.auth_context().get("x509_common_name", [])
         return self.authenticator.identify(context.invocation_metadata() or (), common_names)
-
-    def _close(self, session: Session, reason: str) -> None:
-        if session.alive:
-            self.registry.close(session, reason)
-            self.barriers.lose(session, reason)
-            log.info("%s %s", session.describe(), reason)
-
-    # -- what a client process sends --------------------------------------------------------
-
-    async def _read(self, session: Session, incoming: AsyncIterator[Received]) -> Refusal | None:
-        """Take the session's messages until its stream ends; a Refusal if it broke the protocol."""
-        pending: Incoming | None = None
-        try:
-            async for received in incoming:
-                if received.chunk is not None:  # the usual large message, read by hand
-                    pending = self._piece(session, pending, received.chunk, received.size)
-                    del received  # not kept until the next message comes: it may be megabytes
-                    continue
-                message = received.message
-                kind = message.WhichOneof("body") if message is not None else None
-                if message is None or kind is None or kind == "hello":
-                    what = "bytes that are not a ClientMessage" if message is None else f"an unexpected {kind}"
-                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{what} ({received.size} bytes)")
-                if kind == "ready":
-                    run_id = message.ready.run_id
-                    if run_id and run_id == session.ready_run:  # a Ready answers a RunSpec, once
-                        raise Refusal(
-                            grpc.StatusCode.INVALID_ARGUMENT, f"a second Ready for run {printable(run_id, 64)!r}"
-                        )
-                    starting = self.barriers.starting
-                    taken = starting is not None and starting.accept(session, message.ready)
-                    if not taken and self.on_ready is not None:
-                        taken = self.on_ready(session, message.ready)
-                    if not taken:  # (a late one is possible: a RunSpec resent as a run ended)
-                        self._count_refusal(session, f"a Ready for run {printable(run_id, 64)!r}, not under way")
-                elif kind == "unmasked":
-                    unmasking = self.barriers.unmask
-                    if unmasking is None or not unmasking.accept(session, message.unmasked, received.size):
-                        self._count_refusal(session, f"an unmasking for round {message.unmasked.round_id}, not asked")
-                elif kind == "answer":
-                    if pending is not None and not pending.refused:
-                        self._reject(session, pending.header.round_id, checks.INVALID, "a new Answer before the chunks")
-                    pending = self._answer(session, message.answer, received.size)
-                else:
-                    pending = self._piece(session, pending, message.chunk, received.size)
-                del received, message
-        except Refusal as refusal:
-            session.end()
-            return refusal
-        except Overflow as overflow:
-            session.end()
-            return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, str(overflow))
-        session.end()  # the process closed its side: its session is over
-        return None
-
-    def _answer(self, session: Session, header: pb.Answer, size: int) -> Incoming | None:
-        round_ = self.barriers.round
-        expected = round_.expectation(session) if round_ is not None else None
-        try:
-            length = checks.answer_header(
-                header, session.indices, expected, round_ is not None and session.id in round_.answers
-            )
-        except Refusal as refusal:
-            self._reject(session, header.round_id, refusal.code, refusal.details)
-            most = len(session.indices) * self.entries_per_client
-            if header.payload or not 0 < header.payload_length <= most:
-                return None  # (chunks that follow are refused one by one)
-            # Its chunks may be on their way (a late answer, say): read them, but refuse only once.
-            skipped = wire.Assembler(8 * header.payload_length, min_piece=self.min_piece, keep=False)
-            return Incoming(header, skipped, size, refused=True)
-        payload = header.payload  # (each read of a bytes field is a copy)
-        if length and not payload:
-            return Incoming(header, wire.Assembler(length, min_piece=self.min_piece), size)  # chunks follow
-        assert round_ is not None and expected is not None
-        self._accept(session, round_, expected, header, payload, size)
-        return None
-
-    def _piece(
-        self, session: Session, pending: Incoming | None, chunk: pb.Chunk | wire.RawChunk, size: int
-    ) -> Incoming | None:
-        """A Chunk of the answer being assembled (`pending`); the answer is offered when complete."""
-        if pending is None:
-            self._reject(session, 0, checks.INVALID, "a Chunk without an Answer before it")
-            return None
-        header, assembler, total, refused = pending
-        try:
-            assembler.add(chunk)
-        except wire.WireError as exc:
-            self._reject(session, header.round_id, checks.INVALID, str(exc))
-            return None
-        if not assembler.done:
-            return Incoming(header, assembler, total + size, refused)
-        if not refused:
-            self._offer(session, header, assembler.payload(), total + size)
-        return None
-
-    def _offer(self, session: Session, header: pb.Answer, payload: bytes | memoryview, size: int) -> None:
-        """A chunked answer is complete: checked again, as the round may have moved on while the chunks came."""
-        round_ = self.barriers.round
-        expected = round_.expectation(session) if round_ is not None else None
-        try:
-            checks.answer_header(header, session.indices, expected, round_ is not None and session.id in round_.answers)
-        except Refusal as refusal:
-            self._reject(session, header.round_id, refusal.code, refusal.details)
-            return
-        assert round_ is not None and expected is not None
-        self._accept(session, round_, expected, header, payload, size)
-
-    def _accept(
-        self,
-        session: Session,
-        round_: OpenRound,
-        expected: checks.Expectation,
-        header: pb.Answer,
-        payload: bytes | memoryview,
-        size: int,
-    ) -> None:
-        """Offer an answer whose header was checked against the open round: its vectors are checked here."""
-        try:
-            answer = checks.answer(header, payload, expected)
-        except Refusal as refusal:
-            self._reject(session, header.round_id, refusal.code, refusal.details)
-            return
-        session.refused = 0
-        round_.accept(session, answer, size)
-
-    def _reject(self, session: Session, round_id: int, code: grpc.StatusCode, details: str) -> None:
-        """Tell the session its answer was refused; end it (Refusal) after too many refusals in one round:
-        each message costs the coordinator work, and a refused one buys nothing."""
-        self._count_refusal(session, details)
-        if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
-            log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
-        else:
-            self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
-        rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
-        session.send(pb.Instruction(rejected=rejected).SerializeToString())
-
-    def _count_refusal(self, session: Session, details: str) -> None:
-        """Count a message refused or ignored; Refusal once the session has had too many in this round."""
-        round_ = self.barriers.round
-        in_round = round_.what if round_ is not None else ""
-        if session.refused_in != in_round:
-            session.refused, session.refused_in = 0, in_round
-        session.refused += 1
-        if session.refused == 1:
-            session.first_refused = details
-        if session.refused >= MAX_REFUSED_IN_A_ROUND:
-            where = f"in {in_round}" if in_round else "while no round was open"
-            raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{session.refused} messages refused {where}; the first: {session.first_refused}",
-            )

@@ -1,22 +1,25 @@
-"""The session registry: which client process holds which client indices, and how each left.
+"""The coordinator's sessions: what it grants its peers, each stream's state, and the registry of indices.
 
-A session is one client process's Session stream. The registry hands out indices
-(each to at most one live session), remembers how a session ended until its
-indices are taken again, and tells the pool which clients are connected. It lives
-on the server's event loop; nothing here blocks.
+A session is one client process's Session stream. Its state is one value of
+`State` (greeting, joined, closing, ended) with the data that state needs; the
+registry hands out indices (each to at most one live session), remembers how a
+session ended until its indices are taken again, and says which clients are
+connected. Nothing here does I/O or knows about an event loop: the protocol
+object (protocol.py) owns these, and the servicer only counts streams (Admission).
 """
 
 from __future__ import annotations
 
-import asyncio
-import secrets
-from collections import deque
+import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 
+from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.text import printable
+from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.config import Limits as Limits  # what one coordinator grants its peers: one model, the config's
 from fedsaddle.server.pool import ClientLost
 from fedsaddle.server.transport.auth import Identity
@@ -67,58 +70,53 @@ def _take_one(counts: dict[str, int], key: str) -> None:
         del counts[key]
 
 
-class Outbox:
-    """A session's instructions waiting for its stream's writer, in order.
+class State(enum.Enum):
+    """Where a session stands."""
 
-    A deque and one waiting writer: an asyncio.Queue would make a future for
-    every item and keep counts no one reads, and a round queues one item per
-    session."""
-
-    def __init__(self) -> None:
-        self._items: deque[bytes | None] = deque()
-        self._writer: asyncio.Future[None] | None = None
-
-    def put(self, item: bytes | None) -> None:
-        self._items.append(item)
-        writer = self._writer
-        if writer is not None and not writer.done():
-            writer.set_result(None)
-
-    async def get(self) -> bytes | None:
-        while not self._items:
-            self._writer = asyncio.get_running_loop().create_future()
-            try:
-                await self._writer
-            finally:
-                self._writer = None
-        return self._items.popleft()
+    GREETING = "greeting"  # the stream is open; its Hello has not come yet
+    JOINED = "joined"  # it holds its indices and takes part
+    CLOSING = "closing"  # told goodbye: its end is expected
+    ENDED = "ended"  # over (its indices are free again)
 
 
-class Overflow(Exception):
-    """A session's undelivered messages exceeded their bound: it stopped reading its stream."""
+class Incoming(NamedTuple):
+    """A chunked answer being read: its header, the chunks so far and its size on the wire. A refused
+    answer's chunks are still read to its end, checked but not kept (`refused`), and not refused
+    one by one."""
+
+    header: pb.Answer
+    assembler: wire.Assembler
+    size: int
+    refused: bool = False
+
+
+@dataclass
+class Refusals:
+    """Messages refused from one session in one round (since its last accepted answer)."""
+
+    count: int = 0
+    round: str = ""  # the round they were refused in ("" while none is open)
+    first: str = ""  # why the first of them was
 
 
 @dataclass(eq=False)
 class Session:
-    """One connected client process."""
+    """One client process's stream, from its first byte to its end."""
 
-    indices: tuple[int, ...]
+    key: int  # the protocol's number for it: what actions name
     peer: str
-    name: str
-    identity: Identity | None = None
-    id: str = field(default_factory=lambda: secrets.token_hex(8))
-    outbox: Outbox = field(default_factory=Outbox)
-    queued_bytes: int = 0
-    max_queued_bytes: int = 1 << 62
-    alive: bool = True
-    closing: bool = False  # told goodbye: its end is expected
-    task: asyncio.Task[None] | None = None  # the stream's handler (to drop a session that stops reading)
-    dropped: Refusal | None = None  # why the coordinator ended it
-    ready_run: str | None = None  # the run this session's clients are loaded for (it said Ready)
+    identity: Identity | Refusal | None = None  # the credentials it came with (a Refusal: refused ones)
+    state: State = State.GREETING
+    indices: tuple[int, ...] = ()
+    name: str = ""
     listed: tuple[int, ...] | None = None  # the indices in the Hello's order, when that is not index order
-    refused: int = 0  # messages refused in round `refused_in` since its last accepted answer
-    refused_in: str = ""  # that round ("" while none is open)
-    first_refused: str = ""  # why the first of them was
+    ready_run: str | None = None  # the run this session's clients are loaded for (it said Ready)
+    refusals: Refusals = field(default_factory=Refusals)
+    incoming: Incoming | None = None  # a chunked answer being read
+
+    @property
+    def live(self) -> bool:
+        return self.state in (State.JOINED, State.CLOSING)
 
     @property
     def hello_order(self) -> tuple[int, ...]:
@@ -131,20 +129,12 @@ class Session:
         return self.listed if taking_part == self.indices else None
 
     def describe(self) -> str:
+        if not self.indices:
+            return f"a stream from {self.peer}"
         who = f"client {self.indices[0]}" if len(self.indices) == 1 else f"clients {some(self.indices)}"
-        as_identity = f" as {printable(self.identity.name, 64)!r}" if self.identity else ""
+        identity = self.identity if isinstance(self.identity, Identity) else None
+        as_identity = f" as {printable(identity.name, 64)!r}" if identity else ""
         return f"{who} ({printable(self.name, 64) or 'unnamed'} at {self.peer}{as_identity})"
-
-    def send(self, data: bytes) -> None:
-        """Queue serialized Instructions for this session's stream; Overflow past the bound."""
-        if self.queued_bytes + len(data) > self.max_queued_bytes:
-            raise Overflow(f"{self.describe()} stopped reading its stream ({self.queued_bytes} bytes undelivered)")
-        self.queued_bytes += len(data)
-        self.outbox.put(data)
-
-    def end(self) -> None:
-        """Close the stream after what is queued."""
-        self.outbox.put(None)
 
 
 class Registry:
@@ -154,10 +144,14 @@ class Registry:
         self.num_clients = num_clients
         self.owner: dict[int, Session] = {}
         self.lost: dict[int, str] = {}  # client index -> how its session ended, until it rejoins
-        self.all_joined = asyncio.Event()
         self._live: list[Session] | None = None  # live(), until a session opens or closes
 
-    def open(self, session: Session) -> Session:
+    @property
+    def complete(self) -> bool:
+        """Every client index is held by a live session."""
+        return len(self.owner) == self.num_clients
+
+    def open(self, session: Session) -> None:
         """Give the session its indices; Refusal(ALREADY_EXISTS) if another live session holds one."""
         taken = [i for i in session.indices if i in self.owner]
         if taken:
@@ -166,21 +160,14 @@ class Registry:
             self.owner[i] = session
             self.lost.pop(i, None)
         self._live = None
-        if len(self.owner) == self.num_clients:
-            self.all_joined.set()
-        return session
 
     def close(self, session: Session, reason: str) -> None:
-        """The session's stream ended; its indices are free again."""
-        if not session.alive:
-            return
-        session.alive = False
+        """The session ended; its indices are free again."""
         for i in session.indices:
             if self.owner.get(i) is session:
                 del self.owner[i]
                 self.lost[i] = f"{session.describe()} {reason}"
         self._live = None
-        self.all_joined.clear()
 
     def live(self) -> list[Session]:
         """The live sessions, in the order of their first client index."""
@@ -189,7 +176,7 @@ class Registry:
         return list(self._live)
 
     def missing(self) -> list[int]:
-        if len(self.owner) == self.num_clients:
+        if self.complete:
             return []
         return [i for i in range(self.num_clients) if i not in self.owner]
 

@@ -1,0 +1,925 @@
+"""The coordinator's side of the protocol, free of I/O: events in, actions out (the twin of ClientSession).
+
+`Coordination` decides everything the coordinator's transport decides: who joins
+(the Hello, the registry of indices), a run's start (a RunSpec to every session,
+every Ready checked), each round (the task to the participants, their answers
+checked and kept), rejoins and their deadlines, refusal counting, and the goodbye.
+It is told the time with every call and never reads a clock, opens a socket or
+awaits. It answers with actions the shell (servicer.py, grpc_pool.py) carries out:
+
+- `Send(session, data)`: queue these serialized Instructions on the session's stream;
+- `End(session, code, details)`: end the stream, with this status (None: an orderly end);
+- `Greeted(session)`: the stream is past its Hello (admission stops counting it as waiting);
+- `Settled(result)` / `Failed(error)`: the operation the pool waits on (all clients joined,
+  a run started, a round collected) is over.
+
+Events: `connect` (a stream opened), `receive` (a message from it), `stream_ended`
+(the client closed its side, or its call went away), `drop` (its stream stopped
+reading), `tick` (a deadline came); and the pool's operations: `await_federation`,
+`start_run`, `open_round`, `abandon`, `goodbye`. After each, `next_deadline()` says
+when to call `tick` if nothing else happens first: a stream's Hello deadline, a lost
+client's rejoin deadline, a barrier's timeout, the straggler deadline. There is one
+set of deadlines and no polling.
+
+States (`Phase`): IDLE between operations; JOINING until every index is held;
+PRESENT before a run's start or a round while lost clients may still rejoin (or
+load the run); STARTING until every session is Ready; COLLECTING until the round's
+answers are in; CLOSED after the goodbye. Each session has its own `State`
+(sessions.py): greeting, joined, closing, ended.
+
+Secure aggregation would slot in as more phases of this object, not another
+reshaping. A key agreement at a run's start is a KEY_AGREEMENT phase entered
+where STARTING settles: one more barrier (rounds.Barrier, keyed by session) that
+sends each session its neighbours' public keys and collects their shares, with the
+same rejoin and timeout deadlines. The unmasking of an aggregation round is an
+UNMASKING phase entered where COLLECTING would settle: the masked answers are kept,
+a small request naming the clients that did and did not answer goes out, and the
+round settles only when the unmask answers are in. Those messages are dispatched
+in `receive` beside Ready and Answer, checked by pure functions like checks.py's,
+and the shell does not change: it still only moves bytes and keeps time.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from fedsaddle.common import wire
+from fedsaddle.common.indices import some
+from fedsaddle.common.secagg import messages
+from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.rows import row_length
+from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
+from fedsaddle.common.text import RefusalLog, printable
+from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.pool import ClientLost, PoolError, RunInfo
+from fedsaddle.server.settlement import round_traffic
+from fedsaddle.server.transport import checks
+from fedsaddle.server.transport.auth import Authenticator, Identity
+from fedsaddle.server.transport.refusal import Refusal
+from fedsaddle.server.transport.rounds import Barrier, Collecting, RunStart, Unmasking
+from fedsaddle.server.transport.sessions import Incoming, Limits, Registry, Session, State
+
+log = logging.getLogger("fedsaddle.coordinator")
+
+GOODBYE_GRACE_S = 2.0  # how long a told-goodbye session may take to close its side
+NOT_REPORTED = "not reported"  # a client whose Ready leaves numeric_stack empty (an outside implementation)
+# A session refused this many times in one round (since its last accepted answer) is ended. An honest
+# one is refused once or twice in a round at most: a straggler's answer that comes after the round closed.
+MAX_REFUSED_IN_A_ROUND = 32
+
+
+class MissingClients(PoolError):
+    """Not every client joined in time; the message lists the missing indices."""
+
+    def __init__(self, missing: list[int], timeout: float) -> None:
+        super().__init__(f"clients {some(missing)} did not join within {timeout:g} s")
+        self.missing = tuple(missing)
+
+
+class Received(NamedTuple):
+    """A message as it came off the wire: parsed (None if the bytes are not a ClientMessage) and its size.
+
+    A message that is only a Chunk is read by hand (wire.read_chunk): then `chunk` holds it
+    and `message` is None."""
+
+    message: pb.ClientMessage | None
+    size: int
+    chunk: wire.RawChunk | None = None
+
+
+def parse(data: bytes) -> Received:
+    chunk = wire.read_chunk(data)
+    if chunk is not None:
+        return Received(None, len(data), chunk)
+    try:
+        return Received(pb.ClientMessage.FromString(data), len(data))
+    except DecodeError:
+        return Received(None, len(data))
+
+
+# -- actions ------------------------------------------------------------------------------
+
+
+class Send(NamedTuple):
+    """Queue serialized Instructions on a session's stream. `bound` (if not 0): the stream's
+    undelivered bytes may grow to this from now on (more means it stopped reading)."""
+
+    session: int
+    data: bytes
+    bound: int = 0
+
+
+class End(NamedTuple):
+    """End a session's stream after what is queued: with `code` and `details`, or (code None) in order.
+    `at_once`: drop what is queued (it stopped reading); `linger_s`: let the client close its side first."""
+
+    session: int
+    code: grpc.StatusCode | None
+    details: str = ""
+    at_once: bool = False
+    linger_s: float = 0.0
+
+
+class Greeted(NamedTuple):
+    """The stream's Hello came (or it was refused, or it ended): it no longer waits for one. `joined`:
+    it holds a session now."""
+
+    session: int
+    joined: bool = False
+
+
+class Settled(NamedTuple):
+    """The pool's operation is over: its result (None, the sample counts, or a RoundResult)."""
+
+    result: object
+
+
+class Failed(NamedTuple):
+    """The pool's operation failed with this error."""
+
+    error: BaseException
+
+
+Action = Send | End | Greeted | Settled | Failed
+
+
+class RoundRequest(NamedTuple):
+    """One round as the pool asks for it: the task serialized, and what an answer must hold."""
+
+    round_id: int
+    pieces: list[bytes]  # the serialized task, for sessions whose clients all take part
+    entries: int  # float64 entries per client in an answer
+    want_objective: bool
+    evaluation: bool
+    floats: int  # float64 entries the task carries per client
+    subset: frozenset[int] | None  # the clients taking part (None: all)
+    pieces_for: Callable[[tuple[int, ...]], list[bytes]]  # the task for a session with only some of them
+    masked: bool = False  # secure aggregation: answers are masked rows of `entries` ring elements
+
+
+class RoundResult(NamedTuple):
+    """A collected round: the answers in client-index order, the bytes sent and the bytes received."""
+
+    answers: list[Answer]
+    bytes_down: int
+    bytes_up: int
+
+
+def run_spec(run: RunInfo) -> bytes:
+    """The RunSpec instruction that announces a run, serialized."""
+    spec = pb.RunSpec(
+        run_id=run.run_id,
+        problem_name=run.problem.name,
+        problem_json=run.problem.model_dump_json(),
+        noise_seed=run.seed,
+        gradient_noise=run.gradient_noise,
+        dimension=run.dimension,
+        want_sample_counts=run.weighting == "samples" and run.secure is None,
+    )
+    if run.secure is not None:  # (clients weigh their own rows: the counts stay with them)
+        spec.secure_aggregation.CopyFrom(messages.settings_message(run.secure, run.weighting == "samples"))
+        if run.dp is not None:  # the clients add the noise (without secure aggregation, the coordinator does)
+            spec.dp.CopyFrom(pb.DifferentialPrivacy(clip=run.dp.clip, noise_multiplier=run.dp.noise_multiplier))
+    if run.problem_object.synthetic:
+        spec.synthetic_seed = run.seed  # a benchmark source: clients generate their data from it
+    return pb.Instruction(run=spec).SerializeToString()
+
+
+def round_request(
+    run: RunInfo,
+    round_id: int,
+    task: Task,
+    chunk_bytes: int,
+    participants: tuple[int, ...] | None,
+    masked: bool = False,
+) -> RoundRequest:
+    """A round's task serialized once (and for a session with only some of its clients sampled, on demand).
+    `masked`: secure aggregation's round, whose answers are masked rows naming every client of the round."""
+    clients = (participants or ()) if masked else ()
+
+    def pieces_for(indices: tuple[int, ...]) -> list[bytes]:
+        return wire.encode_task(run.run_id, round_id, task, chunk_bytes, indices, clients)
+
+    if masked:
+        entries, want_objective, evaluation = row_length(task, run.dimension), False, False
+    else:
+        entries = len(task.metric_names) if isinstance(task, EvaluateTask) else run.dimension
+        want_objective = isinstance(task, GradientTask) and task.want_objective
+        evaluation = isinstance(task, EvaluateTask)
+    return RoundRequest(
+        round_id,
+        wire.encode_task(run.run_id, round_id, task, chunk_bytes, round_clients=clients),
+        entries=entries,
+        want_objective=want_objective,
+        evaluation=evaluation,
+        floats=round_traffic(task, run.num_clients, run.dimension).floats_down,
+        subset=None if participants is None else frozenset(participants),
+        pieces_for=pieces_for,
+        masked=masked,
+    )
+
+
+class UnmaskResult(NamedTuple):
+    """An unmask sub-exchange: the replies and refusals by client, the bytes sent and received."""
+
+    replies: dict[int, UnmaskReply]
+    refusals: dict[int, str]
+    bytes_down: int
+    bytes_up: int
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    JOINING = "joining"
+    PRESENT = "present"
+    STARTING = "starting"
+    COLLECTING = "collecting"
+    UNMASKING = "unmasking"
+    CLOSED = "closed"
+
+
+@dataclass
+class Presence:
+    """Waiting, before a run's start or a round, for lost clients to rejoin (and load run `run_id`)."""
+
+    when: str  # "before round 7"
+    run_id: str | None
+    deadline: float
+    then: Callable[[float], list[Action]]  # what to do once everyone is present
+
+
+class Resent(NamedTuple):
+    """What was sent again to rejoining sessions since it was last taken."""
+
+    messages: int
+    floats: int
+    size: int
+
+
+class Coordination:
+    """The coordinator's protocol state: sessions, the run, the operation under way, and its deadlines."""
+
+    def __init__(
+        self,
+        num_clients: int,
+        welcome: pb.Welcome,
+        *,
+        limits: Limits | None = None,
+        round_timeout_s: float = 60.0,
+        rejoin_timeout_s: float = 0.0,
+        straggler_deadline_s: float | None = None,
+        min_clients: int | None = None,
+    ) -> None:
+        self.registry = Registry(num_clients)
+        self.welcome = pb.Instruction(welcome=welcome).SerializeToString()
+        self.min_piece = wire.min_piece(welcome.chunk_bytes)
+        self.limits = limits or Limits()
+        self.round_timeout_s, self.rejoin_timeout_s = round_timeout_s, rejoin_timeout_s
+        self.straggler_deadline_s, self.min_clients = straggler_deadline_s, min_clients
+        self.sessions: dict[int, Session] = {}
+        self._next_key = 0
+        self._greeting: OrderedDict[int, float] = OrderedDict()  # key -> Hello deadline (in deadline order)
+        self.phase = Phase.IDLE
+        self.shutting_down = False
+        self.refusals = RefusalLog(log)
+        # The run: its RunSpec (resent to sessions that rejoin), its dimension, the sample counts.
+        self.run: RunInfo | None = None
+        self._spec: bytes | None = None
+        self._counts: list[int] | None = None
+        self.public_keys: dict[int, bytes] = {}  # secure aggregation: each client's key in this run
+        self._stacks: dict[int, str] = {}  # client index -> the numeric stack its process reported in Ready
+        self._warned_stacks: dict[str, list[int]] = {}  # the differing stacks last warned about
+        self._resent = [0, 0, 0]  # messages, float64 entries and bytes sent again to rejoining sessions
+        # The operation under way (one at a time).
+        self._joining_until: tuple[float, float] | None = None  # (deadline, timeout) of await_federation
+        self._presence: Presence | None = None
+        self._starting: RunStart | None = None
+        self._round: Collecting | None = None
+        self._unmasking: Unmasking | None = None
+
+    # -- streams ----------------------------------------------------------------------------
+
+    def connect(self, peer: str, identity: Identity | Refusal | None, now: float) -> int:
+        """A stream opened (admitted by the shell): its key. It has `hello_timeout_s` to say Hello."""
+        key = self._next_key
+        self._next_key += 1
+        self.sessions[key] = Session(key, peer, identity)
+        self._greeting[key] = now + self.limits.hello_timeout_s
+        return key
+
+    def receive(self, key: int, received: Received, now: float) -> list[Action]:
+        """A message from a session's stream."""
+        session = self.sessions.get(key)
+        if session is None or session.state is State.ENDED:
+            return []
+        actions: list[Action] = []
+        try:
+            if session.state is State.GREETING:
+                self._hello(session, received, now, actions)
+            else:
+                self._dispatch(session, received, now, actions)
+        except Refusal as refusal:
+            self._end(session, refusal, now, actions)
+        return self._settle(now, actions)
+
+    def stream_ended(self, key: int, now: float, gone: bool = False) -> list[Action]:
+        """The client closed its side, or (`gone`) its call went away: the server stopping, the client gone."""
+        session = self.sessions.get(key)
+        if session is None or session.state is State.ENDED:
+            return []
+        actions: list[Action] = []
+        if session.state is State.GREETING:
+            if gone:
+                self._ended(session, actions)
+                actions.append(End(key, None))
+            else:
+                self._end(session, Refusal(checks.INVALID, "the stream ended before a Hello"), now, actions)
+        elif gone and self.shutting_down and session.state is not State.CLOSING:
+            self._end(session, Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down"), now, actions)
+        else:
+            why = "ended its session" if session.state is State.CLOSING else "disconnected"
+            self._close(session, why, now)
+            actions.append(End(key, None))
+        return self._settle(now, actions)
+
+    def drop(self, key: int, undelivered: int, now: float) -> list[Action]:
+        """The session's stream stopped reading (`undelivered` bytes wait, past their bound): it is lost, by name."""
+        session = self.sessions.get(key)
+        if session is None or session.state is State.ENDED:
+            return []
+        reason = f"{session.describe()} stopped reading its stream ({undelivered} bytes undelivered)"
+        self._close(session, f"was dropped: {reason}", now)
+        log.warning("ended the session of %s: %s", session.describe(), reason)
+        actions: list[Action] = [End(key, grpc.StatusCode.RESOURCE_EXHAUSTED, reason, at_once=True)]
+        return self._settle(now, actions)
+
+    def forget(self, key: int) -> None:
+        """The shell is done with the stream (it ended): nothing more is kept about it."""
+        self.sessions.pop(key, None)
+        self._greeting.pop(key, None)
+
+    def greeting(self, key: int) -> bool:
+        session = self.sessions.get(key)
+        return session is not None and session.state is State.GREETING
+
+    def tick(self, now: float) -> list[Action]:
+        """Deadlines up to `now` have passed."""
+        actions: list[Action] = []
+        while self._greeting:
+            key, deadline = next(iter(self._greeting.items()))
+            if deadline > now:
+                break
+            timeout = f"no Hello within {self.limits.hello_timeout_s:g} s"
+            self._end(self.sessions[key], Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, timeout), now, actions)
+        return self._settle(now, actions)
+
+    def next_deadline(self) -> float | None:
+        """When to call `tick` if nothing happens before."""
+        deadlines = []
+        if self._greeting:
+            deadlines.append(next(iter(self._greeting.values())))
+        if self._joining_until is not None:
+            deadlines.append(self._joining_until[0])
+        if self._presence is not None:
+            deadlines.append(self._presence.deadline)
+        barrier = self._barrier()
+        if barrier is not None and (deadline := barrier.deadline()) is not None:
+            deadlines.append(deadline)
+        return min(deadlines) if deadlines else None
+
+    # -- the pool's operations --------------------------------------------------------------
+
+    def await_federation(self, timeout: float, now: float) -> list[Action]:
+        """Settles when every client index is held; Failed(MissingClients) after `timeout` seconds."""
+        self.phase = Phase.JOINING
+        self._joining_until = (now + timeout, timeout)
+        return self._settle(now, [])
+
+    def start_run(self, run: RunInfo, spec: bytes, now: float) -> list[Action]:
+        """Send the RunSpec to every session and wait until all are Ready. Settles with the clients'
+        sample counts by index when the run asked for them (else None); Failed naming any that is not."""
+        self.run, self._spec, self._counts, self.public_keys = run, spec, None, {}
+
+        def send_spec(now: float) -> list[Action]:
+            sessions = self.registry.live()
+            what = f"the start of run {run.run_id}"
+            self._starting = RunStart(
+                list(sessions), what, now, self.round_timeout_s, self.rejoin_timeout_s, run_id=run.run_id
+            )
+            self.phase = Phase.STARTING
+            return [Send(s.key, spec) for s in sessions]
+
+        return self._await_presence(f"before run {run.run_id}", None, send_spec, now)
+
+    def open_round(self, request: RoundRequest, now: float) -> list[Action]:
+        """Send one round's task to the participating sessions. Settles with a RoundResult."""
+        run = self.run
+        assert run is not None
+
+        def send_task(now: float) -> list[Action]:
+            taking_part: list[tuple[Session, tuple[int, ...]]] = []
+            subset = request.subset
+            # Secure aggregation: every client of the round, whose shares each masked row must carry.
+            round_clients = tuple(sorted(subset)) if subset is not None else tuple(range(run.num_clients))
+            for session in self.registry.live():
+                mine = session.indices if subset is None else tuple(i for i in session.indices if i in subset)
+                if mine:
+                    taking_part.append((session, mine))
+            expected = {
+                s.key: checks.Expectation(
+                    run.run_id,
+                    request.round_id,
+                    mine,
+                    request.entries,
+                    request.want_objective,
+                    request.evaluation,
+                    s.listed_for(mine),
+                    request.masked,
+                    round_clients,
+                )
+                for s, mine in taking_part
+            }
+            round_ = Collecting(
+                [s for s, _ in taking_part],
+                f"round {request.round_id}",
+                now,
+                self.round_timeout_s,
+                self.rejoin_timeout_s,
+                expected=expected,
+                pieces=request.pieces,
+                pieces_for=request.pieces_for,
+                floats_per_client=request.floats,
+                straggler_deadline_s=self.straggler_deadline_s,
+                min_clients=self.min_clients,
+            )
+            self._round, self.phase = round_, Phase.COLLECTING
+            # A few rounds' worth may wait undelivered: more means a session stopped reading.
+            bound = max(self.limits.max_undelivered_bytes, 3 * sum(len(p) for p in request.pieces))
+            actions: list[Action] = []
+            for session, _ in taking_part:
+                for piece in round_.task_for(session):
+                    actions.append(Send(session.key, piece, bound))
+                    round_.bytes_down += len(piece)
+            return actions
+
+        return self._await_presence(f"before round {request.round_id}", run.run_id, send_task, now)
+
+    def unmask(self, requests: dict[int, UnmaskRequest], now: float) -> list[Action]:
+        """Secure aggregation's unmask sub-exchange: each request to the session hosting its client.
+        Settles with an UnmaskResult (a lost or silent session gives no replies; it fails nothing)."""
+        run = self.run
+        assert run is not None
+        round_id = next(iter(requests.values())).round_id
+        asked = [(s, sorted(set(s.indices) & set(requests))) for s in self.registry.live()]
+        asked = [(s, clients) for s, clients in asked if clients]
+        barrier = Unmasking(
+            [s for s, _ in asked],
+            f"the unmasking of round {round_id}",
+            now,
+            self.round_timeout_s,
+            run_id=run.run_id,
+            round_id=round_id,
+            expected={s.key: set(clients) for s, clients in asked},
+        )
+        self._unmasking, self.phase = barrier, Phase.UNMASKING
+        actions: list[Action] = []
+        for session, clients in asked:
+            for client in clients:
+                data = messages.unmask_request(run.run_id, client, requests[client])
+                actions.append(Send(session.key, data))
+                barrier.bytes_down += len(data)
+        return self._settle(now, actions)
+
+    def broadcast(self, data: bytes) -> tuple[list[Action], int]:
+        """Send an instruction to every live session (secure aggregation's key directory): the bytes sent."""
+        sessions = self.registry.live()
+        return [Send(s.key, data) for s in sessions], len(data) * len(sessions)
+
+    def abandon(self) -> None:
+        """The pool stopped waiting (interrupted): no operation is under way any more."""
+        self._joining_until = self._presence = self._starting = self._round = self._unmasking = None
+        if self.phase is not Phase.CLOSED:
+            self.phase = Phase.IDLE
+
+    def goodbye(self, reason: str, outcome: pb.Outcome) -> list[Action]:
+        """Say goodbye to every live session; each may then close its side."""
+        self.abandon()
+        self.phase, self.shutting_down = Phase.CLOSED, True
+        goodbye = pb.Instruction(goodbye=pb.Goodbye(reason=reason, outcome=outcome)).SerializeToString()
+        actions: list[Action] = []
+        for session in self.registry.live():
+            session.state = State.CLOSING
+            actions += [Send(session.key, goodbye), End(session.key, None, linger_s=GOODBYE_GRACE_S)]
+        return actions
+
+    def take_resent(self) -> Resent:
+        """What was sent again to rejoining sessions since the last call (retransmission traffic)."""
+        resent = Resent(*self._resent)
+        self._resent[:] = [0, 0, 0]
+        return resent
+
+    def missing(self) -> list[int]:
+        """The client indices no live session holds now."""
+        return self.registry.missing()
+
+    def numeric_stacks(self) -> dict[str, list[int]]:
+        """What the clients reported computing with (numpy, BLAS kernel): the client indices of each."""
+        grouped: dict[str, list[int]] = {}
+        for index in sorted(self._stacks):
+            grouped.setdefault(self._stacks[index], []).append(index)
+        return grouped
+
+    # -- settling the operation under way ---------------------------------------------------
+
+    def _barrier(self) -> Barrier | None:
+        if self._starting is not None:
+            return self._starting
+        return self._round if self._round is not None else self._unmasking
+
+    def _settle(self, now: float, actions: list[Action]) -> list[Action]:
+        """Append Settled or Failed if the operation under way is over at `now` (after any event)."""
+        if self._joining_until is not None:
+            deadline, timeout = self._joining_until
+            if self.registry.complete:
+                self._finish(actions, Settled(None))
+                log.info("all %d clients connected", self.registry.num_clients)
+            elif now >= deadline:
+                self._finish(actions, Failed(MissingClients(self.registry.missing(), timeout)))
+        elif self._presence is not None:
+            self._check_presence(now, actions)
+        elif self._starting is not None:
+            settled, error = self._starting.verdict(now)
+            if settled:
+                self._finish(actions, self._run_started(self._starting) if error is None else Failed(error))
+        elif self._round is not None:
+            settled, error = self._round.verdict(now)
+            if settled:
+                round_ = self._round
+                result = RoundResult(round_.in_order(), round_.bytes_down, round_.bytes_up)
+                self._finish(actions, Settled(result) if error is None else Failed(error))
+        elif self._unmasking is not None:
+            settled, error = self._unmasking.verdict(now)
+            if settled:
+                unmasking = self._unmasking
+                unmasked = UnmaskResult(unmasking.replies, unmasking.refusals, unmasking.bytes_down, unmasking.bytes_up)
+                self._finish(actions, Settled(unmasked) if error is None else Failed(error))
+        return actions
+
+    def _finish(self, actions: list[Action], outcome: Settled | Failed) -> None:
+        self.abandon()
+        actions.append(outcome)
+
+    def _await_presence(
+        self, when: str, run_id: str | None, then: Callable[[float], list[Action]], now: float
+    ) -> list[Action]:
+        """Do `then` once every client is connected (and loaded for `run_id`, if given). With rejoins
+        allowed, waits up to the rejoin timeout for missing clients to come back; ClientLost naming them
+        if they do not."""
+        self.phase = Phase.PRESENT
+        self._presence = Presence(when, run_id, now + self.rejoin_timeout_s, then)
+        return self._settle(now, [])
+
+    def _present(self, run_id: str | None) -> bool:
+        if not self.registry.complete:
+            return False
+        return run_id is None or all(s.ready_run == run_id for s in self.registry.live())
+
+    def _check_presence(self, now: float, actions: list[Action]) -> None:
+        presence = self._presence
+        assert presence is not None
+        if not self._present(presence.run_id) and self.rejoin_timeout_s > 0 and now < presence.deadline:
+            return
+        self._presence = None
+        try:
+            sessions = self.registry.require_all(presence.when)
+        except ClientLost as lost:
+            if self.rejoin_timeout_s > 0:  # as a round's barrier says it of a client lost during the round
+                lost = ClientLost(f"{lost}, and did not rejoin within {self.rejoin_timeout_s:g} s", lost.client_indices)
+            self._finish(actions, Failed(lost))
+            return
+        unready = [s for s in sessions if presence.run_id is not None and s.ready_run != presence.run_id]
+        if unready:
+            said = f"{unready[0].describe()} rejoined {presence.when} but did not say Ready"
+            self._finish(actions, Failed(ClientLost(said, unready[0].indices)))
+            return
+        actions += presence.then(now)
+        self._settle(now, actions)  # (a round of no one is over at once)
+
+    def _run_started(self, barrier: RunStart) -> Settled | Failed:
+        run = self.run
+        assert run is not None
+        counts = [0] * run.num_clients
+        for session in barrier.sessions:
+            ready = barrier.ready[session.key]
+            problem = self._problem_with(session, ready, run)
+            if problem is not None:
+                return Failed(PoolError(problem))
+            session.ready_run = run.run_id
+            for index, count in zip(session.hello_order, ready.sample_counts, strict=False):
+                counts[index] = count
+            for index, public_key in zip(session.hello_order, ready.public_keys, strict=False):
+                self.public_keys[index] = public_key
+            self._note_stack(session, ready)
+        self._counts = counts if run.weighting == "samples" and run.secure is None else None
+        self._warn_if_stacks_differ(run.run_id)
+        return Settled(self._counts)
+
+    def _problem_with(self, session: Session, ready: pb.Ready, run: RunInfo) -> str | None:
+        """Why a session's Ready does not let the run go on, or None."""
+        if ready.error:
+            return f"{session.describe()} cannot serve run {run.run_id}: {printable(ready.error, 512)}"
+        if ready.dimension != run.dimension:
+            return (
+                f"{session.describe()} has data of dimension {ready.dimension}, "
+                f"but run {run.run_id} expects {run.dimension}"
+            )
+        if run.secure is not None:
+            if len(ready.public_keys) != len(session.indices):
+                return (
+                    f"{session.describe()} sent {len(ready.public_keys)} public keys for {len(session.indices)} "
+                    f"clients; run {run.run_id} uses secure aggregation"
+                )
+            if self.public_keys and any(self.public_keys.get(i) for i in session.indices):
+                # A process that restarted has new keys; the run would need every client to agree anew.
+                return (
+                    f"{session.describe()} rejoined run {run.run_id} with new keys: secure aggregation does not "
+                    "take a client back into a run yet (resume the run instead)"
+                )
+            return None
+        reported = list(ready.sample_counts)
+        if run.weighting == "samples" and len(reported) != len(session.indices):
+            return f"{session.describe()} reported {len(reported)} sample counts for {len(session.indices)} clients"
+        if run.weighting == "samples" and 0 in reported:
+            empty = session.hello_order[reported.index(0)]
+            return (
+                f"{session.describe()} reported 0 training samples for client {empty}: weighted by samples, "
+                "every client must bring some"
+            )
+        if self._counts is not None:  # a rejoining session must bring the same data
+            before = [self._counts[i] for i in session.hello_order]
+            if reported != before:
+                return f"{session.describe()} rejoined with sample counts {reported[:8]}, had {before[:8]}"
+        return None
+
+    def _note_stack(self, session: Session, ready: pb.Ready) -> None:
+        for index in session.indices:
+            self._stacks[index] = printable(ready.numeric_stack, 256) or NOT_REPORTED
+
+    def _warn_if_stacks_differ(self, run_id: str) -> None:
+        """Warn when the clients' reported stacks differ, once for each grouping (not once per run)."""
+        stacks = {k: v for k, v in self.numeric_stacks().items() if k != NOT_REPORTED}  # (the field is optional)
+        if len(stacks) > 1 and stacks != self._warned_stacks:
+            self._warned_stacks = stacks
+            told = "; ".join(f"{stack} (clients {some(indices)})" for stack, indices in stacks.items())
+            log.warning(
+                "run %s: the client processes compute with different numeric stacks: %s. Matrix products may "
+                "then differ in their last bits between clients and from simulate (set OPENBLAS_CORETYPE alike "
+                "on every host)",
+                run_id,
+                told,
+            )
+
+    # -- a session's start and end ----------------------------------------------------------
+
+    def _hello(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """The first message of a stream: a Hello, or the stream is refused."""
+        try:
+            if received.message is None:
+                raise Refusal(checks.INVALID, f"{received.size} bytes that are not a ClientMessage")
+            if received.message.WhichOneof("body") != "hello":
+                raise Refusal(checks.INVALID, "a session must start with a Hello")
+            hello = received.message.hello
+            if isinstance(session.identity, Refusal):
+                raise session.identity
+            indices = checks.hello_indices(hello, self.registry.num_clients)
+            if session.identity is not None:
+                Authenticator.check_indices(session.identity, indices)
+            ordered = tuple(sorted(indices))
+            session.indices, session.name = ordered, printable(hello.client_name, 256)
+            session.listed = indices if indices != ordered else None
+            self.registry.open(session)
+        except Refusal as refusal:
+            self.refusals.warn("refused a session from %s: %s", session.peer, refusal.details)
+            session.indices = ()
+            self._ended(session, actions)
+            actions.append(End(session.key, refusal.code, refusal.details))
+            return
+        session.state = State.JOINED
+        del self._greeting[session.key]
+        log.info("%s joined", session.describe())
+        actions += [Greeted(session.key, joined=True), Send(session.key, self.welcome)]
+        self._rejoined(session, now, actions)
+
+    def _rejoined(self, session: Session, now: float, actions: list[Action]) -> None:
+        """A session joined while a run is under way: it can only be a client coming back."""
+        if self._spec is None:
+            return
+        starting = self._starting
+        # The run's start now waits on it, or (rejoins allowed) its Ready comes to _ready.
+        if (starting is not None and starting.replace(session, now) is not None) or self.rejoin_timeout_s > 0:
+            self._resend(session, [self._spec], actions)
+            run_id = self.run.run_id if self.run else "?"
+            log.info("%s rejoined; sent it run %s", session.describe(), run_id)
+
+    def _resend(self, session: Session, pieces: list[bytes], actions: list[Action], clients: int = 0) -> None:
+        floats = self._round.floats_per_client * clients if self._round is not None else 0
+        for piece in pieces:
+            actions.append(Send(session.key, piece))
+            self._resent[2] += len(piece)
+        self._resent[0] += clients
+        self._resent[1] += floats
+
+    def _end(self, session: Session, refusal: Refusal, now: float, actions: list[Action]) -> None:
+        """End a session from the coordinator's side, with the refusal's status."""
+        if session.state is State.GREETING:
+            self.refusals.warn("refused a session from %s: %s", session.peer, refusal.details)
+            self._ended(session, actions)
+        else:
+            # The run that fails for it says why, not just that it left.
+            self._close(session, f"was ended by the coordinator ({refusal.details})", now)
+            log.warning("ended the session of %s: %s", session.describe(), refusal.details)
+        actions.append(End(session.key, refusal.code, refusal.details))
+
+    def _ended(self, session: Session, actions: list[Action]) -> None:
+        """A stream that never joined is over."""
+        session.state = State.ENDED
+        if self._greeting.pop(session.key, None) is not None:
+            actions.append(Greeted(session.key))
+
+    def _close(self, session: Session, reason: str, now: float) -> None:
+        """A joined session is over: its indices are free, and the barrier waiting on it is told."""
+        session.state, session.incoming = State.ENDED, None
+        self.registry.close(session, reason)
+        barrier = self._barrier()
+        if barrier is not None:
+            barrier.lose(session, reason, now)
+        log.info("%s %s", session.describe(), reason)
+
+    # -- what a joined session sends --------------------------------------------------------
+
+    def _dispatch(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        if received.chunk is not None:  # the usual large message, read by hand
+            self._piece(session, received.chunk, received.size, actions)
+            return
+        message = received.message
+        kind = message.WhichOneof("body") if message is not None else None
+        if message is None or kind is None or kind == "hello":
+            what = "bytes that are not a ClientMessage" if message is None else f"an unexpected {kind}"
+            raise Refusal(checks.INVALID, f"{what} ({received.size} bytes)")
+        if kind == "ready":
+            self._ready(session, message.ready, now, actions)
+        elif kind == "unmasked":
+            unmasking = self._unmasking
+            if unmasking is None or not unmasking.accept(session, message.unmasked, received.size):
+                self._count_refusal(session, f"an unmasking for round {message.unmasked.round_id}, not asked")
+        elif kind == "answer":
+            pending = session.incoming
+            if pending is not None and not pending.refused:
+                before = "a new Answer before the chunks"
+                self._reject(session, pending.header.round_id, checks.INVALID, before, actions)
+            session.incoming = None
+            self._answer(session, message.answer, received.size, actions)
+        else:
+            self._piece(session, message.chunk, received.size, actions)
+
+    def _ready(self, session: Session, ready: pb.Ready, now: float, actions: list[Action]) -> None:
+        run_id = ready.run_id
+        if run_id and run_id == session.ready_run:  # a Ready answers a RunSpec, once
+            raise Refusal(checks.INVALID, f"a second Ready for run {printable(run_id, 64)!r}")
+        starting = self._starting
+        if starting is not None and starting.accept(session, ready):
+            return
+        if not self._rejoin_ready(session, ready, now, actions):  # (a late one: a RunSpec resent as a run ended)
+            self._count_refusal(session, f"a Ready for run {printable(run_id, 64)!r}, not under way")
+
+    def _rejoin_ready(self, session: Session, ready: pb.Ready, now: float, actions: list[Action]) -> bool:
+        """A rejoining session is loaded: it takes its place in the open round, and is sent the task
+        again. False if the Ready is not for the run under way."""
+        run = self.run
+        if run is None or ready.run_id != run.run_id:
+            return False
+        problem = self._problem_with(session, ready, run)
+        round_ = self._round
+        if problem is not None:
+            if round_ is not None:
+                round_.fail(PoolError(problem))
+            log.error("%s", problem)
+            return True
+        session.ready_run = run.run_id
+        self._note_stack(session, ready)  # it may have come back on another machine, or another build
+        self._warn_if_stacks_differ(run.run_id)
+        if round_ is not None and round_.replace(session, now) is not None:
+            self._resend(session, round_.task_for(session), actions, len(round_.expected[session.key].indices))
+        return True
+
+    def _answer(self, session: Session, header: pb.Answer, size: int, actions: list[Action]) -> None:
+        round_ = self._round
+        expected = round_.expectation(session) if round_ is not None else None
+        try:
+            answered = round_ is not None and session.key in round_.answers
+            length = checks.answer_header(header, session.indices, expected, answered)
+        except Refusal as refusal:
+            self._reject(session, header.round_id, refusal.code, refusal.details, actions)
+            run = self.run
+            # (a masked row holds two more entries: the objective and the weight)
+            most = len(session.indices) * (run.dimension + (2 if run.secure is not None else 0) if run else 0)
+            if header.payload or not 0 < header.payload_length <= most:
+                return  # (chunks that follow are refused one by one)
+            # Its chunks may be on their way (a late answer, say): read them, but refuse only once.
+            skipped = wire.Assembler(8 * header.payload_length, min_piece=self.min_piece, keep=False)
+            session.incoming = Incoming(header, skipped, size, refused=True)
+            return
+        payload = header.payload  # (each read of a bytes field is a copy)
+        if length and not payload:  # chunks follow
+            session.incoming = Incoming(header, wire.Assembler(length, min_piece=self.min_piece), size)
+            return
+        assert round_ is not None and expected is not None
+        self._accept(session, round_, expected, header, payload, size, actions)
+
+    def _piece(self, session: Session, chunk: pb.Chunk | wire.RawChunk, size: int, actions: list[Action]) -> None:
+        """A Chunk of the answer being assembled; the answer is offered when complete."""
+        pending = session.incoming
+        if pending is None:
+            self._reject(session, 0, checks.INVALID, "a Chunk without an Answer before it", actions)
+            return
+        header, assembler, total, refused = pending
+        try:
+            assembler.add(chunk)
+        except wire.WireError as exc:
+            session.incoming = None
+            self._reject(session, header.round_id, checks.INVALID, str(exc), actions)
+            return
+        if not assembler.done:
+            session.incoming = Incoming(header, assembler, total + size, refused)
+            return
+        session.incoming = None
+        if not refused:
+            self._offer(session, header, assembler.payload(), total + size, actions)
+
+    def _offer(
+        self, session: Session, header: pb.Answer, payload: bytes | memoryview, size: int, actions: list[Action]
+    ) -> None:
+        """A chunked answer is complete: checked again, as the round may have moved on while the chunks came."""
+        round_ = self._round
+        expected = round_.expectation(session) if round_ is not None else None
+        try:
+            answered = round_ is not None and session.key in round_.answers
+            checks.answer_header(header, session.indices, expected, answered)
+        except Refusal as refusal:
+            self._reject(session, header.round_id, refusal.code, refusal.details, actions)
+            return
+        assert round_ is not None and expected is not None
+        self._accept(session, round_, expected, header, payload, size, actions)
+
+    def _accept(
+        self,
+        session: Session,
+        round_: Collecting,
+        expected: checks.Expectation,
+        header: pb.Answer,
+        payload: bytes | memoryview,
+        size: int,
+        actions: list[Action],
+    ) -> None:
+        """Offer an answer whose header was checked against the open round: its vectors are checked here."""
+        try:
+            answer = checks.answer(header, payload, expected)
+        except Refusal as refusal:
+            self._reject(session, header.round_id, refusal.code, refusal.details, actions)
+            return
+        session.refusals.count = 0
+        round_.accept(session, answer, size)
+
+    def _reject(
+        self, session: Session, round_id: int, code: grpc.StatusCode, details: str, actions: list[Action]
+    ) -> None:
+        """Tell the session its answer was refused; end it (Refusal) after too many refusals in one round:
+        each message costs the coordinator work, and a refused one buys nothing."""
+        self._count_refusal(session, details)
+        if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
+            log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
+        else:
+            self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
+        rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
+        actions.append(Send(session.key, pb.Instruction(rejected=rejected).SerializeToString()))
+
+    def _count_refusal(self, session: Session, details: str) -> None:
+        """Count a message refused or ignored; Refusal once the session has had too many in this round."""
+        in_round = self._round.what if self._round is not None else ""
+        counted = session.refusals
+        if counted.round != in_round:
+            counted.count, counted.round = 0, in_round
+        counted.count += 1
+        if counted.count == 1:
+            counted.first = details
+        if counted.count >= MAX_REFUSED_IN_A_ROUND:
+            where = f"in {in_round}" if in_round else "while no round was open"
+            raise Refusal(checks.INVALID, f"{counted.count} messages refused {where}; the first: {counted.first}")
