@@ -1,0 +1,172 @@
+"""The coordinator's protocol object and client sessions joined by function calls: bytes in, bytes out.
+
+No socket, no event loop, no thread: a `Federation` feeds each message's bytes to
+`Coordination` (server/transport/protocol.py) as the servicer would, carries out its
+actions as the servicer would, and keeps the time itself (`advance`). An honest
+client is a `ClientSession` (client/session.py) answering every instruction; a
+hand-driven one keeps its instructions in `inbox` for the test to answer, or not.
+`MemoryPool` is a ClientPool over a federation, so that whole algorithms run on it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from fedsaddle.client.session import ClientSession
+from fedsaddle.common import wire
+from fedsaddle.common.tasks import Answer, Task
+from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.pool import Category, ClientPool, RunInfo
+from fedsaddle.server.transport.protocol import (
+    Action,
+    Coordination,
+    End,
+    Failed,
+    Greeted,
+    RoundResult,
+    Send,
+    Settled,
+    parse,
+    round_request,
+    run_spec,
+)
+
+CHUNK_BYTES = 1 << 20
+
+
+def instruction(data: bytes) -> pb.Instruction | wire.RawChunk:
+    """An Instruction as the client runtime parses it (a Chunk read by hand)."""
+    chunk = wire.read_chunk(data)
+    return chunk if chunk is not None else pb.Instruction.FromString(data)
+
+
+class Federation:
+    """A Coordination object, its clients, and a clock that moves only when told."""
+
+    def __init__(self, num_clients: int, chunk_bytes: int = CHUNK_BYTES, **options: object) -> None:
+        self.now = 0.0
+        welcome = pb.Welcome(federation_id="f", num_clients=num_clients, chunk_bytes=chunk_bytes)
+        self.protocol = Coordination(num_clients, welcome, **options)  # type: ignore[arg-type]
+        self.chunk_bytes = chunk_bytes
+        self.clients: dict[int, ClientSession] = {}  # every stream's session: it computes the good answers
+        self.honest: set[int] = set()  # the streams whose session answers by itself
+        self.inbox: dict[int, list[pb.Instruction | wire.RawChunk]] = {}  # what the others were sent
+        self.ended: dict[int, End] = {}
+        self.greeted: set[int] = set()
+        self.outcomes: list[Settled | Failed] = []
+        self.sent_bytes = 0
+
+    def connect(self, peer: str = "") -> int:
+        key = self.protocol.connect(peer or f"ipv4:127.0.0.1:{50000 + len(self.clients)}", None, self.now)
+        self.inbox[key] = []
+        return key
+
+    def join(self, indices: tuple[int, ...], name: str = "memory", honest: bool = True) -> int:
+        """A client process's stream, its Hello sent: its key."""
+        key = self.connect()
+        session = ClientSession(indices)
+        self.clients[key] = session
+        if honest:
+            self.honest.add(key)
+        self.send(key, session.hello(name))
+        return key
+
+    def send(self, key: int, message: pb.ClientMessage | bytes) -> None:
+        data = message if isinstance(message, bytes) else message.SerializeToString()
+        self.carry_out(self.protocol.receive(key, parse(data), self.now))
+
+    def close(self, key: int) -> None:
+        """The client closes its side."""
+        self.carry_out(self.protocol.stream_ended(key, self.now))
+
+    def advance(self, seconds: float) -> None:
+        """Time passes; the deadlines it crosses are handled, in order."""
+        until = self.now + seconds
+        while (deadline := self.protocol.next_deadline()) is not None and deadline <= until:
+            self.now = max(self.now, deadline)
+            self.carry_out(self.protocol.tick(self.now))
+        self.now = until
+        self.carry_out(self.protocol.tick(self.now))
+
+    def carry_out(self, actions: Iterable[Action]) -> None:
+        todo = deque(actions)
+        while todo:
+            action = todo.popleft()
+            if isinstance(action, Send):
+                if action.session in self.ended:
+                    continue
+                self.sent_bytes += len(action.data)
+                received = instruction(action.data)
+                if action.session not in self.honest:
+                    self.inbox[action.session].append(received)
+                    welcome = isinstance(received, pb.Instruction) and received.HasField("welcome")
+                    if welcome and action.session in self.clients:
+                        self.clients[action.session].handle(received)  # its chunk size, for its good answers
+                    continue
+                for reply in self.clients[action.session].handle(received):
+                    data = reply if isinstance(reply, bytes) else reply.SerializeToString()
+                    todo.extend(self.protocol.receive(action.session, parse(data), self.now))
+            elif isinstance(action, End):
+                self.ended.setdefault(action.session, action)
+                if action.code is not None:  # a status replaces an orderly end
+                    self.ended[action.session] = action
+            elif isinstance(action, Greeted):
+                assert action.session not in self.greeted, "greeted twice"
+                self.greeted.add(action.session)
+            else:
+                self.outcomes.append(action)
+
+    def take(self, key: int) -> list[pb.Instruction | wire.RawChunk]:
+        """What a hand-driven stream was sent since the last take."""
+        taken, self.inbox[key] = self.inbox[key], []
+        return taken
+
+    def answer(self, key: int, items: Iterable[pb.Instruction | wire.RawChunk]) -> list[bytes]:
+        """The honest replies (serialized) of a hand-driven stream's session to these instructions."""
+        replies: list[bytes] = []
+        for item in items:
+            for reply in self.clients[key].handle(item):
+                replies.append(reply if isinstance(reply, bytes) else reply.SerializeToString())
+        return replies
+
+    def rejected(self, key: int) -> list[pb.Rejected]:
+        """The Rejected instructions a hand-driven stream was sent since the last take."""
+        return [i.rejected for i in self.take(key) if isinstance(i, pb.Instruction) and i.HasField("rejected")]
+
+    def operate(self, begin: Callable[[float], list[Action]], meanwhile: Callable[[], None] | None = None) -> object:
+        """Begin one of the protocol's operations, let `meanwhile` act, and return how it settled."""
+        self.outcomes.clear()
+        self.carry_out(begin(self.now))
+        if meanwhile is not None and not self.outcomes:
+            meanwhile()
+        assert len(self.outcomes) == 1, f"the operation did not settle: {self.outcomes}"
+        outcome = self.outcomes.pop()
+        if isinstance(outcome, Failed):
+            raise outcome.error
+        return outcome.result
+
+
+class MemoryPool(ClientPool):
+    """A ClientPool over a Federation: `meanwhile` (if set) acts while each round waits."""
+
+    def __init__(self, federation: Federation) -> None:
+        super().__init__()
+        self.federation = federation
+        self.meanwhile: Callable[[], None] | None = None
+
+    def _announce(self, run: RunInfo) -> list[int] | None:
+        counts = self.federation.operate(lambda now: self.federation.protocol.start_run(run, run_spec(run), now))
+        return counts if isinstance(counts, list) else None
+
+    def _exchange(
+        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
+    ) -> list[Answer]:
+        assert self.run is not None
+        request = round_request(self.run, round_id, task, self.federation.chunk_bytes, participants)
+        protocol = self.federation.protocol
+        result = self.federation.operate(lambda now: protocol.open_round(request, now), self.meanwhile)
+        assert isinstance(result, RoundResult)
+        self.traffic[category].bytes_down += result.bytes_down
+        self.traffic[category].bytes_up += result.bytes_up
+        return result.answers
