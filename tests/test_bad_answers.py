@@ -126,6 +126,22 @@ def answer(header: pb.Answer, values: np.ndarray[Any, Any] | None = None, **fiel
     return pb.ClientMessage(answer=bad)
 
 
+# The Rejected code each kind of bad answer gets.
+REFUSED_WITH = {
+    "duplicate": "ALREADY_EXISTS",
+    "short": "INVALID_ARGUMENT",
+    "length mismatch": "INVALID_ARGUMENT",
+    "nan": "INVALID_ARGUMENT",
+    "inf": "INVALID_ARGUMENT",
+    "stale round": "FAILED_PRECONDITION",
+    "wrong run": "FAILED_PRECONDITION",
+    "someone else's index": "PERMISSION_DENIED",
+    "no indices": "INVALID_ARGUMENT",
+    "chunk gap": "INVALID_ARGUMENT",
+    "chunk without answer": "INVALID_ARGUMENT",
+}
+
+
 def test_bad_answers_are_rejected_and_the_run_ends_as_if_they_never_came() -> None:
     pool = GrpcPool(2, "127.0.0.1:0")
     outcome: dict[str, AlgorithmResult] = {}
@@ -166,20 +182,7 @@ def test_bad_answers_are_rejected_and_the_run_ends_as_if_they_never_came() -> No
     finally:
         pool.close()
         channel.close()
-    expected = {
-        "duplicate": "ALREADY_EXISTS",
-        "short": "INVALID_ARGUMENT",
-        "length mismatch": "INVALID_ARGUMENT",
-        "nan": "INVALID_ARGUMENT",
-        "inf": "INVALID_ARGUMENT",
-        "stale round": "FAILED_PRECONDITION",
-        "wrong run": "FAILED_PRECONDITION",
-        "someone else's index": "PERMISSION_DENIED",
-        "no indices": "INVALID_ARGUMENT",
-        "chunk gap": "INVALID_ARGUMENT",
-        "chunk without answer": "INVALID_ARGUMENT",
-        "after the run": "FAILED_PRECONDITION",
-    }
+    expected = {**REFUSED_WITH, "after the run": "FAILED_PRECONDITION"}
     assert codes == [(what, expected[what]) for what, _ in codes]
     assert len(codes) == (len(expected) - 1) * RUN.rounds + 1
     # None of the refused answers touched the state: the run equals a clean in-process run.

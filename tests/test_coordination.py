@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import config
 from federation import Federation, MemoryPool
+from test_bad_answers import REFUSED_WITH, _garbled, answer
 
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.driver import AlgorithmResult, RunStopped, run_algorithm
@@ -38,21 +39,6 @@ def clean_run(run: Any = RUN, algorithm: int = 0) -> AlgorithmResult:
     return run_algorithm(run.algorithms[algorithm], run, LocalPool())
 
 
-def answer(header: pb.Answer, values: np.ndarray[Any, Any] | None = None, **fields: Any) -> pb.ClientMessage:
-    bad = pb.Answer()
-    bad.CopyFrom(header)
-    if values is not None:
-        bad.payload = values.tobytes()
-        bad.payload_length = values.size
-    for name, value in fields.items():
-        if name == "client_indices":
-            del bad.client_indices[:]
-            bad.client_indices.extend(value)
-        else:
-            setattr(bad, name, value)
-    return pb.ClientMessage(answer=bad)
-
-
 def start(pool: MemoryPool, info: RunInfo, *by_hand: int) -> None:
     """Start a run; the hand-driven streams `by_hand` say Ready as their sessions would."""
     federation = pool.federation
@@ -61,6 +47,16 @@ def start(pool: MemoryPool, info: RunInfo, *by_hand: int) -> None:
         pool.start_run(info)
     finally:
         federation.honest.difference_update(by_hand)
+
+
+def started(**options: Any) -> tuple[Federation, MemoryPool, int]:
+    """Two clients, client 0 driven by hand, and run 'r' started: the federation, its pool, client 0's stream."""
+    federation = Federation(2, **options)
+    hand = federation.join((0,), honest=False)
+    federation.join((1,))
+    pool = MemoryPool(federation)
+    start(pool, RunInfo("r", RUN.problem, RUN.seed, 0.0), hand)
+    return federation, pool, hand
 
 
 def good_answer(federation: Federation, key: int) -> pb.Answer:
@@ -168,20 +164,7 @@ def test_bad_answers_are_rejected_with_precise_codes_and_the_run_ends_as_if_they
     pool.start_run = lambda info: (ClientPool.start_run(pool, info), federation.honest.clear())  # type: ignore
     result = run_algorithm(RUN.algorithms[0], RUN, pool)
     assert result.z_sha256 == clean_run().z_sha256  # none of the refused answers touched the state
-    expected = {
-        "duplicate": "ALREADY_EXISTS",
-        "short": "INVALID_ARGUMENT",
-        "length mismatch": "INVALID_ARGUMENT",
-        "nan": "INVALID_ARGUMENT",
-        "inf": "INVALID_ARGUMENT",
-        "stale round": "FAILED_PRECONDITION",
-        "wrong run": "FAILED_PRECONDITION",
-        "someone else's index": "PERMISSION_DENIED",
-        "no indices": "INVALID_ARGUMENT",
-        "chunk gap": "INVALID_ARGUMENT",
-        "chunk without answer": "INVALID_ARGUMENT",
-    }
-    assert codes == [(what, expected[what]) for what, _ in codes] and len(codes) == RUN.rounds * len(expected)
+    assert codes == [(what, REFUSED_WITH[what]) for what, _ in codes] and len(codes) == RUN.rounds * len(REFUSED_WITH)
     # After the run, an answer is refused: no round is open.
     federation.send(first, answer(pb.Answer(run_id="r", round_id=3, client_indices=[0])))
     (late,) = federation.rejected(first)
@@ -237,10 +220,7 @@ def test_the_32nd_refusal_in_a_round_ends_the_session_and_names_the_first() -> N
 
 
 def test_a_late_answer_refused_once_a_round_never_adds_up_to_the_limit() -> None:
-    federation = Federation(2, straggler_deadline_s=0.05, min_clients=1)
-    late, prompt = federation.join((0,), honest=False), federation.join((1,))
-    pool = MemoryPool(federation)
-    start(pool, RunInfo("slow", PROBLEM_1.model_copy(update={"num_clients": 2}), 0, 0.0), late)
+    federation, pool, late = started(straggler_deadline_s=0.05, min_clients=1)
     previous: list[pb.Answer] = []
     codes: list[str] = []
 
@@ -256,8 +236,7 @@ def test_a_late_answer_refused_once_a_round_never_adds_up_to_the_limit() -> None
     for _ in range(40):
         answers = pool.gradients(np.ones(6))
         assert answers.indices == (1,)
-    assert codes == ["FAILED_PRECONDITION"] * 39 and late not in federation.ended
-    assert prompt not in federation.ended
+    assert codes == ["FAILED_PRECONDITION"] * 39 and federation.ended == {}
 
 
 def test_an_answer_that_crosses_the_goodbye_is_refused_without_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -281,8 +260,6 @@ def test_an_answer_that_crosses_the_goodbye_is_refused_without_a_warning(caplog:
 def test_garbled_messages_before_each_answer_never_change_the_run_or_break_the_coordinator(seed: int) -> None:
     # As the socket test of the same name (test_bad_answers.py), with many more draws: the run ends as a
     # clean one, or ends naming client 0 and why; never another result, an exception or a hang.
-    from test_bad_answers import _garbled
-
     rng = np.random.default_rng(seed)
     federation = Federation(2, round_timeout_s=20)
     hostile = federation.join((0,), honest=False)
@@ -451,11 +428,7 @@ def test_readys_for_a_run_not_under_way_count_as_refused() -> None:
 
 
 def test_a_silent_session_fails_the_round_at_its_timeout_naming_it() -> None:
-    federation = Federation(2, round_timeout_s=60.0)
-    silent = federation.join((0,), honest=False)
-    federation.join((1,))
-    pool = MemoryPool(federation)
-    start(pool, RunInfo("r", RUN.problem, RUN.seed, 0.0), silent)
+    federation, pool, _ = started(round_timeout_s=60.0)  # client 0 never answers
 
     def meanwhile() -> None:
         assert federation.protocol.next_deadline() == federation.now + 60.0
@@ -470,11 +443,7 @@ def test_a_silent_session_fails_the_round_at_its_timeout_naming_it() -> None:
 
 
 def test_a_client_lost_in_a_round_rejoins_and_is_sent_the_run_and_the_task_again() -> None:
-    federation = Federation(2, rejoin_timeout_s=30.0)
-    leaving = federation.join((0,), honest=False)
-    federation.join((1,))
-    pool = MemoryPool(federation)
-    start(pool, RunInfo("r", RUN.problem, RUN.seed, 0.0), leaving)
+    federation, pool, leaving = started(rejoin_timeout_s=30.0)
     bytes_before = federation.sent_bytes
 
     def meanwhile() -> None:
@@ -493,11 +462,7 @@ def test_a_client_lost_in_a_round_rejoins_and_is_sent_the_run_and_the_task_again
 
 
 def test_a_client_lost_in_a_round_that_does_not_rejoin_fails_it_at_the_rejoin_deadline() -> None:
-    federation = Federation(2, rejoin_timeout_s=30.0)
-    leaving = federation.join((0,), honest=False)
-    federation.join((1,))
-    pool = MemoryPool(federation)
-    start(pool, RunInfo("r", RUN.problem, RUN.seed, 0.0), leaving)
+    federation, pool, leaving = started(rejoin_timeout_s=30.0)
 
     def meanwhile() -> None:
         federation.close(leaving)
@@ -548,11 +513,7 @@ def test_without_rejoins_a_client_gone_between_rounds_is_named_at_once() -> None
 
 
 def test_a_session_dropped_for_not_reading_fails_the_round_naming_it() -> None:
-    federation = Federation(2)
-    slow = federation.join((0,), honest=False)
-    federation.join((1,))
-    pool = MemoryPool(federation)
-    start(pool, RunInfo("r", RUN.problem, RUN.seed, 0.0), slow)
+    federation, pool, slow = started()
     pool.meanwhile = lambda: federation.carry_out(federation.protocol.drop(slow, 1 << 27, federation.now))
     with pytest.raises(ClientLost, match=r"client 0 .* was dropped: .* stopped reading its stream \(134217728 bytes"):
         pool.gradients(np.ones(6))
