@@ -115,10 +115,6 @@ class Session:
     incoming: Incoming | None = None  # a chunked answer being read
 
     @property
-    def live(self) -> bool:
-        return self.state in (State.JOINED, State.CLOSING)
-
-    @property
     def hello_order(self) -> tuple[int, ...]:
         """The indices as the Hello listed them: the order of Ready.sample_counts."""
         return self.listed or self.indices
