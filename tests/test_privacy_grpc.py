@@ -234,7 +234,7 @@ class Killing(GrpcPool):
             victim.send_signal(signal.SIGSTOP)  # it gets the task, but does not answer it
 
             def kill_when_the_others_answered() -> None:
-                while (round_ := self.barriers.round) is None or round_.answered_clients() < CLIENTS - 1:
+                while (round_ := self.protocol.collecting) is None or round_.answered_clients() < CLIENTS - 1:
                     time.sleep(0.01)
                 victim.send_signal(signal.SIGKILL)
 

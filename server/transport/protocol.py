@@ -520,6 +520,11 @@ class Coordination:
             actions += [Send(session.key, goodbye), End(session.key, None, linger_s=GOODBYE_GRACE_S)]
         return actions
 
+    @property
+    def collecting(self) -> Collecting | None:
+        """The round in flight, if one is (what it expects and what came)."""
+        return self._round
+
     def take_resent(self) -> Resent:
         """What was sent again to rejoining sessions since the last call (retransmission traffic)."""
         resent = Resent(*self._resent)
