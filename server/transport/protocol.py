@@ -24,19 +24,17 @@ set of deadlines and no polling.
 States (`Phase`): IDLE between operations; JOINING until every index is held;
 PRESENT before a run's start or a round while lost clients may still rejoin (or
 load the run); STARTING until every session is Ready; COLLECTING until the round's
-answers are in; CLOSED after the goodbye. Each session has its own `State`
+answers are in; UNMASKING until secure aggregation's unmask replies are in;
+CLOSED after the goodbye. Each session has its own `State`
 (sessions.py): greeting, joined, closing, ended.
 
-Secure aggregation would slot in as more phases of this object, not another
-reshaping. A key agreement at a run's start is a KEY_AGREEMENT phase entered
-where STARTING settles: one more barrier (rounds.Barrier, keyed by session) that
-sends each session its neighbours' public keys and collects their shares, with the
-same rejoin and timeout deadlines. The unmasking of an aggregation round is an
-UNMASKING phase entered where COLLECTING would settle: the masked answers are kept,
-a small request naming the clients that did and did not answer goes out, and the
-round settles only when the unmask answers are in. Those messages are dispatched
-in `receive` beside Ready and Answer, checked by pure functions like checks.py's,
-and the shell does not change: it still only moves bytes and keeps time.
+Secure aggregation lives here as more of the same: its key agreement rides on the
+run's start (each Ready carries public keys, kept in `public_keys`; `broadcast`
+sends the key directory), a masked round is a COLLECTING round whose answers are
+masked rows (RoundRequest.masked), and the unmask sub-exchange is the UNMASKING
+phase (`unmask`: small requests out, each client's reply or refusal back; a lost
+or silent session fails nothing). A further exchange (a separate key-agreement
+round, say) would be one more phase and barrier here; the shell would not change.
 """
 
 from __future__ import annotations
