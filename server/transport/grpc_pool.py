@@ -288,15 +288,23 @@ class GrpcPool(ClientPool):
         return [messages.as_masked(answer) for answer in self._collect(task, round_id, category, participants, True)]
 
     def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:
-        result = self._operate(lambda now: self.protocol.unmask(requests, now))
-        assert isinstance(result, UnmaskResult)
+        assert self.run is not None
+        replies, refusals, bytes_down, bytes_up = self._call(self._unmasking(self.run.run_id, requests))
         privacy = self.traffic["privacy"]
-        privacy.bytes_down += result.bytes_down
-        privacy.bytes_up += result.bytes_up
-        if result.refusals:
-            client, reason = min(result.refusals.items())
+        privacy.bytes_down += bytes_down
+        privacy.bytes_up += bytes_up
+        if refusals:
+            client, reason = min(refusals.items())
             raise PoolError(f"client {client} refused to unmask: {reason}")
-        return result.replies
+        return replies
+
+    async def _unmasking(
+        self, run_id: str, requests: dict[int, UnmaskRequest]
+    ) -> tuple[dict[int, UnmaskReply], dict[int, str], int, int]:
+        """Send each request to the session hosting its client; the replies, the refusals, the bytes both ways."""
+        result = await self.service.operate(self.protocol.unmask(requests, self._runner.loop.time()))
+        assert isinstance(result, UnmaskResult)
+        return result.replies, result.refusals, result.bytes_down, result.bytes_up
 
     def _count_resent(self) -> None:
         """Fold what was sent again to rejoining sessions into the retransmission counts."""
