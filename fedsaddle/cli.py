@@ -174,7 +174,11 @@ def _serving(config: RunConfig, listen: str | None) -> Any:
             flush=True,
         )
         pool.wait_for_clients(config.transport.join_timeout_s)
-    except BaseException:
+    except BaseException as exc:
+        from fedsaddle.server.pool import PoolError
+
+        if isinstance(exc, PoolError):  # the clients that did join are told the run failed, and why
+            pool.failure = str(exc)
         pool.close()
         raise
     return pool
@@ -235,6 +239,7 @@ def _resume(
 
 
 def cmd_client(args: argparse.Namespace) -> int:
+    from fedsaddle.client.probe import TlsFiles
     from fedsaddle.client.service import ECHOES_COORDINATOR, ClientError, ClientOptions, serve
     from fedsaddle.client.session import RunFailed
 
@@ -252,6 +257,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         trusted=tuple(args.problem or ()),
         client_certificate=bool(args.cert),
         check_statistics=not args.statistics_checked,
+        tls_files=TlsFiles(args.ca, args.cert, args.key) if args.ca else None,
     )
     try:
         serve(options)
@@ -408,14 +414,31 @@ def cmd_health(args: argparse.Namespace) -> int:
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
         except grpc.RpcError as exc:
-            hint = ""
-            if credentials is not None and not args.cert and "socket closed" in (exc.details() or "").lower():
-                hint = " (a mutual-TLS coordinator also needs --cert and --key)"
-            print(f"{args.address}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
+            print(f"{args.address}: {exc.code().name}: {exc.details()}{_health_hint(args, exc)}", file=sys.stderr)
             return EXIT_RUN_FAILED
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(f"{args.address}: {status}")
     return EXIT_OK if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_RUN_FAILED
+
+
+def _health_hint(args: argparse.Namespace, error: Any) -> str:
+    """What to give when a closed connection comes from TLS: the port's answer to a TLS hello shows it
+    (client/probe.py), as the client does."""
+    import grpc
+
+    from fedsaddle.client.probe import TlsFiles, probe
+
+    text = (error.details() or "").lower()
+    if error.code() != grpc.StatusCode.UNAVAILABLE or "refused" in text:
+        return ""
+    verdict = probe(args.address, TlsFiles(args.ca, args.cert, args.key) if args.ca else None)
+    if not args.ca:
+        return " (it serves TLS: give --ca)" if verdict.speaks_tls else ""
+    if verdict.refused_the_client and not args.cert:
+        return " (a mutual-TLS coordinator also needs --cert and --key)"
+    if verdict.refused_the_client:
+        return " (it does not accept this certificate: is it signed by the coordinator's client CA?)"
+    return ""
 
 
 def cmd_new_token(args: argparse.Namespace) -> int:
@@ -956,8 +979,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # (Ctrl-C outside a command's own handling: parsing, loading modules)
+        print("fedsaddle: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     blas.set_environment()  # before numpy loads (common/blas.py)
     args = build_parser().parse_args(argv)
+    # gRPC's C core writes INFO lines of its own (a peer's failed TLS handshake, a GOAWAY) to stderr, in
+    # its own format: shown with -v only (an operator's GRPC_VERBOSITY still wins). Read when grpc loads.
+    if not args.verbose:
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(
         level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True

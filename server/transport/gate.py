@@ -38,6 +38,7 @@ from fedsaddle.common.text import RefusalLog
 
 log = logging.getLogger("fedsaddle.coordinator")
 
+FEW = 4  # fewer silent connections than this from one address in one sweep are not worth a warning
 SWEEP_S = 0.25  # how often the gate looks (a sweep of 2000 connections costs a few ms)
 _FDS = "/proc/self/fd"
 
@@ -129,26 +130,30 @@ class ConnectionGate:
             if len(listed) > self.max_quiet_per_peer:
                 listed.sort(key=lambda item: item[1].quiet_since)
                 closing.extend((fd, c, "over") for fd, c in listed[: len(listed) - self.max_quiet_per_peer])
-        by_host: Counter[str] = Counter()
+        silent: Counter[str] = Counter()
+        over: Counter[str] = Counter()
         for fd, connection, why in closing:
             if self._shut(fd, connection.inode):
-                by_host[connection.peer[0]] += 1
-                if why == "silent":
-                    self.closed_silent += 1
-                else:
-                    self.closed_over_cap += 1
+                (silent if why == "silent" else over)[connection.peer[0]] += 1
             self._connections.pop(fd, None)
-        for host, count in by_host.items():
+        self.closed_silent += silent.total()
+        self.closed_over_cap += over.total()
+        for host in silent.keys() | over.keys():
+            if not over[host] and silent[host] < FEW:  # a client waiting to retry leaves one quiet connection
+                log.debug("closed %d quiet connections from %s", silent[host], host)
+                continue
             self.refusals.warn(
-                "closed %d connections from %s that carried no Hello within %g s (or were over its %d such "
-                "connections)",
-                count,
+                "closed %d connections from %s: %d carried nothing within %g s, %d were over its %d quiet "
+                "connections (a flood?)",
+                silent[host] + over[host],
                 host,
+                silent[host],
                 self.handshake_timeout_s,
+                over[host],
                 self.max_quiet_per_peer,
             )
         self._prune(now)
-        return sum(by_host.values())
+        return silent.total() + over.total()
 
     def _scan(self, now: float) -> None:
         """Bring the table of our connections up to date with the process's descriptors."""

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import resource
 import secrets
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -48,6 +49,7 @@ from fedsaddle.server.transport.sessions import Limits, Overflow, Registry, Sess
 
 log = logging.getLogger("fedsaddle.coordinator")
 T = TypeVar("T")
+WAIT_SAY_S = 5.0  # while clients are missing, the log names them this often
 DESCRIPTOR_RESERVE = 256  # descriptors kept for files, the event loop and gRPC's own
 NOT_REPORTED = "not reported"  # a client whose Ready leaves numeric_stack empty (an outside implementation)
 
@@ -147,6 +149,7 @@ class GrpcPool(ClientPool):
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._closed = False
+        self._say_missing_at = time.monotonic() + WAIT_SAY_S  # when wait_for_clients next names the missing
         self.token_port: int | None = None  # the second port, for token identities under mutual TLS
         try:
             self.registry, self.barriers, self.service = self._call(self._make_state(authenticator))
@@ -248,12 +251,30 @@ class GrpcPool(ClientPool):
     # -- the pool ---------------------------------------------------------------------------
 
     def wait_for_clients(self, timeout: float) -> None:
-        """Block until every client index is connected; MissingClients on timeout."""
-        try:
-            self._call(asyncio.wait_for(self.registry.all_joined.wait(), timeout))
-        except TimeoutError:
-            raise MissingClients(self.missing(), timeout) from None
+        """Block until every client index is connected; MissingClients on timeout. Every WAIT_SAY_S of
+        waiting (across calls), the log says which clients are still missing."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            step = max(0.0, min(deadline, self._say_missing_at) - now)
+            try:
+                self._call(asyncio.wait_for(self.registry.all_joined.wait(), step))
+                break
+            except TimeoutError:
+                self._say_missing()
+                if time.monotonic() >= deadline:
+                    raise MissingClients(self.missing(), timeout) from None
         log.info("all %d clients connected", self.federation_size)
+
+    def _say_missing(self) -> None:
+        now = time.monotonic()
+        if now < self._say_missing_at:
+            return
+        self._say_missing_at = now + WAIT_SAY_S
+        missing = self.missing()
+        if missing:
+            joined = self.federation_size - len(missing)
+            log.info("waiting for clients %s (%d of %d joined)", some(missing, 20), joined, self.federation_size)
 
     def missing(self) -> list[int]:
         """The client indices no live session holds now."""
