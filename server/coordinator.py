@@ -211,7 +211,8 @@ def _run(
 
         try:
             for index in range(first, len(config.algorithms)):
-                recorder.index = index
+                # The pool counts each algorithm's rounds from 0: a new one checkpoints from its first step.
+                recorder.index, recorder.last_checkpoint = index, -1
                 spec = config.algorithms[index]
                 start = resume if index == first else None
                 result = run_algorithm(

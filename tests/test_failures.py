@@ -33,8 +33,11 @@ class Coordinator:
         env: dict[str, str] | None = None,
         command: str = "coordinator",
         own_group: bool = False,
+        arguments: Sequence[str] | None = None,
     ) -> None:
-        line = [*prefix, sys.executable, "-m", "fedsaddle", command, "--config", str(config_path), "--out", str(out)]
+        """`arguments`: the command's own, instead of --config CONFIG_PATH --out OUT (e.g. --resume RUN_DIR)."""
+        own = ["--config", str(config_path), "--out", str(out)] if arguments is None else list(arguments)
+        line = [*prefix, sys.executable, "-m", "fedsaddle", command, *own]
         command_line = line + (["--listen", listen] if command == "coordinator" else [])
         self.process = subprocess.Popen(
             command_line,
