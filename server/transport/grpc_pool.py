@@ -194,8 +194,10 @@ class GrpcPool(ClientPool):
             ("grpc.max_metadata_size", 16 << 10),
             *_window_options(limits.receive_window_bytes),
         ]
-        # Calls beyond this many in all are refused with RESOURCE_EXHAUSTED by gRPC itself.
-        calls = limits.max_connections * limits.max_streams_per_connection
+        # Calls beyond this many in all are refused with RESOURCE_EXHAUSTED by gRPC itself: a session per
+        # client at most, the streams waiting for a Hello, and room for health checks. (Not connections times
+        # streams: calls gRPC queues for a busy event loop hold memory until it serves them.)
+        calls = max(4096, 2 * self.federation_size + limits.max_pending_hellos)
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=calls)
         server.add_generic_rpc_handlers((self.service.handler(),))
         # The standard health service (grpc.health.v1), for orchestrators and `fedsaddle health`.
@@ -609,7 +611,7 @@ class GrpcPool(ClientPool):
         try:
             for session, _ in taking_part:
                 pieces = barrier.task_for(session)
-                session.max_queued_bytes = bound  # a few rounds' worth: more means it stopped reading
+                session.max_queued_bytes = bound  # max(64 MiB by default, 3 rounds' tasks): more, it stopped reading
                 sent += self._deliver(session, pieces)
             await barrier.wait(self.round_timeout_s)
             return barrier.in_order(), sent, barrier.bytes_up

@@ -141,10 +141,16 @@ class SessionService:
         except Refusal as refusal:
             self.refusals.warn("refused a stream from %s: %s", peer, refusal.details)
             await _end(context, refusal)
+        # Admitted: the connection carries a call now, which the gate leaves alone (a stream waiting for its
+        # Hello ends at hello_timeout_s, and an address has at most max_quiet_per_peer of those).
+        if self.gate is not None:
+            self.gate.enter(peer)
         try:
             await self._serve(requests, context, peer, host)
         finally:
             self.admission.leave(host)
+            if self.gate is not None:
+                self.gate.leave(peer)
 
     async def _serve(
         self,
@@ -168,8 +174,6 @@ class SessionService:
         session.task = asyncio.current_task()
         reader = asyncio.create_task(self._read(session, incoming))
         failure: Refusal | None = None
-        if self.gate is not None:
-            self.gate.enter(peer)
         try:
             # In the same step as the registry took the session, before any await: a run the pool starts
             # once this session completes the federation is sent to it by the pool, not again by on_join.
@@ -191,8 +195,6 @@ class SessionService:
             elif self.shutting_down and not session.closing:
                 failure = Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
         finally:
-            if self.gate is not None:
-                self.gate.leave(peer)
             reader.cancel()
             if session.closing:
                 why = "ended its session"
