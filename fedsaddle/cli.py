@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -666,9 +667,56 @@ def _exit_code(outcome: Outcome, transport: dict[str, Any]) -> int:
         log.info("stopped by SIGTERM; outputs written%s", told)
         return EXIT_OK
     if isinstance(outcome.cause, KeyboardInterrupt):
+        _say_interrupted(" (outputs written)")
         return EXIT_INTERRUPTED
     log.error("run failed: %s", outcome.failure)
     return EXIT_RUN_FAILED
+
+
+_INTERRUPTED: list[bool] = []  # one entry per interrupt the command stopped for
+
+
+def _say_interrupted(what: str = "") -> None:
+    _INTERRUPTED.append(True)
+    print(f"fedsaddle: interrupted{what}", file=sys.stderr)
+
+
+def _wraps_an_interrupt(exc: BaseException) -> bool:
+    """A Ctrl-C that a library turned into an error of its own (pydantic's serializer, which runs the
+    signal's handler inside its Rust code, reports 'Error serializing to JSON: KeyboardInterrupt')."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt) or str(seen).rstrip(": ").endswith("KeyboardInterrupt"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _interrupts_not_lost(
+    hook: Callable[[sys.UnraisableHookArgs], object],
+) -> Callable[[sys.UnraisableHookArgs], object]:
+    """sys.unraisablehook that delivers a lost Ctrl-C again. Python runs a signal's handler wherever the
+    main thread is, a finalizer or a weak reference's callback included (the garbage collector's); there
+    the handler's KeyboardInterrupt is 'ignored', with a traceback, and the interrupt is lost. So it is
+    sent again, from another thread, to be handled where it can stop the command."""
+
+    def unraisable(what: sys.UnraisableHookArgs) -> None:
+        if what.exc_type is not None and issubclass(what.exc_type, KeyboardInterrupt):
+            said = len(_INTERRUPTED)
+            if said:  # the command has stopped for an interrupt already
+                return
+
+            def again() -> None:
+                if len(_INTERRUPTED) == said:  # (not if the command has stopped for one meanwhile)
+                    os.kill(os.getpid(), signal.SIGINT)
+
+            resend = threading.Timer(0.01, again)
+            resend.daemon = True
+            resend.start()
+            return
+        hook(what)
+
+    return unraisable
 
 
 def _since_start() -> float:
@@ -982,12 +1030,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # (Ctrl-C outside a command's own handling: parsing, loading modules)
-        print("fedsaddle: interrupted", file=sys.stderr)
+        _say_interrupted()
         return EXIT_INTERRUPTED
 
 
 def _main(argv: Sequence[str] | None) -> int:
     blas.set_environment()  # before numpy loads (common/blas.py)
+    sys.unraisablehook = _interrupts_not_lost(sys.unraisablehook)
     args = build_parser().parse_args(argv)
     # gRPC's C core writes INFO lines of its own (a peer's failed TLS handshake, a GOAWAY) to stderr, in
     # its own format: shown with -v only (an operator's GRPC_VERBOSITY still wins). Read when grpc loads.
@@ -1009,9 +1058,12 @@ def _main(argv: Sequence[str] | None) -> int:
         print("fedsaddle: stopped by SIGTERM", file=sys.stderr)
         return EXIT_OK
     except KeyboardInterrupt:
-        print("fedsaddle: interrupted", file=sys.stderr)
+        _say_interrupted()
         return EXIT_INTERRUPTED
     except Exception as exc:  # a failure not foreseen: say what, not a traceback
+        if _wraps_an_interrupt(exc):
+            _say_interrupted()
+            return EXIT_INTERRUPTED
         if os.environ.get("FEDSADDLE_TRACEBACK"):
             raise
         from fedsaddle.server.pool import PoolError

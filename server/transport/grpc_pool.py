@@ -615,6 +615,11 @@ class GrpcPool(ClientPool):
                 sent += self._deliver(session, pieces)
             await barrier.wait(self.round_timeout_s)
             return barrier.in_order(), sent, barrier.bytes_up
+        except asyncio.CancelledError:
+            # Abandoned by a signal (loop.py): the coordinator stops. The answers already on their way cross
+            # the goodbye; they are refused quietly, as after it.
+            self.service.shutting_down = True
+            raise
         finally:
             if self.barriers.round is barrier:  # the next round may be open already
                 self.barriers.round = None

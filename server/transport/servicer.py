@@ -377,8 +377,8 @@ class SessionService:
         self._count_refusal(session, details)
         if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
             log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
-        else:
-            self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
+            return  # (nor for the client: its goodbye comes)
+        self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
         rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
         session.send(pb.Instruction(rejected=rejected).SerializeToString())
 
