@@ -361,6 +361,10 @@ class GrpcPool(ClientPool):
             grouped.setdefault(self._stacks[index], []).append(index)
         return grouped
 
+    def connections_closed(self) -> dict[str, int]:
+        """Connections the gate closed (gate.py): quiet past the handshake deadline, or over an address's cap."""
+        return {"silent": self.gate.closed_silent, "over_peer_cap": self.gate.closed_over_cap}
+
     def _problem_with(self, session: Session, ready: pb.Ready, run: RunInfo) -> str | None:
         """Why a session's Ready does not let the run go on, or None."""
         if ready.error:
