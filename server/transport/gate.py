@@ -45,7 +45,7 @@ log = logging.getLogger("fedsaddle.coordinator")
 FEW = 4  # fewer silent connections than this from one address in one sweep are not worth a warning
 TRIM_AFTER = 256  # connections closed before the heaps' free pages are handed back (at most once a second)
 SWEEP_S = 0.25  # how often the gate looks (a sweep of 2000 connections costs a few ms)
-OVER_CAP_GRACE_S = 1.0  # how long a connection over its address's cap may stay quiet
+OVER_CAP_GRACE_S = 3.0  # how long a connection over its address's cap may stay quiet
 _FDS = "/proc/self/fd"
 
 
