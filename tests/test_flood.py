@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -136,5 +137,48 @@ def test_ten_clients_join_and_the_run_is_unchanged_while_one_address_holds_2000_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["transport"]["connections_closed"]["over_peer_cap"] > 0  # counted where operators look
     (remote,) = summary["algorithms"]
+    run = config(**fields)
+    assert remote["z_sha256"] == run_algorithm(run.algorithms[0], run, LocalPool()).z_sha256
+
+
+def test_a_client_killed_during_a_flood_rejoins_and_the_run_is_unchanged(tmp_path: Path) -> None:
+    fields = {
+        "problem": {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 2.0},
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.01}],
+        "rounds": 3001,
+        "output": {"plot": False},
+        "transport": {"rejoin_timeout_s": 60},
+    }
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **fields), tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 60).group(1)
+
+    def client(index: int) -> subprocess.Popen[bytes]:
+        command = client_command(address, str(index), "--connect-timeout", "60")
+        return subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    clients = [client(i) for i in range(3)]
+    flood = subprocess.Popen(
+        [sys.executable, str(FLOODER), address, "--connections", "2000", "--seconds", "240"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert flood.stdout is not None
+        assert flood.stdout.readline().strip() == "holding 2000"
+        coordinator.wait_for(r"round\s+\d+/3001", 120)
+        clients[1].send_signal(signal.SIGKILL)
+        clients[1].wait()
+        coordinator.wait_for(r"client 1 \(.*\) disconnected", 60)
+        clients.append(client(1))  # restarted while the flood goes on
+        coordinator.wait_for(r"client 1 \(.*\) rejoined", 60)
+        code, log = coordinator.finish(timeout=240)
+    finally:
+        codes = stop_processes(clients)
+        flood.terminate()
+        flood.communicate(timeout=30)
+    assert code == 0, log
+    assert codes[0] == codes[2] == codes[3] == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    (remote,) = json.loads((run_dir / "summary.json").read_text())["algorithms"]
     run = config(**fields)
     assert remote["z_sha256"] == run_algorithm(run.algorithms[0], run, LocalPool()).z_sha256
