@@ -93,7 +93,7 @@ class ConnectionGate:
     # -- what the servicer says --------------------------------------------------------------
 
     def enter(self, peer: str) -> None:
-        """A call (a session that said Hello, a health check) now runs on the connection of `peer`."""
+        """A call (a session, a stream admitted to say its Hello, a health check) now runs on `peer`'s connection."""
         key = peer_key(peer)
         if key is not None:
             self.in_use[key] += 1
@@ -151,7 +151,8 @@ class ConnectionGate:
         for fd, connection, why in closing:
             if self._shut(fd, connection.inode):
                 (silent if why == "silent" else over)[connection.peer[0]] += 1
-            self._connections.pop(fd, None)
+            del self._connections[fd]
+            self._other[fd] = connection.inode  # (gRPC closes its descriptor soon: not counted twice meanwhile)
         self.closed_silent += silent.total()
         self.closed_over_cap += over.total()
         self._closed_since_trim += silent.total() + over.total()
