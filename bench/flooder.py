@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import resource
 import select
+import signal
 import socket
 import time
 
@@ -74,9 +75,11 @@ def flood(address: str, connections: int, seconds: float, source: str, stream: b
     opened = closed = failed = 0
     said_holding = False
     end = time.monotonic() + seconds
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # stop, and say what happened
     try:
-        while time.monotonic() < end:
-            while len(held) < connections and time.monotonic() < end:
+        while time.monotonic() < end and not stop:
+            while len(held) < connections and time.monotonic() < end and not stop:
                 sock = _open(target, source, hello)
                 if sock is None:
                     failed += 1

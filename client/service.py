@@ -1,12 +1,15 @@
 """The client runtime: dial the coordinator, open a Session stream, answer its tasks until goodbye.
 
-A coordinator that is not up yet, restarts, or loses the link is waited for: the
-client reconnects with exponential backoff and jitter, for up to
-`connect_timeout_s` after it last had a session. Faults that retrying cannot fix
-end the client within seconds, with the cause in its own words: an unknown host,
-a TLS handshake that fails (a TLS client on a plaintext port, an untrusted
-certificate, a wrong server name), a plaintext client on a TLS port, and refused
-credentials or indices.
+A coordinator that is not up yet, restarts, loses the link, or closes connections
+(it is at its connection limit, or flooded) is waited for: the client reconnects
+with exponential backoff and jitter, for up to `connect_timeout_s` after it last had
+a session, and says at once, then every few seconds, that it is still trying and
+what it sees. Faults that retrying cannot fix end the client within seconds, with
+the cause in its own words: an unknown host, a TLS handshake that fails (a TLS
+client on a plaintext port, an untrusted certificate, a wrong server name), a
+plaintext client on a TLS port, and refused credentials or indices. A closed
+connection alone never counts as a TLS mismatch: the client asks the port itself
+what it speaks (probe.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from fedsaddle.client.probe import TlsFiles, probe
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import blas, wire
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
@@ -44,6 +48,9 @@ GOODBYE_WAIT_S = 5.0  # after a goodbye, how long to wait for the coordinator to
 # A name that does not resolve is retried this long: container networks register a
 # service's name a moment after it starts, and again after it restarts.
 DNS_GRACE_S = 5.0
+FIRST_SAY_S = 1.5  # a client that cannot reach its coordinator says so after this long
+SAY_EVERY_S = 5.0  # and then this often, while it still tries
+PROBE_AFTER = 3  # closed connections in a row before the client asks the port whether it speaks TLS
 
 __all__ = ["ECHOES_COORDINATOR", "ClientError", "ClientOptions", "run_client", "serve"]
 
@@ -61,13 +68,20 @@ class ClientOptions:
     trusted: tuple[str, ...] = ()  # plugin problems ('module:Class') this process agrees to load
     client_certificate: bool = False  # credentials include a client certificate (mutual TLS)
     check_statistics: bool = True  # warn when the spec's statistics contradict this process's data
+    tls_files: TlsFiles | None = None  # the PEM files of `credentials`, for the probe (probe.py)
 
 
-def _hung_up(options: ClientOptions) -> str:
-    """Why a coordinator would close every connection of this client at once."""
+def _hung_up(options: ClientOptions) -> str | None:
+    """Why the coordinator closes every connection of this client, when its port's answer to a TLS
+    ClientHello shows it (probe.py); None when it does not: then the closes have another cause."""
     where = options.coordinator
+    verdict = probe(where, options.tls_files)
     if options.credentials is None:
-        return f"the coordinator at {where} closes every plaintext connection at once: it serves TLS (give --ca)"
+        if verdict.speaks_tls:
+            return f"the coordinator at {where} closes every plaintext connection at once: it serves TLS (give --ca)"
+        return None
+    if not verdict.refused_the_client:
+        return None
     if not options.client_certificate:
         return (
             f"the coordinator at {where} closes every connection at once: it requires a client certificate "
@@ -131,9 +145,10 @@ _COMPUTING = frozenset({Worker.execute.__code__, ClientSession._start_run.__code
 class _Lost(Exception):
     """The session ended without a goodbye (the coordinator went away); `joined` if it had started."""
 
-    def __init__(self, cause: str, joined: bool) -> None:
+    def __init__(self, cause: str, joined: bool, kind: str = "") -> None:
         super().__init__(cause)
         self.joined = joined
+        self.kind = kind  # the gRPC status code's name, when a status ended it
 
 
 class _Garbled(NamedTuple):
@@ -154,7 +169,7 @@ def _parse(data: bytes) -> pb.Instruction | wire.RawChunk | _Garbled:
         return _Garbled(len(data))
 
 
-async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: ShardCache) -> None:
+async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: ShardCache, waiting: _Waiting) -> None:
     """One session, until a DONE goodbye (return), a FAILED one (RunFailed) or a lost stream (_Lost)."""
     session = ClientSession(options.indices, shards)
     open_session = channel.stream_stream(
@@ -165,7 +180,9 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
     try:
         await call.write(session.hello(options.name or f"{socket.gethostname()}:{os.getpid()}"))
         async for instruction in call:
-            joined = True
+            if not joined:
+                joined = True
+                waiting.reached()
             if isinstance(instruction, _Garbled):
                 raise Fatal(
                     f"malformed instruction from the coordinator: {instruction.size} bytes that are not an Instruction"
@@ -181,7 +198,7 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
         fatal, cause = diagnose(exc, options)
         if fatal is not None:
             raise fatal(cause) from None
-        raise _Lost(cause, joined) from None
+        raise _Lost(cause, joined, exc.code().name) from None
     except wire.WireError as exc:
         raise Fatal(f"malformed instruction from the coordinator: {exc}") from None
     finally:
@@ -189,16 +206,82 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
     raise _Lost(f"the coordinator at {options.coordinator} closed the session without a goodbye", joined)
 
 
+class _Waiting:
+    """What the client says while it cannot reach its coordinator: after FIRST_SAY_S (a coordinator that
+    comes up a moment later is not news), then every SAY_EVERY_S, each time with what it last saw; and at
+    once when the cause becomes another (a refusal of its indices, say). Timed by `speak`, not by the
+    attempts: one attempt at an address that drops packets lasts gRPC's connect timeout (20 s)."""
+
+    def __init__(self, options: ClientOptions) -> None:
+        self.options = options
+        self.since: float | None = time.monotonic()  # trying since then; None while it has a session
+        self.deadline = self.since + options.connect_timeout_s
+        self.said_at: float | None = None
+        self.cause, self.kind, self.said = "no answer yet", "", ""
+
+    def failed(self, cause: str, kind: str) -> None:
+        self.cause, self.kind = cause, kind
+        if kind != self.said and (self.said or kind == grpc.StatusCode.ALREADY_EXISTS.name):
+            self._say()
+
+    def tick(self) -> None:
+        if self.since is None:
+            return
+        now = time.monotonic()
+        if (self.said_at is None and now - self.since >= FIRST_SAY_S) or (
+            self.said_at is not None and now - self.said_at >= SAY_EVERY_S
+        ):
+            self._say()
+
+    def _say(self) -> None:
+        self.said_at, self.said = time.monotonic(), self.kind
+        log.warning(
+            "cannot reach the coordinator at %s yet (%s); still trying for %.0f s",
+            self.options.coordinator,
+            self.cause,
+            max(0.0, self.deadline - self.said_at),
+        )
+
+    def reached(self) -> None:
+        """A session started."""
+        self.since = self.said_at = None
+        self.cause, self.kind, self.said = "no answer yet", "", ""
+
+    def lost(self) -> None:
+        """The session was lost: trying again from now."""
+        self.since = time.monotonic()
+        self.deadline = self.since + self.options.connect_timeout_s
+
+    async def speak(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.tick()
+
+
+def _closed(cause: str) -> bool:
+    """A connection the coordinator's side closed or reset (not one nobody listens for)."""
+    text = cause.lower()
+    return any(word in text for word in ("socket closed", "connection reset", "end of tcp stream", "broken pipe"))
+
+
 async def run_client(options: ClientOptions) -> None:
     """Serve sessions until the run is over: returns after a DONE goodbye, raises ClientError otherwise."""
+    waiting = _Waiting(options)
+    speaker = asyncio.ensure_future(waiting.speak())
+    try:
+        await _serve_sessions(options, waiting)
+    finally:
+        speaker.cancel()
+
+
+async def _serve_sessions(options: ClientOptions, waiting: _Waiting) -> None:
     shards = ShardCache(size=2, data=options.data, trusted=options.trusted, check_statistics=options.check_statistics)
-    delay, closed_at_once = 0.1, 0
+    delay, closed_in_a_row = 0.1, 0
     joined_once, unresolved_since = False, 0.0
-    deadline = time.monotonic() + options.connect_timeout_s
     async with _channel(options) as channel:
         while True:
             try:
-                await _session(channel, options, shards)
+                await _session(channel, options, shards, waiting)
                 return
             except RunFailed:
                 raise
@@ -207,33 +290,37 @@ async def run_client(options: ClientOptions) -> None:
                 unresolved_since = unresolved_since or now
                 if not joined_once and now - unresolved_since >= DNS_GRACE_S:
                     raise
-                lost = _Lost(str(unknown), False)
-                if now >= deadline:
+                if now >= waiting.deadline:
                     raise ClientError(
                         f"cannot reach the coordinator at {options.coordinator} within "
-                        f"{options.connect_timeout_s:g} s: {lost}"
+                        f"{options.connect_timeout_s:g} s: {unknown}"
                     ) from None
-                await asyncio.sleep(min(0.5, max(0.0, deadline - now)))
+                waiting.failed(str(unknown), "unresolved")
+                await asyncio.sleep(min(0.5, max(0.0, waiting.deadline - now)))
                 continue
             except _Lost as lost:
                 if lost.joined:  # a session was up: the link dropped or the coordinator went away
                     joined_once, unresolved_since = True, 0.0
-                    delay, closed_at_once = 0.1, 0
-                    deadline = time.monotonic() + options.connect_timeout_s
+                    delay, closed_in_a_row = 0.1, 0
+                    waiting.lost()
                     log.warning(
                         "lost the coordinator (%s); reconnecting for up to %g s", lost, options.connect_timeout_s
                     )
-                elif "socket closed" in str(lost).lower():
-                    closed_at_once += 1
-                    if closed_at_once >= 3:  # it hangs up on every handshake: a TLS mismatch
-                        raise Fatal(_hung_up(options)) from None
-                if time.monotonic() >= deadline:
-                    raise ClientError(
-                        f"cannot reach the coordinator at {options.coordinator} within "
-                        f"{options.connect_timeout_s:g} s: {lost}"
-                    ) from None
+                else:
+                    closed_in_a_row = closed_in_a_row + 1 if _closed(str(lost)) else 0
+                    # Closed connections alone do not tell a TLS port from a full or flooded one: ask the port.
+                    if closed_in_a_row and closed_in_a_row % PROBE_AFTER == 0:
+                        mismatch = await asyncio.to_thread(_hung_up, options)
+                        if mismatch is not None:
+                            raise Fatal(mismatch) from None
+                    if time.monotonic() >= waiting.deadline:
+                        raise ClientError(
+                            f"cannot reach the coordinator at {options.coordinator} within "
+                            f"{options.connect_timeout_s:g} s: {lost}"
+                        ) from None
+                    waiting.failed(str(lost), lost.kind)
                 log.debug("coordinator not reachable (%s); retrying in %.2f s", lost, delay)
-                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                await asyncio.sleep(min(delay, max(0.0, waiting.deadline - time.monotonic())))
                 delay = min(5.0, delay * 2) * random.uniform(0.8, 1.2)  # exponential backoff with jitter
 
 

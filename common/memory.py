@@ -60,6 +60,11 @@ def _thresholds_set_by_operator() -> bool:
 def trim() -> None:
     """Free what only reference cycles still hold, and hand the heaps' free pages back to the OS."""
     gc.collect()
+    release_heaps()
+
+
+def release_heaps() -> None:
+    """Hand the heaps' free pages back to the OS (no collection: for memory freed outside Python)."""
     malloc_trim = _libc_function("malloc_trim")
     if malloc_trim is not None:
         malloc_trim(0)

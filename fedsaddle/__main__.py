@@ -1,5 +1,5 @@
 import sys
 
-from fedsaddle.cli import main
+from fedsaddle.entry import main
 
 sys.exit(main())

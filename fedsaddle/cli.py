@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -174,7 +175,11 @@ def _serving(config: RunConfig, listen: str | None) -> Any:
             flush=True,
         )
         pool.wait_for_clients(config.transport.join_timeout_s)
-    except BaseException:
+    except BaseException as exc:
+        from fedsaddle.server.pool import PoolError
+
+        if isinstance(exc, PoolError):  # the clients that did join are told the run failed, and why
+            pool.failure = str(exc)
         pool.close()
         raise
     return pool
@@ -235,6 +240,7 @@ def _resume(
 
 
 def cmd_client(args: argparse.Namespace) -> int:
+    from fedsaddle.client.probe import TlsFiles
     from fedsaddle.client.service import ECHOES_COORDINATOR, ClientError, ClientOptions, serve
     from fedsaddle.client.session import RunFailed
 
@@ -252,6 +258,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         trusted=tuple(args.problem or ()),
         client_certificate=bool(args.cert),
         check_statistics=not args.statistics_checked,
+        tls_files=TlsFiles(args.ca, args.cert, args.key) if args.ca else None,
     )
     try:
         serve(options)
@@ -408,14 +415,31 @@ def cmd_health(args: argparse.Namespace) -> int:
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
         except grpc.RpcError as exc:
-            hint = ""
-            if credentials is not None and not args.cert and "socket closed" in (exc.details() or "").lower():
-                hint = " (a mutual-TLS coordinator also needs --cert and --key)"
-            print(f"{args.address}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
+            print(f"{args.address}: {exc.code().name}: {exc.details()}{_health_hint(args, exc)}", file=sys.stderr)
             return EXIT_RUN_FAILED
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(f"{args.address}: {status}")
     return EXIT_OK if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_RUN_FAILED
+
+
+def _health_hint(args: argparse.Namespace, error: Any) -> str:
+    """What to give when a closed connection comes from TLS: the port's answer to a TLS hello shows it
+    (client/probe.py), as the client does."""
+    import grpc
+
+    from fedsaddle.client.probe import TlsFiles, probe
+
+    text = (error.details() or "").lower()
+    if error.code() != grpc.StatusCode.UNAVAILABLE or "refused" in text:
+        return ""
+    verdict = probe(args.address, TlsFiles(args.ca, args.cert, args.key) if args.ca else None)
+    if not args.ca:
+        return " (it serves TLS: give --ca)" if verdict.speaks_tls else ""
+    if verdict.refused_the_client and not args.cert:
+        return " (a mutual-TLS coordinator also needs --cert and --key)"
+    if verdict.refused_the_client:
+        return " (it does not accept this certificate: is it signed by the coordinator's client CA?)"
+    return ""
 
 
 def cmd_new_token(args: argparse.Namespace) -> int:
@@ -643,9 +667,56 @@ def _exit_code(outcome: Outcome, transport: dict[str, Any]) -> int:
         log.info("stopped by SIGTERM; outputs written%s", told)
         return EXIT_OK
     if isinstance(outcome.cause, KeyboardInterrupt):
+        _say_interrupted(" (outputs written)")
         return EXIT_INTERRUPTED
     log.error("run failed: %s", outcome.failure)
     return EXIT_RUN_FAILED
+
+
+_INTERRUPTED: list[bool] = []  # one entry per interrupt the command stopped for
+
+
+def _say_interrupted(what: str = "") -> None:
+    _INTERRUPTED.append(True)
+    print(f"fedsaddle: interrupted{what}", file=sys.stderr)
+
+
+def _wraps_an_interrupt(exc: BaseException) -> bool:
+    """A Ctrl-C that a library turned into an error of its own (pydantic's serializer, which runs the
+    signal's handler inside its Rust code, reports 'Error serializing to JSON: KeyboardInterrupt')."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt) or str(seen).rstrip(": ").endswith("KeyboardInterrupt"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _interrupts_not_lost(
+    hook: Callable[[sys.UnraisableHookArgs], object],
+) -> Callable[[sys.UnraisableHookArgs], object]:
+    """sys.unraisablehook that delivers a lost Ctrl-C again. Python runs a signal's handler wherever the
+    main thread is, a finalizer or a weak reference's callback included (the garbage collector's); there
+    the handler's KeyboardInterrupt is 'ignored', with a traceback, and the interrupt is lost. So it is
+    sent again, from another thread, to be handled where it can stop the command."""
+
+    def unraisable(what: sys.UnraisableHookArgs) -> None:
+        if what.exc_type is not None and issubclass(what.exc_type, KeyboardInterrupt):
+            said = len(_INTERRUPTED)
+            if said:  # the command has stopped for an interrupt already
+                return
+
+            def again() -> None:
+                if len(_INTERRUPTED) == said:  # (not if the command has stopped for one meanwhile)
+                    os.kill(os.getpid(), signal.SIGINT)
+
+            resend = threading.Timer(0.01, again)
+            resend.daemon = True
+            resend.start()
+            return
+        hook(what)
+
+    return unraisable
 
 
 def _since_start() -> float:
@@ -956,8 +1027,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # (Ctrl-C outside a command's own handling: parsing, loading modules)
+        _say_interrupted()
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     blas.set_environment()  # before numpy loads (common/blas.py)
+    sys.unraisablehook = _interrupts_not_lost(sys.unraisablehook)
     args = build_parser().parse_args(argv)
+    # gRPC's C core writes INFO lines of its own (a peer's failed TLS handshake, a GOAWAY) to stderr, in
+    # its own format: shown with -v only (an operator's GRPC_VERBOSITY still wins). Read when grpc loads.
+    if not args.verbose:
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(
         level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True
@@ -974,9 +1058,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("fedsaddle: stopped by SIGTERM", file=sys.stderr)
         return EXIT_OK
     except KeyboardInterrupt:
-        print("fedsaddle: interrupted", file=sys.stderr)
+        _say_interrupted()
         return EXIT_INTERRUPTED
     except Exception as exc:  # a failure not foreseen: say what, not a traceback
+        if _wraps_an_interrupt(exc):
+            _say_interrupted()
+            return EXIT_INTERRUPTED
         if os.environ.get("FEDSADDLE_TRACEBACK"):
             raise
         from fedsaddle.server.pool import PoolError

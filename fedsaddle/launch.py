@@ -170,6 +170,9 @@ def fork_clients(
     for spec in groups:
         read_end, write_end = os.pipe()
         sys.stdout.flush(), sys.stderr.flush()
+        # Ctrl-C or SIGTERM in the middle of a fork would raise in the child before it set its own handlers
+        # (a traceback from every child), or inside a fork hook of the parent's (lost): they wait for it.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
         pid = os.fork()
         if pid == 0:  # the child: never returns into the caller
             code = 1
@@ -178,6 +181,7 @@ def fork_clients(
                 # Ctrl-C reaches the whole process group; it is the coordinator's to act on (it stops the
                 # run and says goodbye). A client that left on its own would fail the run first.
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
                 _end_with(parent)
                 os.close(write_end)
                 for sibling in children:
@@ -193,9 +197,13 @@ def fork_clients(
             finally:
                 sys.stdout.flush(), sys.stderr.flush()
                 os._exit(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # (a signal held meanwhile is handled here)
         os.close(read_end)
         children.append(ForkedClient(pid, write_end))
     return children
+
+
+HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _end_with(parent: int) -> None:
@@ -371,4 +379,6 @@ def loopback_federation(
         for process in children:
             if isinstance(process, ForkedClient):
                 process.release()
-        reap(children)
+        # Ended by an exception (Ctrl-C, a failure to start): clients that never joined were told nothing,
+        # and would wait for the coordinator until their connect timeout. The others were told goodbye.
+        reap(children, grace=1.0 if sys.exc_info()[0] is not None else 10.0)

@@ -241,7 +241,9 @@ class Limits(_Model):
     )
     idle_connection_s: float = Field(30.0, gt=0, description="a connection with no call open is closed after this")
     max_undelivered_mib: float = Field(
-        64.0, gt=0, description="a session whose unread instructions exceed this (or 3 rounds' worth) is dropped"
+        64.0,
+        gt=0,
+        description="a session whose unread instructions exceed the larger of this and 3 rounds' tasks is dropped",
     )
     receive_window_mib: float = Field(
         0.0,

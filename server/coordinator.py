@@ -211,7 +211,8 @@ def _run(
 
         try:
             for index in range(first, len(config.algorithms)):
-                recorder.index = index
+                # The pool counts each algorithm's rounds from 0: a new one checkpoints from its first step.
+                recorder.index, recorder.last_checkpoint = index, -1
                 spec = config.algorithms[index]
                 start = resume if index == first else None
                 result = run_algorithm(
@@ -233,6 +234,9 @@ def _run(
                 outcome.failure = str(stop.cause)
                 pool.failure = outcome.failure
     stacks = pool.numeric_stacks()
-    notes = {"clients_numeric_stack": stacks} if stacks else {}
+    notes: dict[str, Any] = {"clients_numeric_stack": stacks} if stacks else {}
+    closed = pool.connections_closed()
+    if any(closed.values()):  # a flood, or clients that waited long: the operator sees how many
+        notes["connections_closed"] = closed
     write_summary(run_dir, config, outcome.results, {**transport, **notes, "failure": outcome.failure})
     return outcome

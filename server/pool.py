@@ -347,6 +347,10 @@ class ClientPool(abc.ABC):
         """What the client processes reported computing with, and which clients each (none in-process)."""
         return {}
 
+    def connections_closed(self) -> dict[str, int]:
+        """Connections the transport closed for carrying nothing, by reason (none in-process)."""
+        return {}
+
     def _require_run(self) -> RunInfo:
         if self.run is None:
             raise RuntimeError("start_run() must be called before exchanging with clients")

@@ -33,8 +33,11 @@ class Coordinator:
         env: dict[str, str] | None = None,
         command: str = "coordinator",
         own_group: bool = False,
+        arguments: Sequence[str] | None = None,
     ) -> None:
-        line = [*prefix, sys.executable, "-m", "fedsaddle", command, "--config", str(config_path), "--out", str(out)]
+        """`arguments`: the command's own, instead of --config CONFIG_PATH --out OUT (e.g. --resume RUN_DIR)."""
+        own = ["--config", str(config_path), "--out", str(out)] if arguments is None else list(arguments)
+        line = [*prefix, sys.executable, "-m", "fedsaddle", command, *own]
         command_line = line + (["--listen", listen] if command == "coordinator" else [])
         self.process = subprocess.Popen(
             command_line,
@@ -177,7 +180,7 @@ def test_missing_clients_are_named_when_the_join_timeout_expires(tmp_path: Path)
     code, log, codes = coordinator.finish_with(start_clients(address, ["0", "2"]), timeout=30)
     assert code == 1
     assert "clients [1, 3] did not join within 3 s" in log
-    assert codes == [0, 0]
+    assert codes == [1, 1]  # the clients that joined are told the run failed (they once exited 0: issue 28)
 
 
 def test_a_client_without_a_coordinator_gives_up_with_a_clear_error() -> None:

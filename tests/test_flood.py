@@ -3,8 +3,12 @@ what carries nothing, counts and says so, and honest clients still get in."""
 
 from __future__ import annotations
 
+import json
+import re
 import select
+import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -12,15 +16,22 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import pytest
+from conftest import CLIENT_ENV, config, fedsaddle, stop_processes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_failures import Coordinator, write_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from flooder import PREFACE, SETTINGS, session_headers  # bench/flooder.py
 
+from fedsaddle.launch import client_command
+from fedsaddle.server.driver import run_algorithm
+from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 from fedsaddle.server.transport.sessions import Limits
 
 FLOOD_SOURCE = "127.0.0.2"  # the flood's address; honest peers come from 127.0.0.1
+FLOODER = Path(__file__).resolve().parent.parent / "bench" / "flooder.py"
 
 
 @contextmanager
@@ -76,11 +87,98 @@ def test_one_address_keeps_at_most_its_cap_of_quiet_connections_and_health_answe
 
 
 def test_connections_that_carry_no_hello_are_closed_at_the_handshake_deadline() -> None:
-    limits = Limits(handshake_timeout_s=1, max_quiet_per_peer=100, hello_timeout_s=60)
+    limits = Limits(handshake_timeout_s=1, max_quiet_per_peer=100, hello_timeout_s=1)
     with (
         GrpcPool(1, "127.0.0.1:0", limits=limits) as pool,
         idle_connections(pool.address, 5) as bare,
         idle_connections(pool.address, 5, stream=True) as streams,
     ):
-        assert hung_up(bare + streams, expected=10, within=20) == 10  # bare, or a stream with no Hello: all closed
+        # bare: closed at the deadline; a stream with no Hello: ended at hello_timeout_s, then closed as bare
+        assert hung_up(bare + streams, expected=10, within=20) == 10
         assert pool.gate.closed_silent == 10 and pool.gate.closed_over_cap == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["bare", "stream-without-hello"])
+def test_ten_clients_join_and_the_run_is_unchanged_while_one_address_holds_2000_idle_connections(
+    tmp_path: Path, stream: bool
+) -> None:
+    fields = {
+        "problem": {"name": "paper_regression", "num_clients": 10, "dim": 10, "s": 2.0},
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.01}],
+        "rounds": 100,
+        "output": {"plot": False},
+        "transport": {"join_timeout_s": 120},
+    }
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **fields), tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 60).group(1)
+    command = [sys.executable, str(FLOODER), address, "--connections", "2000", "--seconds", "240"]
+    flood = subprocess.Popen([*command, *(["--stream"] if stream else [])], stdout=subprocess.PIPE, text=True)
+    clients: list[subprocess.Popen[bytes]] = []
+    try:
+        assert flood.stdout is not None
+        assert flood.stdout.readline().strip() == "holding 2000"  # the flood is on before any client starts
+        for index in range(10):
+            command = client_command(address, str(index), "--connect-timeout", "120")
+            clients.append(subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        checked = fedsaddle("health", "--address", address, "--timeout", "30", timeout=60)
+        assert checked.returncode == 0 and "SERVING" in checked.stdout, checked.stderr
+        code, log = coordinator.finish(timeout=240)
+    finally:
+        codes = stop_processes(clients)
+        flood.terminate()
+        said, _ = flood.communicate(timeout=30)
+    assert code == 0, log
+    assert codes == [0] * 10
+    assert "closes every plaintext connection" not in log
+    opened, closed = (int(n) for n in re.findall(r"opened (\d+), closed by the coordinator (\d+)", said)[0])
+    assert closed >= opened - 2000 > 0  # it held no more than 2000, and the coordinator kept closing them
+    assert re.search(r"closed \d+ connections from 127.0.0.2", log)  # said, rate-limited
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["transport"]["connections_closed"]["over_peer_cap"] > 0  # counted where operators look
+    (remote,) = summary["algorithms"]
+    run = config(**fields)
+    assert remote["z_sha256"] == run_algorithm(run.algorithms[0], run, LocalPool()).z_sha256
+
+
+def test_a_client_killed_during_a_flood_rejoins_and_the_run_is_unchanged(tmp_path: Path) -> None:
+    fields = {
+        "problem": {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 2.0},
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.01}],
+        "rounds": 3001,
+        "output": {"plot": False},
+        "transport": {"rejoin_timeout_s": 60},
+    }
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **fields), tmp_path / "runs")
+    address = coordinator.wait_for(r"listening on (\S+);", 60).group(1)
+
+    def client(index: int) -> subprocess.Popen[bytes]:
+        command = client_command(address, str(index), "--connect-timeout", "60")
+        return subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    clients = [client(i) for i in range(3)]
+    flood = subprocess.Popen(
+        [sys.executable, str(FLOODER), address, "--connections", "2000", "--seconds", "240"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert flood.stdout is not None
+        assert flood.stdout.readline().strip() == "holding 2000"
+        coordinator.wait_for(r"round\s+\d+/3001", 120)
+        clients[1].send_signal(signal.SIGKILL)
+        clients[1].wait()
+        coordinator.wait_for(r"client 1 \(.*\) disconnected", 60)
+        clients.append(client(1))  # restarted while the flood goes on
+        coordinator.wait_for(r"client 1 \(.*\) rejoined", 60)
+        code, log = coordinator.finish(timeout=240)
+    finally:
+        codes = stop_processes(clients)
+        flood.terminate()
+        flood.communicate(timeout=30)
+    assert code == 0, log
+    assert codes[0] == codes[2] == codes[3] == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    (remote,) = json.loads((run_dir / "summary.json").read_text())["algorithms"]
+    run = config(**fields)
+    assert remote["z_sha256"] == run_algorithm(run.algorithms[0], run, LocalPool()).z_sha256

@@ -115,10 +115,7 @@ def assert_same_as_uninterrupted(run_dir: Path, expected: tuple[dict[str, Any], 
         logical = ("rounds", "messages_down", "messages_up", "floats_down", "floats_up")
         logical += ("per_client_floats_down", "per_client_floats_up")
         assert {k: a["traffic"]["algorithm"][k] for k in logical} == {k: b["traffic"]["algorithm"][k] for k in logical}
-        assert (
-            a["meta_iterations" if "meta_iterations" in a else "syncs"]
-            == b["meta_iterations" if "meta_iterations" in b else "syncs"]
-        )
+        assert all(a.get(k) == b.get(k) for k in ("meta_iterations", "syncs", "steps"))
     assert without_time(run_dir / "metrics.jsonl") == lines  # none missing, none twice
 
 
@@ -363,3 +360,74 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_and_nothing_changes(tmp_p
     (run_dir / "summary.json").unlink()
     (run_dir / "checkpoint.npz").unlink()
     refused("has no checkpoint.npz")
+
+
+EVERY = 20
+FIVE: dict[str, Any] = {
+    "name": "five",
+    "problem": {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 3.0},
+    "algorithms": [
+        {"name": "minibatch_md", "gamma": 0.01},
+        {"name": "mirror_prox", "gamma": 0.01},
+        {"name": "fedavg_s", "gamma_local": 0.02},
+        {"name": "scaffold_s", "gamma_local": 0.02},
+        {"name": "scaffold_catalyst_s", "gamma_local": 0.02},
+    ],
+    "rounds": 301,
+    "sync": {"kind": "random", "p": 0.2},
+    "gradient_noise": 0.05,
+    "output": {"plot": False, "checkpoint_every": EVERY},
+}
+
+
+def last_rounds(run_dir: Path, algorithm: str) -> int:
+    """The rounds of the last step of `algorithm` that metrics.jsonl records (each step's line is flushed)."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return max(line["rounds"] for line in lines if line["algorithm"] == algorithm)
+
+
+def test_a_coordinator_killed_in_each_of_five_algorithms_redoes_at_most_checkpoint_every_rounds(
+    tmp_path: Path,
+) -> None:
+    names = [a["name"] for a in FIVE["algorithms"]]
+    path = write_config(tmp_path / "run.yaml", **FIVE)
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "simulated"), timeout=300)
+    assert done.returncode == 0, done.stderr
+    (simulated,) = (tmp_path / "simulated").iterdir()
+    with np.load(simulated / "checkpoint.npz") as archive:  # simulate checkpoints the last algorithm too
+        assert json.loads(str(archive["__meta__"]))["algorithm_index"] == len(names) - 1
+    expected = json.loads((simulated / "summary.json").read_text()), without_time(simulated / "metrics.jsonl")
+
+    address = free_address()
+    coordinator = Coordinator(path, tmp_path / "runs", listen=address)
+    clients = [
+        subprocess.Popen(
+            client_command(address, str(i), "--connect-timeout", "60"),
+            env=CLIENT_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(3)
+    ]
+    redone: dict[str, int] = {}
+    try:
+        for name in names:  # killed once in each algorithm, each time resumed by a new coordinator
+            coordinator.wait_for(rf"{name}\s+round\s+1\d\d/301", 120)
+            coordinator.process.send_signal(signal.SIGKILL)
+            coordinator.finish(timeout=30)
+            (run_dir,) = (tmp_path / "runs").iterdir()
+            reached = last_rounds(run_dir, name)
+            coordinator = Coordinator(path, tmp_path, listen=address, arguments=["--resume", str(run_dir)])
+            resumed = coordinator.wait_for(r"from its checkpoint: (\w+) at step \d+, after (\d+) rounds", 60)
+            assert resumed.group(1) == name  # not an earlier algorithm's checkpoint
+            redone[name] = reached - int(resumed.group(2))
+        code, log = coordinator.finish(timeout=300)
+    finally:
+        if coordinator.process.poll() is None:
+            coordinator.process.kill()
+        codes = stop_processes(clients)
+    assert code == 0, log
+    assert codes == [0, 0, 0]  # never restarted: they reconnected to each new coordinator
+    assert set(redone) == set(names)
+    assert all(0 <= rounds <= EVERY for rounds in redone.values()), redone
+    assert_same_as_uninterrupted(run_dir, expected)

@@ -9,11 +9,14 @@ a graceful GOAWAY whose PING a peer that never reads never acknowledges: about a
 
 So the gate looks at the process's own sockets (/proc/self/fd, Linux) every
 `SWEEP_S`: each connection accepted on one of the coordinator's ports that carries no
-session and no health call is *quiet*. A connection quiet for longer than the handshake
-deadline is closed, and of one address's quiet connections only the newest
-`max_quiet_per_peer` are kept. Closing is `shutdown(2)` on a duplicate of gRPC's
-descriptor, checked to be the same socket first: gRPC sees the end of the stream and
-releases the connection itself; the gate never closes gRPC's descriptor.
+call (a session, a stream admitted to say its Hello, a health check) is *quiet*. A
+connection quiet for longer than the handshake deadline is closed; of one address's
+quiet connections the newest `max_quiet_per_peer` are kept and the others closed once
+quiet for OVER_CAP_GRACE_S. (A stream that never says Hello ends at hello_timeout_s, and
+an address may have max_quiet_per_peer of those: then its connection is quiet.)
+Closing is `shutdown(2)` on a duplicate of gRPC's descriptor, checked to be the same
+socket first: gRPC sees the end of the stream and releases the connection itself; the
+gate never closes gRPC's descriptor.
 
 Where /proc is absent (not Linux) the gate does nothing and gRPC's own limits remain.
 """
@@ -34,11 +37,15 @@ from typing import Any
 from grpc_health.v1 import _async as health_aio  # public as grpc_health.v1.health.aio
 from grpc_health.v1 import health_pb2
 
+from fedsaddle.common.memory import release_heaps
 from fedsaddle.common.text import RefusalLog
 
 log = logging.getLogger("fedsaddle.coordinator")
 
+FEW = 4  # fewer silent connections than this from one address in one sweep are not worth a warning
+TRIM_AFTER = 256  # connections closed before the heaps' free pages are handed back (at most once a second)
 SWEEP_S = 0.25  # how often the gate looks (a sweep of 2000 connections costs a few ms)
+OVER_CAP_GRACE_S = 3.0  # how long a connection over its address's cap may stay quiet
 _FDS = "/proc/self/fd"
 
 
@@ -80,12 +87,13 @@ class ConnectionGate:
         self.closed_silent = 0  # connections closed for carrying nothing within the deadline
         self.closed_over_cap = 0  # connections closed for being over one address's quiet cap
         self.refusals = RefusalLog(log)
+        self._closed_since_trim, self._trimmed_at = 0, 0.0
         self.enabled = os.path.isdir(_FDS)
 
     # -- what the servicer says --------------------------------------------------------------
 
     def enter(self, peer: str) -> None:
-        """A call (a session that said Hello, a health check) now runs on the connection of `peer`."""
+        """A call (a session, a stream admitted to say its Hello, a health check) now runs on `peer`'s connection."""
         key = peer_key(peer)
         if key is not None:
             self.in_use[key] += 1
@@ -112,6 +120,11 @@ class ConnectionGate:
 
     def sweep(self, now: float) -> int:
         """Close the connections that carried nothing too long, or are over their address's cap; how many."""
+        if self._closed_since_trim >= TRIM_AFTER and now - self._trimmed_at >= 1.0:
+            # gRPC has released what the last sweeps closed (about 17 KiB each); a flood that reopens them
+            # would otherwise keep the freed pages in the heaps until the next periodic trim.
+            release_heaps()
+            self._closed_since_trim, self._trimmed_at = 0, now
         self._scan(now)
         quiet: dict[str, list[tuple[int, _Connection]]] = {}
         closing: list[tuple[int, _Connection, str]] = []
@@ -127,28 +140,38 @@ class ConnectionGate:
                 quiet.setdefault(connection.peer[0], []).append((fd, connection))
         for listed in quiet.values():
             if len(listed) > self.max_quiet_per_peer:
+                # The newest are kept; of the rest, those quiet for OVER_CAP_GRACE_S are closed. A flood that
+                # reopens every connection closed costs the coordinator (an accept, a handshake, and for a
+                # stream a call served in Python) once per grace, not once per sweep.
                 listed.sort(key=lambda item: item[1].quiet_since)
-                closing.extend((fd, c, "over") for fd, c in listed[: len(listed) - self.max_quiet_per_peer])
-        by_host: Counter[str] = Counter()
+                excess = listed[: len(listed) - self.max_quiet_per_peer]
+                closing.extend((fd, c, "over") for fd, c in excess if now - c.quiet_since >= OVER_CAP_GRACE_S)
+        silent: Counter[str] = Counter()
+        over: Counter[str] = Counter()
         for fd, connection, why in closing:
             if self._shut(fd, connection.inode):
-                by_host[connection.peer[0]] += 1
-                if why == "silent":
-                    self.closed_silent += 1
-                else:
-                    self.closed_over_cap += 1
-            self._connections.pop(fd, None)
-        for host, count in by_host.items():
+                (silent if why == "silent" else over)[connection.peer[0]] += 1
+            del self._connections[fd]
+            self._other[fd] = connection.inode  # (gRPC closes its descriptor soon: not counted twice meanwhile)
+        self.closed_silent += silent.total()
+        self.closed_over_cap += over.total()
+        self._closed_since_trim += silent.total() + over.total()
+        for host in silent.keys() | over.keys():
+            if not over[host] and silent[host] < FEW:  # a client waiting to retry leaves one quiet connection
+                log.debug("closed %d quiet connections from %s", silent[host], host)
+                continue
             self.refusals.warn(
-                "closed %d connections from %s that carried no Hello within %g s (or were over its %d such "
-                "connections)",
-                count,
+                "closed %d connections from %s: %d carried nothing within %g s, %d were over its %d quiet "
+                "connections (a flood?)",
+                silent[host] + over[host],
                 host,
+                silent[host],
                 self.handshake_timeout_s,
+                over[host],
                 self.max_quiet_per_peer,
             )
         self._prune(now)
-        return sum(by_host.values())
+        return silent.total() + over.total()
 
     def _scan(self, now: float) -> None:
         """Bring the table of our connections up to date with the process's descriptors."""

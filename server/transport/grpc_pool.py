@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import resource
 import secrets
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from grpc_health.v1 import _async as health_aio  # public as grpc_health.v1.heal
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedsaddle.common import wire
+from fedsaddle.common.indices import some
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.secagg import messages
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
@@ -51,6 +54,7 @@ from fedsaddle.server.transport.sessions import Limits
 
 log = logging.getLogger("fedsaddle.coordinator")
 T = TypeVar("T")
+WAIT_SAY_S = 5.0  # while clients are missing, the log names them this often
 DESCRIPTOR_RESERVE = 256  # descriptors kept for files, the event loop and gRPC's own
 
 __all__ = ["GrpcPool", "MissingClients"]
@@ -119,6 +123,7 @@ class GrpcPool(ClientPool):
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._closed = False
+        self._say_missing_at = time.monotonic() + WAIT_SAY_S  # when wait_for_clients next names the missing
         self.token_port: int | None = None  # the second port, for token identities under mutual TLS
         try:
             self.protocol, self.service = self._call(self._make_state(authenticator))
@@ -169,8 +174,10 @@ class GrpcPool(ClientPool):
             ("grpc.max_metadata_size", 16 << 10),
             *_window_options(limits.receive_window_bytes),
         ]
-        # Calls beyond this many in all are refused with RESOURCE_EXHAUSTED by gRPC itself.
-        calls = limits.max_connections * limits.max_streams_per_connection
+        # Calls beyond this many in all are refused with RESOURCE_EXHAUSTED by gRPC itself: a session per
+        # client at most, the streams waiting for a Hello, and room for health checks. (Not connections times
+        # streams: calls gRPC queues for a busy event loop hold memory until it serves them.)
+        calls = max(4096, 2 * self.federation_size + limits.max_pending_hellos)
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=calls)
         server.add_generic_rpc_handlers((self.service.handler(),))
         # The standard health service (grpc.health.v1), for orchestrators and `fedsaddle health`.
@@ -223,8 +230,28 @@ class GrpcPool(ClientPool):
         return self._call(operate(), timeout)
 
     def wait_for_clients(self, timeout: float) -> None:
-        """Block until every client index is connected; MissingClients on timeout."""
-        self._operate(lambda now: self.protocol.await_federation(timeout, now))
+        """Block until every client index is connected; MissingClients on timeout. Every WAIT_SAY_S of
+        waiting (across calls), the log says which clients are still missing."""
+        deadline = time.monotonic() + timeout
+        while True:
+            step = max(0.0, min(deadline, self._say_missing_at) - time.monotonic())
+            try:
+                self._operate(functools.partial(self.protocol.await_federation, step))
+                return
+            except MissingClients:
+                self._say_missing()
+                if time.monotonic() >= deadline:
+                    raise MissingClients(self.missing(), timeout) from None
+
+    def _say_missing(self) -> None:
+        now = time.monotonic()
+        if now < self._say_missing_at:
+            return
+        self._say_missing_at = now + WAIT_SAY_S
+        missing = self.missing()
+        if missing:
+            joined = self.federation_size - len(missing)
+            log.info("waiting for clients %s (%d of %d joined)", some(missing, 20), joined, self.federation_size)
 
     def missing(self) -> list[int]:
         """The client indices no live session holds now."""
@@ -244,6 +271,10 @@ class GrpcPool(ClientPool):
     def numeric_stacks(self) -> dict[str, list[int]]:
         """What the clients reported computing with (numpy, BLAS kernel): the client indices of each."""
         return self.protocol.numeric_stacks()
+
+    def connections_closed(self) -> dict[str, int]:
+        """Connections the gate closed (gate.py): quiet past the handshake deadline, or over an address's cap."""
+        return {"silent": self.gate.closed_silent, "over_peer_cap": self.gate.closed_over_cap}
 
     def _exchange(
         self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None

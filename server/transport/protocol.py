@@ -459,7 +459,7 @@ class Coordination:
                 min_clients=self.min_clients,
             )
             self._round, self.phase = round_, Phase.COLLECTING
-            # A few rounds' worth may wait undelivered: more means a session stopped reading.
+            # max(64 MiB by default, 3 rounds' tasks) may wait undelivered: more means a session stopped reading.
             bound = max(self.limits.max_undelivered_bytes, 3 * sum(len(p) for p in request.pieces))
             actions: list[Action] = []
             for session, _ in taking_part:
@@ -909,8 +909,8 @@ class Coordination:
         self._count_refusal(session, details)
         if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
             log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
-        else:
-            self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
+            return  # (nor for the client: its goodbye comes)
+        self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
         rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
         actions.append(Send(session.key, pb.Instruction(rejected=rejected).SerializeToString()))
 

@@ -31,6 +31,7 @@ from fedsaddle.server.transport.protocol import (
     End,
     Failed,
     Greeted,
+    Phase,
     Received,
     Send,
     Settled,
@@ -137,6 +138,10 @@ class SessionService:
         finally:
             self._waiter = None
             if not waiter.done():  # interrupted: the protocol is not to settle it any more
+                # Abandoned by a signal (loop.py) mid-round: the coordinator stops, and the answers already
+                # on their way cross the goodbye; they are refused quietly, as after it.
+                if self.protocol.phase in (Phase.COLLECTING, Phase.UNMASKING):
+                    self.protocol.shutting_down = True
                 self.protocol.abandon()
                 self._rearm()
 
@@ -169,10 +174,8 @@ class SessionService:
 
     def _greeted(self, stream: Stream, joined: bool) -> None:
         stream.greeted = True
+        stream.joined = joined
         self.admission.greeted(stream.peer.rsplit(":", 1)[0])
-        if joined and self.gate is not None:
-            stream.joined = True
-            self.gate.enter(stream.peer)
 
     def _finish(self, end: End) -> None:
         stream = self.streams.get(end.session)
@@ -233,10 +236,16 @@ class SessionService:
         except Refusal as refusal:
             self.protocol.refusals.warn("refused a stream from %s: %s", peer, refusal.details)
             await _end(context, refusal)
+        # Admitted: the connection carries a call now, which the gate leaves alone (a stream waiting for its
+        # Hello ends at hello_timeout_s, and an address has at most max_quiet_per_peer of those).
+        if self.gate is not None:
+            self.gate.enter(peer)
         try:
             await self._serve(requests, context, peer)
         finally:
             self.admission.leave(host)
+            if self.gate is not None:
+                self.gate.leave(peer)
 
     async def _serve(
         self, requests: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes], peer: str
@@ -268,8 +277,6 @@ class SessionService:
             del self.streams[key]
             if not stream.greeted:
                 self.admission.greeted(peer.rsplit(":", 1)[0])
-            if stream.joined and self.gate is not None:
-                self.gate.leave(peer)
         ending = stream.ending
         if ending is not None and ending.code is not None:
             await _end(context, Refusal(ending.code, ending.details))

@@ -151,7 +151,12 @@ class Registry:
         """Give the session its indices; Refusal(ALREADY_EXISTS) if another live session holds one."""
         taken = [i for i in session.indices if i in self.owner]
         if taken:
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"client indices {some(taken)} are already connected")
+            holder = self.owner[taken[0]]
+            raise Refusal(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"client indices {some(taken)} are already connected: {holder.describe()} holds "
+                f"{'them' if len(taken) > 1 else 'it'}",
+            )
         for i in session.indices:
             self.owner[i] = session
             self.lost.pop(i, None)
