@@ -678,6 +678,10 @@ _INTERRUPTED: list[bool] = []  # one entry per interrupt the command stopped for
 
 def _say_interrupted(what: str = "") -> None:
     _INTERRUPTED.append(True)
+    # The command stops for this interrupt: one more (a lost one sent again, a second Ctrl-C) must not
+    # end the process by the signal while it says so and exits 130.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     print(f"fedsaddle: interrupted{what}", file=sys.stderr)
 
 

@@ -21,6 +21,7 @@ def main() -> int:
 
         code = command_line()
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a second one must not cut this line short)
         print("fedsaddle: interrupted", file=sys.stderr)
     finally:
         # The command has ended and said how: a Ctrl-C while the interpreter shuts down (its handler is
