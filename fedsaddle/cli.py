@@ -313,6 +313,16 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             run_noise(out, command)
             print(f"report: {out} (noise.md, figure_noise.png; {time.perf_counter() - started:.1f} s)")
             return EXIT_OK
+        if args.which == "dp":
+            from fedsaddle.experiments.dp import EPSILONS, Setup, run_dp
+
+            dp_seeds = tuple(range(args.seeds or 10))
+            epsilons = tuple(args.epsilons or EPSILONS)
+            setup = Setup(rounds=args.rounds or Setup().rounds)
+            total = len(dp_seeds) * (len(epsilons) + 1)
+            run_dp(out, command, dp_seeds, epsilons, setup, lambda done: progress.update("runs", done, total))
+            print(f"report: {out / 'table.md'} (figure_dp.png, runs.csv; {time.perf_counter() - started:.1f} s)")
+            return EXIT_OK
         if args.which == "problems":
             from fedsaddle.experiments.problems import ALGORITHMS, CASES, STEP_FACTORS, run_problems
 
@@ -889,17 +899,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
         "which",
-        choices=["paper", "ablations", "noise", "problems", "agnostic"],
-        help="the paper's sweep, ablations of its open choices, stochastic gradients, the real problems, or "
-        "agnostic federated learning on breast_cancer",
+        choices=["paper", "ablations", "noise", "problems", "agnostic", "dp"],
+        help="the paper's sweep, ablations of its open choices, stochastic gradients, the real problems, "
+        "agnostic federated learning on breast_cancer, or differential privacy (held-out AUC against epsilon)",
     )
     p.add_argument(
-        "--seeds", type=positive_int, help="seeds per setting (default 5; 1 with --transport grpc; the docs use 20)"
+        "--seeds",
+        type=positive_int,
+        help="seeds per setting (default 5; 1 with --transport grpc; the docs use 20; 10 for dp)",
     )
     p.add_argument(
         "--s", type=non_negative_float, nargs="+", help="values of s (default 0..15; 0 5 10 with --transport grpc)"
     )
-    p.add_argument("--rounds", type=positive_int, help="communication budget per run (default 500; 1000 for problems)")
+    p.add_argument(
+        "--rounds", type=positive_int, help="communication budget per run (default 500; 1000 for problems; 20 for dp)"
+    )
+    p.add_argument(
+        "--epsilons", type=positive_float, nargs="+", help="dp: target epsilons (default 0.5 1 2 4 8; delta 1e-5)"
+    )
     # The names of RoundConvention's members (server/config.py is not imported until a command needs it).
     p.add_argument("--convention", choices=["exchanges", "paper"], default="exchanges", help="what a round is")
     p.add_argument("--tau", type=positive_int, default=20, help="local steps per sync")
