@@ -316,6 +316,10 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         if args.which == "dp":
             from fedsaddle.experiments.dp import EPSILONS, Setup, run_dp
 
+            if args.transport != "inprocess" or args.s is not None or args.convention != "exchanges":
+                raise UsageError(
+                    "experiment dp runs in-process on its own problem: --transport, --s and --convention do not apply"
+                )
             dp_seeds = tuple(range(args.seeds or 10))
             epsilons = tuple(args.epsilons or EPSILONS)
             setup = Setup(rounds=args.rounds or Setup().rounds)

@@ -115,3 +115,7 @@ def test_the_command_line_writes_the_report(tmp_path: Path) -> None:
     refused = ["experiment", "dp", "--epsilons", "-1", "--out", str(tmp_path / "refused")]
     bad = subprocess.run([sys.executable, "-m", "fedsaddle", *refused], capture_output=True, timeout=300)
     assert bad.returncode != 0 and b"--epsilons" in bad.stderr
+    grpc = ["experiment", "dp", "--transport", "grpc", "--out", str(tmp_path / "refused")]
+    bad = subprocess.run([sys.executable, "-m", "fedsaddle", *grpc], capture_output=True, timeout=300)
+    assert bad.returncode != 0 and b"--transport, --s and --convention do not apply" in bad.stderr
+    assert not (tmp_path / "refused").exists()
