@@ -314,6 +314,10 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             print(f"report: {out} (noise.md, figure_noise.png; {time.perf_counter() - started:.1f} s)")
             return EXIT_OK
         if args.which == "dp":
+            try:
+                import dp_accounting  # noqa: F401
+            except ImportError:
+                raise UsageError("experiment dp needs dp-accounting: pip install 'fedsaddle[privacy]'") from None
             from fedsaddle.experiments.dp import EPSILONS, Setup, run_dp
 
             if args.transport != "inprocess" or args.s is not None or args.convention != "exchanges":
@@ -323,7 +327,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             dp_seeds = tuple(range(args.seeds or 10))
             epsilons = tuple(args.epsilons or EPSILONS)
             setup = Setup(rounds=args.rounds or Setup().rounds)
-            total = len(dp_seeds) * (len(epsilons) + 1)
+            total = len(dp_seeds) * (len(epsilons) + 2)  # per seed: plain, clipping only, one per epsilon
             run_dp(out, command, dp_seeds, epsilons, setup, lambda done: progress.update("runs", done, total))
             print(f"report: {out / 'table.md'} (figure_dp.png, runs.csv; {time.perf_counter() - started:.1f} s)")
             return EXIT_OK
