@@ -117,6 +117,9 @@ def test_ten_clients_join_and_the_run_is_unchanged_while_one_address_holds_2000_
     try:
         assert flood.stdout is not None
         assert flood.stdout.readline().strip() == "holding 2000"  # the flood is on before any client starts
+        # ... and the gate is at work on it (the clients join while the flood's connections are being closed
+        # and reopened; a run this short would otherwise end before the gate's first close on a quiet machine)
+        coordinator.wait_for(r"closed \d+ connections from 127\.0\.0\.2", 60)
         for index in range(10):
             command = client_command(address, str(index), "--connect-timeout", "120")
             clients.append(subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
