@@ -352,9 +352,11 @@ class GrpcPool(ClientPool):
             return
         self._closed = True
         reason, outcome = (self.farewell, pb.DONE) if self.failure is None else (self.failure, pb.FAILED)
-        with contextlib.suppress(Exception):
-            if self._health is not None:
+        # Each step on its own: the clients' goodbye must not depend on the health service's last word.
+        if self._health is not None:
+            with contextlib.suppress(Exception):
                 self._call(self._health.enter_graceful_shutdown(), timeout=5)
+        with contextlib.suppress(Exception):
             self._call(self._goodbye(reason, outcome), timeout=5)
         if self._server is not None:
             with contextlib.suppress(Exception):
