@@ -23,29 +23,20 @@ import statistics
 import time
 
 import numpy as np
+from round_latency import time_rounds  # bench/round_latency.py: the same timing, one round at a time
 
-from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.common.secagg import SecAggSettings
 from fedsaddle.common.secagg.settings import default_bound
 from fedsaddle.launch import index_groups, reap, start_clients
 from fedsaddle.server.local_pool import LocalPool
-from fedsaddle.server.pool import ClientPool, RunInfo
+from fedsaddle.server.pool import RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 
 def run_info(name: str, n: int, d: int, secure: bool) -> RunInfo:
     settings = SecAggSettings(0, 40, default_bound(n)) if secure else None
     return RunInfo(name, PaperRegressionSpec(num_clients=n, dim=d, s=1.0), 0, 0.0, secure=settings)
-
-
-def time_rounds(pool: ClientPool, z: Array, rounds: int) -> list[float]:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        pool.gradients(z)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def quartiles(times: list[float]) -> str:

@@ -41,6 +41,7 @@ from fedsaddle.common.problems.data import ClientData, read_client_data
 from fedsaddle.common.problems.domains import Simplex
 
 from .datasets import split
+from .problems import NAMES
 from .report import fmt, markdown
 
 CLIENTS = 10
@@ -54,13 +55,6 @@ ALGORITHMS: tuple[dict[str, Any], ...] = (
     {"name": "scaffold_s", "gamma_local": 0.1},
     {"name": "scaffold_catalyst_s", "gamma_local": 0.1},
 )
-NAMES = {
-    "minibatch_md": "Minibatch MD",
-    "mirror_prox": "Minibatch Mirror-prox",
-    "fedavg_s": "FedAvg-S",
-    "scaffold_s": "SCAFFOLD-S",
-    "scaffold_catalyst_s": "SCAFFOLD-Catalyst-S",
-}
 
 
 def config(seed: int, rounds: int) -> dict[str, Any]:
