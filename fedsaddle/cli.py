@@ -302,6 +302,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("experiments draw figures and need matplotlib: pip install 'fedsaddle[plot]'") from None
+    _refuse_flags_not_taken(args)
     out = Path(args.out) if args.out else Path("runs") / f"experiment-{args.which}-{time.strftime('%Y%m%d-%H%M%S')}"
     command = "fedsaddle " + " ".join(sys.argv[1:])
     progress = Progress(unit="run")
@@ -320,10 +321,6 @@ def cmd_experiment(args: argparse.Namespace) -> int:
                 raise UsageError("experiment dp needs dp-accounting: pip install 'fedsaddle[privacy]'") from None
             from fedsaddle.experiments.dp import EPSILONS, Setup, run_dp
 
-            if args.transport != "inprocess" or args.s is not None or args.convention != "exchanges":
-                raise UsageError(
-                    "experiment dp runs in-process on its own problem: --transport, --s and --convention do not apply"
-                )
             dp_seeds = tuple(range(args.seeds or 10))
             epsilons = tuple(args.epsilons or EPSILONS)
             setup = Setup(rounds=args.rounds or Setup().rounds)
@@ -368,6 +365,33 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         progress.close()
 
 
+# The flags each experiment takes (--out: all of them). The others run on setups of their own, documented
+# in their reports, and a flag they would ignore is refused rather than silently dropped.
+EXPERIMENT_FLAGS: dict[str, tuple[str, ...]] = {
+    "paper": ("seeds", "s", "rounds", "convention", "tau", "init", "transport"),
+    "ablations": (),
+    "noise": (),
+    "problems": ("rounds",),
+    "agnostic": ("seeds", "rounds", "transport"),
+    "dp": ("seeds", "rounds", "epsilons"),
+}
+
+
+def _refuse_flags_not_taken(args: argparse.Namespace) -> None:
+    takes = EXPERIMENT_FLAGS.get(args.which)
+    if takes is None:
+        return
+    given = [
+        name
+        for name in ("seeds", "s", "rounds", "epsilons", "convention", "tau", "init", "transport")
+        if getattr(args, name, None) is not None and name not in takes
+    ]
+    if given:
+        flags = ", ".join(f"--{name}" for name in given)
+        allowed = ", ".join(f"--{name}" for name in (*takes, "out"))
+        raise UsageError(f"experiment {args.which} does not take {flags} (it takes {allowed})")
+
+
 def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progress: Progress) -> int:
     from fedsaddle.experiments.grid import STEP_SCALES, VARIANTS, Grid, run_grid, run_rows_on
     from fedsaddle.experiments.report import write_report
@@ -379,9 +403,9 @@ def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progres
         s_values=tuple(args.s) if args.s else default_s,
         seeds=tuple(range(args.seeds if args.seeds else (1 if grpc else 5))),
         rounds=args.rounds or 500,
-        convention=RoundConvention(args.convention),
-        tau=args.tau,
-        overrides={"init": args.init},
+        convention=RoundConvention(args.convention or "exchanges"),
+        tau=args.tau or 20,
+        overrides={"init": args.init or "ones"},
         # Over gRPC every point runs again through client processes: the paper's own grid only.
         step_scales=STEP_SCALES if grpc else None,
         variants={} if grpc else VARIANTS,
@@ -926,14 +950,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--epsilons", type=positive_float, nargs="+", help="dp: target epsilons (default 0.5 1 2 4 8; delta 1e-5)"
     )
     # The names of RoundConvention's members (server/config.py is not imported until a command needs it).
-    p.add_argument("--convention", choices=["exchanges", "paper"], default="exchanges", help="what a round is")
-    p.add_argument("--tau", type=positive_int, default=20, help="local steps per sync")
-    p.add_argument("--init", choices=["ones", "zeros", "random"], default="ones", help="starting point z0")
+    p.add_argument("--convention", choices=["exchanges", "paper"], help="paper: what a round is (default exchanges)")
+    p.add_argument("--tau", type=positive_int, help="paper: local steps per sync (default 20)")
+    p.add_argument("--init", choices=["ones", "zeros", "random"], help="paper: starting point z0 (default ones)")
     p.add_argument(
         "--transport",
         choices=["inprocess", "grpc"],
-        default="inprocess",
-        help="grpc: also run the points over 10 client processes and check them bit for bit",
+        help="paper, agnostic: inprocess (default), or grpc: also run the points over 10 client processes and "
+        "check them bit for bit",
     )
     p.add_argument("--out", help="report folder (default: runs/experiment-WHICH-TIME)")
 

@@ -248,6 +248,12 @@ def test_global_flags_work_before_and_after_the_command() -> None:
         ),
         (["client", "--coordinator", "h:1", "--clients", "0", "--cert", "c.pem"], "--cert and --key need --ca"),
         (["simulate", "--config", "/nonexistent.yaml"], "cannot read config /nonexistent.yaml"),
+        (
+            ["experiment", "problems", "--tau", "5", "--init", "zeros"],
+            "experiment problems does not take --tau, --init (it takes --rounds, --out)",
+        ),
+        (["experiment", "agnostic", "--s", "3"], "experiment agnostic does not take --s (it takes --seeds, --rounds,"),
+        (["experiment", "paper", "--epsilons", "1"], "experiment paper does not take --epsilons"),
     ],
 )
 def test_bad_values_exit_2_naming_the_value(args: list[str], named: str) -> None:
