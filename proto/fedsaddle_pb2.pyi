@@ -228,16 +228,18 @@ class DifferentialPrivacy(_message.Message):
     def __init__(self, clip: _Optional[float] = ..., noise_multiplier: _Optional[float] = ...) -> None: ...
 
 class SecureAggregation(_message.Message):
-    __slots__ = ("threshold", "scale_bits", "bound", "weigh_by_samples")
+    __slots__ = ("threshold", "scale_bits", "bound", "weigh_by_samples", "neighbours")
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     SCALE_BITS_FIELD_NUMBER: _ClassVar[int]
     BOUND_FIELD_NUMBER: _ClassVar[int]
     WEIGH_BY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
     threshold: int
     scale_bits: int
     bound: float
     weigh_by_samples: bool
-    def __init__(self, threshold: _Optional[int] = ..., scale_bits: _Optional[int] = ..., bound: _Optional[float] = ..., weigh_by_samples: _Optional[bool] = ...) -> None: ...
+    neighbours: int
+    def __init__(self, threshold: _Optional[int] = ..., scale_bits: _Optional[int] = ..., bound: _Optional[float] = ..., weigh_by_samples: _Optional[bool] = ..., neighbours: _Optional[int] = ...) -> None: ...
 
 class KeyDirectory(_message.Message):
     __slots__ = ("run_id", "epoch", "keys")

@@ -38,6 +38,7 @@ from fedsaddle.common.problems import (
 )
 from fedsaddle.common.problems.domains import DomainError, problem_domain
 from fedsaddle.common.problems.registry import add_plugin_folder
+from fedsaddle.common.secagg.graph import check_neighbours, default_neighbours
 from fedsaddle.common.secagg.settings import (
     SCALE_BITS,
     SecAggSettings,
@@ -365,6 +366,12 @@ class PrivacySpec(_Model):
         description="largest |value| a client may send (it refuses beyond it); default: the largest the "
         "number of clients allows without the sum overflowing",
     )
+    neighbours: int | None = Field(
+        None,
+        ge=0,
+        description="SecAgg+: each client masks with k neighbours in a Harary graph of the round's clients "
+        "(k even; 0: all pairs); default: all pairs up to 13 clients, above the smallest even k >= 3 log2(n)",
+    )
 
     dp: DpSpec | None = Field(
         None,
@@ -375,7 +382,8 @@ class PrivacySpec(_Model):
     def settings(self, num_clients: int) -> SecAggSettings:
         """What clients are told (the bound resolved for a federation of num_clients)."""
         bound = self.bound if self.bound is not None else default_bound(num_clients, self.scale_bits)
-        return SecAggSettings(self.threshold or 0, self.scale_bits, bound)
+        neighbours = self.neighbours if self.neighbours is not None else default_neighbours(num_clients)
+        return SecAggSettings(self.threshold or 0, self.scale_bits, bound, neighbours)
 
 
 Accuracy = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -482,6 +490,7 @@ class RunConfig(_Model):
         try:
             check_threshold(privacy.threshold or round_threshold(privacy.settings(n), per_round), per_round)
             check_bound(n, privacy.settings(n).bound, privacy.scale_bits)
+            check_neighbours(privacy.settings(n).neighbours)
         except ValueError as exc:
             raise ValueError(f"privacy: {exc}") from None
         quorum = self.participation.min_clients
@@ -490,6 +499,14 @@ class RunConfig(_Model):
             raise ValueError(
                 f"participation.min_clients: {quorum} is fewer than the {needed} clients secure aggregation "
                 "needs to unmask a round"
+            )
+        k = privacy.settings(n).neighbours
+        if quorum is not None and 0 < k < per_round - 1 and per_round - quorum > k // 2:
+            # H(k, m) loses no connection and no neighbourhood its majority while at most k/2 clients drop
+            raise ValueError(
+                f"participation.min_clients: {quorum} lets {per_round - quorum} of a round's {per_round} clients "
+                f"drop, more than the {k // 2} a neighbour graph of k = {k} (privacy.neighbours) can lose and still "
+                "unmask every round; raise min_clients or neighbours"
             )
         return self
 

@@ -52,7 +52,8 @@ class SecureRounds:
         """Add up a round's masked answers, run the unmask sub-exchange through `unmask`, read the sum."""
         clients = tuple(range(self.num_clients)) if participants is None else tuple(participants)
         threshold = round_threshold(self.settings, len(clients))
-        masked = MaskedRound(self.run_id, round_id, attempt, clients, threshold, row_length(task, self.dimension))
+        length = row_length(task, self.dimension)
+        masked = MaskedRound(self.run_id, round_id, attempt, clients, threshold, length, self.settings.neighbours)
         diverged: list[int] = []
         reason = ""
         for answer in answers:

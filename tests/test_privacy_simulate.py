@@ -197,6 +197,12 @@ def test_a_value_beyond_the_bound_stops_the_run_as_diverged_naming_round_entry_a
             {"participation": {"straggler_deadline_s": 1, "min_clients": 3}},
             "participation.min_clients: 3 is fewer than the 6 clients secure aggregation needs",
         ),
+        ({"neighbours": 3}, {}, "privacy: neighbours must be 0 \\(all pairs\\) or an even number >= 2"),
+        (
+            {"neighbours": 2},
+            {"participation": {"straggler_deadline_s": 1, "min_clients": 7}},
+            "participation.min_clients: 7 lets 3 of a round's 10 clients drop, more than the 1 a neighbour graph",
+        ),
     ],
 )
 def test_unsafe_settings_are_refused_naming_the_field(
@@ -209,6 +215,17 @@ def test_unsafe_settings_are_refused_naming_the_field(
     data["privacy"]["secure_aggregation"] = False  # the same fields are harmless when it is off
     if "scale_bits" not in privacy:
         parse_config(data)
+
+
+def test_secagg_plus_gives_the_same_iterates_bit_for_bit_as_all_pairs() -> None:
+    """Masks cancel exactly whichever graph they come from: the sums, and so every iterate, are the same."""
+    all_pairs = run(paper(40, True))
+    config = paper(40, True)
+    sparse = run(config.model_copy(update={"privacy": config.privacy.model_copy(update={"neighbours": 4})}))
+    assert all_pairs.status == sparse.status == "ok"
+    assert all_pairs.final_z.tobytes() == sparse.final_z.tobytes()
+    assert all_pairs.traffic["algorithm"] == sparse.traffic["algorithm"]
+    assert all_pairs.traffic["privacy"]["rounds"] == sparse.traffic["privacy"]["rounds"]
 
 
 def test_a_stopped_secure_run_resumes_bit_identical_with_a_new_key_agreement(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from fedsaddle.common.secagg import crypto, fixedpoint, shamir
+from fedsaddle.common.secagg import crypto, fixedpoint, graph, shamir
 from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound
 from fedsaddle.common.secagg.fixedpoint import FixedPointOverflow
 from fedsaddle.common.secagg.party import Party, UnmaskRequest
@@ -146,6 +146,30 @@ def test_masks_are_deterministic_per_seed_and_uniform_looking() -> None:
     assert abs(bits.mean() - 0.5) < 0.01
 
 
+def test_blockwise_masks_equal_whole_keystreams_added() -> None:
+    """add_masks works block by block; the result is each seed's whole AES-256-CTR keystream (taken here
+    straight from `cryptography`, in one call) added or subtracted mod 2^64."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    length = 2 * crypto.MASK_BLOCK + 123  # two whole blocks and a tail
+    seeds = [(bytes([k]) * 32, sign) for k, sign in ((1, 1), (2, -1), (3, 1))]
+    start = np.arange(length, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    expected = start.copy()
+    for seed, sign in seeds:
+        stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update(bytes(8 * length))
+        keystream = np.frombuffer(stream, dtype="<u8").astype(np.uint64)
+        expected = expected + keystream if sign > 0 else expected - keystream
+    total = start.copy()
+    crypto.add_masks(total, seeds)
+    assert np.array_equal(total, expected)
+    assert np.array_equal(
+        crypto.expand(seeds[0][0], 10),
+        np.frombuffer(
+            Cipher(algorithms.AES(seeds[0][0]), modes.CTR(bytes(16))).encryptor().update(bytes(80)), dtype="<u8"
+        ),
+    )
+
+
 def test_sealed_shares_open_only_in_their_own_context() -> None:
     key = crypto.envelope(bytes(range(32)))
     sealed = crypto.seal(key, b"share", RUN, 3, 0, 1, 2)
@@ -160,8 +184,8 @@ def test_sealed_shares_open_only_in_their_own_context() -> None:
 # -- the protocol, side against side -----------------------------------------------------------
 
 
-def federation(n: int, threshold: int | None = None, bound: float = 1e3) -> list[Party]:
-    settings = SecAggSettings(threshold or 0, 40, bound)
+def federation(n: int, threshold: int | None = None, bound: float = 1e3, neighbours: int = 0) -> list[Party]:
+    settings = SecAggSettings(threshold or 0, 40, bound, neighbours)
     parties = [Party(i, RUN, settings) for i in range(n)]
     directory = KeyDirectory()
     for party in parties:
@@ -175,8 +199,9 @@ def run_round(
     parties: list[Party], rows: np.ndarray, round_id: int, drop: set[int], participants: tuple[int, ...] | None = None
 ) -> np.ndarray:
     clients = participants or tuple(range(len(parties)))
-    threshold = round_threshold(parties[0].settings, len(clients))
-    masked_round = MaskedRound(RUN, round_id, 0, clients, threshold, rows.shape[1])
+    settings = parties[0].settings
+    threshold = round_threshold(settings, len(clients))
+    masked_round = MaskedRound(RUN, round_id, 0, clients, threshold, rows.shape[1], settings.neighbours)
     for i in clients:
         row = parties[i].mask(round_id, 0, clients, rows[i])
         if i not in drop:
@@ -230,6 +255,91 @@ def test_too_many_dropouts_are_refused_before_anything_is_revealed() -> None:
             masked_round.add(row)
     with pytest.raises(SecAggError, match=r"round 1: only 2 clients answered; .* needs 3"):
         masked_round.close()
+
+
+# -- SecAgg+: sparse neighbour graphs -----------------------------------------------------------
+
+
+def test_the_harary_graph_is_circulant_symmetric_and_k_connected() -> None:
+    clients = (0, 2, 3, 5, 8, 9, 11, 12, 14, 20)  # a sampled round: positions, not indices, are what count
+    assert graph.neighbours_of(0, clients, 4) == (2, 3, 14, 20)
+    assert graph.neighbours_of(9, clients, 4) == (5, 8, 11, 12)
+    assert graph.neighbours_of(9, clients, 0) == tuple(j for j in clients if j != 9)
+    assert graph.neighbours_of(9, clients, 10) == tuple(j for j in clients if j != 9)  # k >= m - 1: all pairs
+    for i in clients:  # symmetric: i masks with j exactly when j masks with i
+        for j in graph.neighbours_of(i, clients, 4):
+            assert i in graph.neighbours_of(j, clients, 4)
+    # 4-connected: any 3 removed leave it connected; the right 4 split it
+    for removed in itertools.combinations(clients, 3):
+        assert graph.connected([c for c in clients if c not in removed], clients, 4)
+    assert not graph.connected([c for c in clients if c not in (2, 3, 11, 12)], clients, 4)
+
+
+def test_the_default_is_all_pairs_for_small_federations_and_logarithmic_above() -> None:
+    assert [graph.default_neighbours(n) for n in (2, 10, 13, 14, 30, 100, 1000)] == [0, 0, 0, 12, 16, 20, 30]
+    for k in (1, 3, -2):
+        with pytest.raises(ValueError, match=r"neighbours must be 0 .* or an even number >= 2"):
+            graph.check_neighbours(k)
+
+
+@pytest.mark.parametrize("drop", [set(), {4}, {0, 7}, {3, 9, 15}])
+def test_secagg_plus_unmasks_the_exact_sum_with_and_without_dropouts(drop: set[int]) -> None:
+    n = 16
+    parties = federation(n, neighbours=4)
+    rows = np.random.default_rng(5).normal(size=(n, 33)) * 10
+    total = run_round(parties, rows, 1, drop)
+    assert np.array_equal(total, encoded_sum(rows, [i for i in range(n) if i not in drop]))
+
+
+def test_secagg_plus_masks_shares_and_unmasks_with_neighbours_only() -> None:
+    n = 12
+    parties = federation(n, neighbours=4)
+    clients = tuple(range(n))
+    masked_round = MaskedRound(RUN, 1, 0, clients, round_threshold(parties[0].settings, n), 5, 4)
+    rows = {i: parties[i].mask(1, 0, clients, np.full(5, float(i))) for i in clients}
+    assert sorted(rows[0].shares) == [1, 2, 10, 11]  # sealed to its 4 neighbours, not to the 11 others
+    assert len(parties[0]._pairwise) == 4  # keys derived with the neighbours only
+    for i in clients:
+        if i != 5:
+            masked_round.add(rows[i])
+    requests = masked_round.close()
+    assert [sender for sender, _ in requests[4].shares] == [2, 3, 6]  # 5 dropped
+    replies = {j: parties[j].unmask(request) for j, request in requests.items()}
+    assert sorted(replies[4].seeds) == [5] and sorted(replies[4].b_shares) == [2, 3, 4, 6]
+    assert replies[0].seeds == {}  # 5 is not a neighbour of 0: 0 reveals nothing about it
+    assert np.array_equal(
+        masked_round.finish(replies),
+        encoded_sum(np.array([np.full(5, float(i)) for i in clients]), [i for i in clients if i != 5]),
+    )
+
+
+def test_secagg_plus_refuses_to_unmask_survivors_that_fall_apart() -> None:
+    n = 10
+    parties = federation(n, threshold=6, neighbours=2)  # a ring: two dropouts split it in two
+    clients = tuple(range(n))
+    masked_round = MaskedRound(RUN, 3, 0, clients, 6, 2, 2)
+    rows = {i: parties[i].mask(3, 0, clients, np.ones(2)) for i in clients}
+    for i in clients:
+        if i not in (2, 6):
+            masked_round.add(rows[i])
+    with pytest.raises(SecAggError, match="round 3: the 8 clients that answered are not connected"):
+        masked_round.close()
+    # A coordinator that asks anyway is refused by the clients themselves, which compute the graph too.
+    request = UnmaskRequest(3, 0, (0, 1, 3, 4, 5, 7, 8, 9), (2, 6), ())
+    with pytest.raises(SecAggError, match="round 3: the clients that answered fall apart"):
+        parties[0].unmask(request)
+
+
+def test_secagg_plus_refuses_a_neighbourhood_without_a_majority() -> None:
+    n = 12
+    parties = federation(n, threshold=7, neighbours=4)
+    clients = tuple(range(n))
+    for i in clients:
+        parties[i].mask(2, 0, clients, np.ones(3))
+    answered = tuple(i for i in clients if i not in (1, 2, 11))  # 0 keeps 2 of its neighbourhood of 5: not 3
+    dropped = (1, 2, 11)
+    with pytest.raises(SecAggError, match="round 2: only 2 of this client's neighbourhood answered, fewer than the 3"):
+        parties[0].unmask(UnmaskRequest(2, 0, answered, dropped, ()))
 
 
 # -- what an honest client refuses -------------------------------------------------------------

@@ -9,7 +9,9 @@ replies the sum of A's rows is unmasked:
     sum_{i in A} x_i = sum_{i in A} y_i - sum_{i in A} PRG(b_i) - sum_{j in A, i in D} sign(j, i) PRG(m_ij)
 
 with sign(j, i) = +1 when i > j (j added that mask) and -1 when i < j. The result
-is the sum of the clients' fixed-point rows exactly, mod 2^64.
+is the sum of the clients' fixed-point rows exactly, mod 2^64. Under SecAgg+
+(common/secagg/graph.py) each client's shares and seeds concern its neighbours
+in the round's graph only.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from fedsaddle.common.secagg import crypto, shamir
+from fedsaddle.common.secagg import crypto, graph, shamir
 from fedsaddle.common.secagg.fixedpoint import Ring
 from fedsaddle.common.secagg.party import MaskedRow, UnmaskReply, UnmaskRequest, self_mask_key
 from fedsaddle.common.secagg.settings import SecAggError
@@ -50,14 +52,31 @@ class MaskedRound:
     """One round's masked rows, and its unmasking."""
 
     def __init__(
-        self, run_id: str, round_id: int, attempt: int, participants: Sequence[int], threshold: int, length: int
+        self,
+        run_id: str,
+        round_id: int,
+        attempt: int,
+        participants: Sequence[int],
+        threshold: int,
+        length: int,
+        neighbours: int = graph.ALL_PAIRS,
     ) -> None:
         self.run_id, self.round_id, self.attempt = run_id, round_id, attempt
         self.participants = tuple(participants)
-        self.threshold, self.length = threshold, length
+        self.threshold, self.length, self.neighbours = threshold, length, neighbours
         self.shares: dict[int, dict[int, bytes]] = {}  # sender -> holder -> its sealed share
         self.total = np.zeros(length, dtype=np.uint64)  # the masked rows, added as they come
         self._requests: dict[int, UnmaskRequest] | None = None
+
+    def neighbours_of(self, client: int) -> tuple[int, ...]:
+        return graph.neighbours_of(client, self.participants, self.neighbours)
+
+    def _share_threshold(self, client: int) -> int:
+        """Shares that rebuild `client`'s self-mask seed (as Party.mask split it)."""
+        around = self.neighbours_of(client)
+        if len(around) == len(self.participants) - 1:
+            return self.threshold
+        return graph.neighbourhood_threshold(len(around) + 1)
 
     def add(self, row: MaskedRow) -> None:
         """Keep a client's masked row, or SecAggError (naming the client and round) and keep nothing."""
@@ -71,7 +90,7 @@ class MaskedRound:
         if row.masked.dtype != np.uint64 or row.masked.shape != (self.length,):
             raise SecAggError(f"{where}: masked row of shape {row.masked.shape}, expected ({self.length},)")
         holders = sorted(row.shares)
-        others = [j for j in self.participants if j != row.client]
+        others = list(self.neighbours_of(row.client))
         if holders != others:
             raise SecAggError(
                 f"{where}: sealed shares for clients {holders[:8]}, expected one for each of {others[:8]}"
@@ -79,16 +98,22 @@ class MaskedRound:
         short = [j for j, sealed in row.shares.items() if len(sealed) != SEALED_SHARE_BYTES]
         if short:
             raise SecAggError(f"{where}: sealed shares for clients {short[:5]} are not {SEALED_SHARE_BYTES} bytes")
-        self.total += row.masked
+        np.add(self.total, row.masked, out=self.total)
         self.shares[row.client] = row.shares
 
     def close(self) -> dict[int, UnmaskRequest]:
-        """The unmask request for each client whose row arrived, or SecAggError if too few did."""
+        """The unmask request for each client whose row arrived, or SecAggError if too few did (or, under
+        SecAgg+, if they fall apart in the round's graph: their sum would be released group by group)."""
         answered = tuple(sorted(self.shares))
         if len(answered) < self.threshold:
             raise SecAggError(
                 f"round {self.round_id}: only {len(answered)} clients answered; secure aggregation needs "
                 f"{self.threshold} to unmask the sum"
+            )
+        if not graph.connected(answered, self.participants, self.neighbours):
+            raise SecAggError(
+                f"round {self.round_id}: the {len(answered)} clients that answered are not connected in the "
+                f"round's neighbour graph (k = {self.neighbours}); unmasking would reveal partial sums"
             )
         dropped = tuple(j for j in self.participants if j not in self.shares)
         self._requests = {
@@ -97,15 +122,16 @@ class MaskedRound:
                 self.attempt,
                 answered,
                 dropped,
-                tuple((i, self.shares[i][j]) for i in answered if i != j),
+                tuple((i, self.shares[i][j]) for i in answered if j in self.shares[i]),
             )
             for j in answered
         }
         return self._requests
 
     def finish(self, replies: Mapping[int, UnmaskReply]) -> Ring:
-        """sum_{i in A} x_i mod 2^64 from the replies to `close`'s requests (at least t of them; all of A
-        when some client dropped, whose masks with each survivor only that survivor can remove)."""
+        """sum_{i in A} x_i mod 2^64 from the replies to `close`'s requests (enough of each answering client's
+        neighbourhood to rebuild its self mask; every answering neighbour of a dropped client, whose masks
+        with it only that neighbour can remove)."""
         if self._requests is None:
             raise RuntimeError("close() the round before finishing it")
         where = f"round {self.round_id}"
@@ -113,7 +139,10 @@ class MaskedRound:
         dropped = self._requests[answered[0]].dropped
         replies = {j: reply for j, reply in replies.items() if j in self._requests}
         for j, reply in replies.items():
-            if sorted(reply.b_shares) != list(answered) or sorted(reply.seeds) != list(dropped):
+            near = set(self.neighbours_of(j))
+            asked_b = [i for i in answered if i in near or i == j]
+            asked_seeds = [i for i in dropped if i in near]
+            if sorted(reply.b_shares) != asked_b or sorted(reply.seeds) != asked_seeds:
                 raise SecAggError(f"{where}: client {j}'s unmasking does not cover the clients it was asked about")
             if any(len(seed) != crypto.SEED_BYTES for seed in reply.seeds.values()):
                 raise SecAggError(f"{where}: client {j}'s unmasking carries a seed of the wrong length")
@@ -121,28 +150,38 @@ class MaskedRound:
             raise SecAggError(
                 f"{where}: {len(replies)} clients gave their unmasking; {self.threshold} are needed to unmask the sum"
             )
-        silent = [j for j in answered if j not in replies]
-        if dropped and silent:
+        dropped_set = set(dropped)
+        silent = [j for j in answered if j not in replies and dropped_set.intersection(self.neighbours_of(j))]
+        if silent:
             raise SecAggError(
                 f"{where}: clients {silent[:5]} answered but gave no unmasking, and only they can remove their "
                 f"masks with the clients that dropped ({list(dropped[:5])})"
             )
         total = self.total.copy()
-        holders = sorted(replies)[: self.threshold]  # the first t in index order: the same bits every time
+        masks: list[tuple[bytes, int]] = []  # removed in one pass at the end
+        weights: dict[tuple[int, ...], dict[int, int]] = {}  # Lagrange coefficients per set of holders
         for i in answered:
+            neighbourhood = [j for j in (*self.neighbours_of(i), i) if j in replies]
+            needed = self._share_threshold(i)
+            if len(neighbourhood) < needed:
+                raise SecAggError(
+                    f"{where}: {len(neighbourhood)} of client {i}'s neighbourhood gave their unmasking; "
+                    f"{needed} are needed to remove its self mask"
+                )
+            holders = tuple(sorted(neighbourhood)[:needed])  # the first t in index order: the same bits every time
             try:
-                secret = shamir.combine({j: shamir.from_bytes(replies[j].b_shares[i]) for j in holders})
+                values = {j: shamir.from_bytes(replies[j].b_shares[i]) for j in holders}
             except ValueError as exc:
                 raise SecAggError(f"{where}: a share of client {i}'s self mask is malformed: {exc}") from None
+            if holders not in weights:
+                weights[holders] = shamir.coefficients(holders)
+            secret = shamir.combine_with(weights[holders], values)
             if secret >= 2 ** (8 * 16):
                 raise SecAggError(f"{where}: the shares of client {i}'s self mask do not agree")
             seed = secret.to_bytes(16, "little")
-            total -= crypto.expand(self_mask_key(seed, self.run_id, self.round_id, self.attempt), self.length)
-        for j in answered:
-            for i in dropped:
-                mask = crypto.expand(replies[j].seeds[i], self.length)
-                if i > j:
-                    total -= mask
-                else:
-                    total += mask
+            masks.append((self_mask_key(seed, self.run_id, self.round_id, self.attempt), -1))
+        for j in sorted(replies):
+            for i in sorted(replies[j].seeds):
+                masks.append((replies[j].seeds[i], -1 if i > j else 1))
+        crypto.add_masks(total, masks)
         return total

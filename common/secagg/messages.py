@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from fedsaddle.common import wire
-from fedsaddle.common.secagg import crypto, shamir
+from fedsaddle.common.secagg import crypto, graph, shamir
 from fedsaddle.common.secagg.aggregator import SEALED_SHARE_BYTES
 from fedsaddle.common.secagg.party import MaskedRow, UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
@@ -29,11 +29,15 @@ def settings_message(settings: SecAggSettings, weigh_by_samples: bool) -> pb.Sec
         scale_bits=settings.scale_bits,
         bound=settings.bound,
         weigh_by_samples=weigh_by_samples,
+        neighbours=settings.neighbours,
     )
 
 
 def read_settings(message: pb.SecureAggregation) -> SecAggSettings:
-    return SecAggSettings(int(message.threshold), int(message.scale_bits), float(message.bound))
+    """The settings as sent; ValueError if the neighbour graph is not one a client can mask with."""
+    neighbours = int(message.neighbours)
+    graph.check_neighbours(neighbours)
+    return SecAggSettings(int(message.threshold), int(message.scale_bits), float(message.bound), neighbours)
 
 
 def _values(entries: Sequence[pb.ClientValue], size: int, what: str) -> dict[int, bytes]:

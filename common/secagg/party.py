@@ -6,7 +6,8 @@ Per round r (and attempt a) of a run, client i with the round's clients P sends
 
 where m_ij is derived from the pairwise key of i and j and (run, r, a), and b_i is a
 fresh random seed whose Shamir shares travel with y_i, each sealed to its holder.
-The pairwise masks cancel in the sum over P. Then the coordinator asks each client
+(Under SecAgg+, common/secagg/graph.py, the sums over j run over i's neighbours in the round's graph
+only, and b_i is shared among them.) The pairwise masks cancel in the sum over P. Then the coordinator asks each client
 that answered for the unmasking: b-shares of the clients that answered (A), and
 this client's own round seeds m_ij with the clients that dropped (D). For a client
 that answered, the coordinator so gets b_i (t shares) but never its seeds; for a
@@ -25,7 +26,7 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.secagg import crypto, fixedpoint, shamir
+from fedsaddle.common.secagg import crypto, fixedpoint, graph, shamir
 from fedsaddle.common.secagg.fixedpoint import Ring
 from fedsaddle.common.secagg.settings import SecAggError, SecAggSettings, round_threshold
 
@@ -62,23 +63,19 @@ class UnmaskReply(NamedTuple):
 class _Answered(NamedTuple):
     attempt: int
     participants: tuple[int, ...]
-    threshold: int
+    threshold: int  # of the round: the least number of its clients that must answer
+    neighbours: tuple[int, ...]  # this client's neighbours in the round's graph (all the others: all pairs)
+    share_threshold: int  # shares that rebuild a self-mask seed (the round's threshold under all pairs)
     own_share: int  # this client's share of its own b_i
 
 
 def combine_masks(
     index: int, participants: Sequence[int], seeds: Mapping[int, bytes], length: int, into: Ring | None = None
 ) -> Ring:
-    """sum_{j > i} PRG(m_ij) - sum_{j < i} PRG(m_ij) over the round's other clients (the pairwise part of y_i)."""
+    """sum_{j > i} PRG(m_ij) - sum_{j < i} PRG(m_ij) over the round's other clients (the pairwise part of y_i);
+    `seeds` has a seed for each of them (its neighbours under SecAgg+), `participants` may list more."""
     total = np.zeros(length, dtype=np.uint64) if into is None else into
-    for j in participants:
-        if j == index:
-            continue
-        mask = crypto.expand(seeds[j], length)
-        if j > index:
-            total += mask
-        else:
-            total -= mask
+    crypto.add_masks(total, [(seeds[j], 1 if j > index else -1) for j in participants if j != index and j in seeds])
     return total
 
 
@@ -91,6 +88,7 @@ class Party:
         self._private = crypto.new_private_key()
         self.public_key = crypto.public_bytes(self._private)
         self.epoch = -1  # the key directory's epoch this party has agreed to (-1: none yet)
+        self._directory: dict[int, bytes] = {}  # the agreed directory: pairwise keys not yet derived come from it
         self._pairwise: dict[int, bytes] = {}
         self._envelopes: dict[int, ChaCha20Poly1305] = {}  # per peer: the AEAD its shares travel in
         self._answered: dict[int, _Answered] = {}  # round id -> what this party sent in it
@@ -102,7 +100,9 @@ class Party:
         """Derive the pairwise keys from the coordinator's key directory (index -> public key).
 
         A directory of an epoch this party has already seen (a replay), one that does not carry
-        this party's own key as it sent it, or one that gives two clients the same key is refused."""
+        this party's own key as it sent it, or one that gives two clients the same key is refused.
+        Under SecAgg+ only the keys with this client's neighbours among all the clients are derived
+        now; a round that samples other neighbours derives theirs when it first needs them."""
         if epoch <= self.epoch:
             raise SecAggError(
                 f"run {self.run_id!r}: key directory of epoch {epoch} refused: this client already agreed "
@@ -116,18 +116,30 @@ class Party:
         keys = list(directory.values())
         if len(set(keys)) != len(keys):
             raise SecAggError(f"run {self.run_id!r}: the key directory of epoch {epoch} gives two clients the same key")
+        negative = [j for j in directory if j < 0]
+        if negative:
+            raise SecAggError(f"run {self.run_id!r}: the key directory names client {negative[0]}")
+        everyone = sorted(directory)
         pairwise: dict[int, bytes] = {}
-        for j, key in sorted(directory.items()):
-            if j == self.index:
-                continue
-            if j < 0:
-                raise SecAggError(f"run {self.run_id!r}: the key directory names client {j}")
-            try:
-                pairwise[j] = crypto.pairwise_key(self._private, self.index, key, j, self.run_id)
-            except crypto.KeyRejected as exc:
-                raise SecAggError(f"run {self.run_id!r}: key directory of epoch {epoch}: {exc}") from None
-        self._pairwise, self.epoch = pairwise, epoch
+        for j in graph.neighbours_of(self.index, everyone, self.settings.neighbours):
+            pairwise[j] = self._derive(j, directory[j], f"key directory of epoch {epoch}")
+        self._directory, self._pairwise, self.epoch = dict(directory), pairwise, epoch
         self._envelopes = {j: crypto.envelope(key) for j, key in pairwise.items()}
+
+    def _derive(self, peer: int, public_key: bytes, where: str) -> bytes:
+        try:
+            return crypto.pairwise_key(self._private, self.index, public_key, peer, self.run_id)
+        except crypto.KeyRejected as exc:
+            raise SecAggError(f"run {self.run_id!r}: {where}: {exc}") from None
+
+    def _keys_with(self, peers: Sequence[int], where: str) -> None:
+        """Derive the pairwise keys (and share envelopes) with `peers` not derived yet, or SecAggError."""
+        unknown = [j for j in peers if j not in self._pairwise and j not in self._directory]
+        if unknown:
+            raise SecAggError(f"{where}: no agreed key with clients {unknown[:5]}")
+        derived = {j: self._derive(j, self._directory[j], where) for j in peers if j not in self._pairwise}
+        self._pairwise.update(derived)
+        self._envelopes.update({j: crypto.envelope(key) for j, key in derived.items()})
 
     # -- a round -------------------------------------------------------------------------
 
@@ -139,9 +151,6 @@ class Party:
             raise SecAggError(f"{where}: the round's clients are not distinct increasing indices")
         if self.index not in clients:
             raise SecAggError(f"{where}: the task's clients do not include this client ({self.index})")
-        unknown = [j for j in clients if j != self.index and j not in self._pairwise]
-        if unknown:
-            raise SecAggError(f"{where}: no agreed key with clients {unknown[:5]}")
         threshold = round_threshold(self.settings, len(clients))
         if len(clients) < 2 or len(clients) < threshold:
             raise SecAggError(
@@ -151,22 +160,30 @@ class Party:
         before = self._answered.get(round_id)
         if round_id in self._unmasked or (before is not None and attempt <= before.attempt):
             raise SecAggError(f"{where}: this client already answered it (attempt {attempt} repeated)")
+        neighbours = graph.neighbours_of(self.index, clients, self.settings.neighbours)
+        self._keys_with(neighbours, where)
         bound = self.settings.bound
-        encoded = fixedpoint.encode(row, self.settings.scale_bits, bound, round_id)
+        masked = fixedpoint.encode(row, self.settings.scale_bits, bound, round_id)
+        # b_i is shared among this client and its neighbours; a majority of them rebuilds it (under all
+        # pairs the round's threshold, as Bonawitz et al.).
+        holders = tuple(sorted((*neighbours, self.index)))
+        sparse = len(neighbours) < len(clients) - 1
+        share_threshold = graph.neighbourhood_threshold(len(holders)) if sparse else threshold
         self_seed = secrets.token_bytes(SELF_MASK_BYTES)
-        shares = shamir.split(int.from_bytes(self_seed, "little"), threshold, clients)
+        shares = shamir.split(int.from_bytes(self_seed, "little"), share_threshold, holders)
         sealed = {
             j: crypto.seal(self._envelopes[j], shamir.to_bytes(share), self.run_id, round_id, attempt, self.index, j)
             for j, share in shares.items()
             if j != self.index
         }
-        masked = encoded
-        masked += crypto.expand(self._self_key(self_seed, round_id, attempt), len(row))
-        seeds = {j: self._round_seed(j, round_id, attempt) for j in clients if j != self.index}
-        combine_masks(self.index, clients, seeds, len(row), into=masked)
+        masks = [(self._self_key(self_seed, round_id, attempt), 1)]
+        masks += [(self._round_seed(j, round_id, attempt), 1 if j > self.index else -1) for j in neighbours]
+        crypto.add_masks(masked, masks)  # all of them in one pass over the row
         # Only the latest round can still be unmasked: older ones are forgotten (the pool finishes a round
         # before it starts the next, so a request for one of them is stale).
-        self._answered = {round_id: _Answered(attempt, clients, threshold, shares[self.index])}
+        self._answered = {
+            round_id: _Answered(attempt, clients, threshold, neighbours, share_threshold, shares[self.index])
+        }
         return MaskedRow(self.index, masked, sealed)
 
     def unmask(self, request: UnmaskRequest) -> UnmaskReply:
@@ -193,10 +210,24 @@ class Party:
                 f"{where}: only {len(answered)} clients answered, fewer than the threshold {record.threshold}; "
                 "unmasking now could reveal a single client's answer"
             )
+        near = set(record.neighbours)
+        answered_near = [i for i in answered if i in near or i == self.index]
+        if len(answered_near) < record.share_threshold:
+            raise SecAggError(
+                f"{where}: only {len(answered_near)} of this client's neighbourhood answered, fewer than the "
+                f"{record.share_threshold} that rebuild a self mask; unmasking now could reveal too much"
+            )
+        if not graph.connected(answered, record.participants, self.settings.neighbours):
+            raise SecAggError(
+                f"{where}: the clients that answered fall apart into groups with no neighbours in common "
+                f"({len(dropped)} dropped); unmasking would reveal each group's sum"
+            )
         b_shares = {self.index: shamir.to_bytes(record.own_share)}
         for sender, sealed in request.shares:
-            if sender == self.index or sender not in answered:
-                raise SecAggError(f"{where}: a share from client {sender}, which is not among the others that answered")
+            if sender == self.index or sender not in answered or sender not in near:
+                raise SecAggError(
+                    f"{where}: a share from client {sender}, which is not among the neighbours that answered"
+                )
             if sender in b_shares:
                 raise SecAggError(f"{where}: two shares from client {sender}")
             try:
@@ -207,10 +238,10 @@ class Party:
             except ValueError as exc:
                 raise SecAggError(f"{where}: the share from client {sender} is refused: {exc}") from None
             b_shares[sender] = plain
-        missing = [i for i in answered if i not in b_shares]
+        missing = [i for i in answered_near if i not in b_shares]
         if missing:
             raise SecAggError(f"{where}: no share from clients {missing[:5]}, which answered")
-        seeds = {j: self._round_seed(j, round_id, request.attempt) for j in dropped}
+        seeds = {j: self._round_seed(j, round_id, request.attempt) for j in dropped if j in near}
         self._unmasked.add(round_id)
         del self._answered[round_id]
         return UnmaskReply(self.index, b_shares, seeds)

@@ -19,12 +19,15 @@ class SecAggSettings(NamedTuple):
     Shamir's t-of-k); a round of k clients needs max(threshold, floor(k/2) + 1), a majority always;
     scale_bits: values are encoded as round(v * 2^scale_bits);
     bound: every value a client sends must satisfy |v| <= bound, so that the sum of
-    `parties` such values cannot leave the signed range of the ring.
+    `parties` such values cannot leave the signed range of the ring;
+    neighbours: k, each client masks with its k neighbours in the round's Harary graph (SecAgg+,
+    common/secagg/graph.py) and shares its self-mask seed among them; 0: all pairs.
     """
 
     threshold: int = 0  # 0: a majority of each round's clients
     scale_bits: int = SCALE_BITS
     bound: float = 0.0  # 0: default_bound(parties, scale_bits)
+    neighbours: int = 0  # 0: every pair of the round's clients
 
 
 def default_bound(parties: int, scale_bits: int = SCALE_BITS) -> float:

@@ -45,16 +45,31 @@ def combine(shares: Mapping[int, int]) -> int:
     the caller decides which shares to use (all of them here)."""
     if not shares:
         raise ValueError("no shares to combine")
-    points = [(holder + 1, value % PRIME) for holder, value in shares.items()]
-    secret = 0
-    for k, (x_k, y_k) in enumerate(points):
+    return combine_with(coefficients(list(shares)), shares)
+
+
+def coefficients(holders: Sequence[int]) -> dict[int, int]:
+    """The Lagrange coefficients at 0 of the holders' points: the secret is sum_j c_j * share_j.
+
+    They depend on the holders only, so a round that rebuilds many secrets from the same holders
+    computes them once (one modular inverse per holder instead of one per holder and secret)."""
+    points = [holder + 1 for holder in holders]
+    if len(set(points)) != len(points):
+        raise ValueError("holders must be distinct")
+    result: dict[int, int] = {}
+    for holder, x_k in zip(holders, points, strict=True):
         numerator = denominator = 1
-        for m, (x_m, _) in enumerate(points):
-            if m != k:
+        for x_m in points:
+            if x_m != x_k:
                 numerator = numerator * (-x_m) % PRIME
                 denominator = denominator * (x_k - x_m) % PRIME
-        secret = (secret + y_k * numerator * pow(denominator, -1, PRIME)) % PRIME
-    return secret
+        result[holder] = numerator * pow(denominator, -1, PRIME) % PRIME
+    return result
+
+
+def combine_with(weights: Mapping[int, int], shares: Mapping[int, int]) -> int:
+    """sum_j weights[j] * shares[j] over the holders of `weights` (from `coefficients`)."""
+    return sum(weight * (shares[holder] % PRIME) for holder, weight in weights.items()) % PRIME
 
 
 def to_bytes(value: int) -> bytes:
