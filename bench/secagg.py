@@ -8,8 +8,10 @@
    agreement, keys up, the directory down, each client deriving n - 1 pairwise keys),
    plain and secure, over gRPC for n = 10 (10 processes) and n = 100 (10 processes
    of 10 clients each).
+   Secure rounds are timed with all pairs and with SecAgg+ neighbour graphs (--graphs).
 3. Growth with n, in-process (the cryptographic work alone, no transport): a secure
-   gradient round at d = 10 for several n against a plain one, and the key agreement.
+   gradient round at d = 10 for several n against a plain one, and the key agreement,
+   with all pairs and with the default neighbour graph of each n (privacy.neighbours).
    (Part 1 prints the bytes of the unmask sub-exchange per round over gRPC.)
 
     python bench/secagg.py                       # all three
@@ -27,6 +29,7 @@ from round_latency import time_rounds  # bench/round_latency.py: the same timing
 
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.common.secagg import SecAggSettings
+from fedsaddle.common.secagg.graph import default_neighbours
 from fedsaddle.common.secagg.settings import default_bound
 from fedsaddle.launch import index_groups, reap, start_clients
 from fedsaddle.server.local_pool import LocalPool
@@ -34,9 +37,14 @@ from fedsaddle.server.pool import RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 
-def run_info(name: str, n: int, d: int, secure: bool) -> RunInfo:
-    settings = SecAggSettings(0, 40, default_bound(n)) if secure else None
+def run_info(name: str, n: int, d: int, secure: bool, neighbours: int = 0) -> RunInfo:
+    """A run of the paper's problem; secure: all pairs (neighbours = 0) or SecAgg+ with k neighbours."""
+    settings = SecAggSettings(0, 40, default_bound(n), neighbours) if secure else None
     return RunInfo(name, PaperRegressionSpec(num_clients=n, dim=d, s=1.0), 0, 0.0, secure=settings)
+
+
+def graph_name(k: int) -> str:
+    return "all pairs" if k == 0 else f"k = {k}"
 
 
 def quartiles(times: list[float]) -> str:
@@ -46,35 +54,42 @@ def quartiles(times: list[float]) -> str:
     return f"{1e3 * median:.2f} [{1e3 * q1:.2f}, {1e3 * q3:.2f}]"
 
 
-def latency(n: int, dims: list[int], rounds: int, blocks: int) -> None:
+def latency(n: int, dims: list[int], rounds: int, blocks: int, graphs: list[int]) -> None:
+    """Plain rounds, and secure rounds under each graph (0: all pairs, k: SecAgg+), alternating in blocks."""
     pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600)
     processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False)
+    kinds: list[int | None] = [None, *graphs]  # None: plain
     rows = []
     try:
         pool.wait_for_clients(120)
         for d in dims:
-            times: dict[bool, list[float]] = {False: [], True: []}
+            times: dict[int | None, list[float]] = {kind: [] for kind in kinds}
+            extra: dict[int, float] = {}
             z = np.ones(2 * d)
             per_block = max(1, rounds // blocks)
-            for block in range(blocks + 1):  # block 0 warms both up and is not timed
-                for secure in (False, True):
-                    pool.start_run(run_info(f"bench-{d}-{secure}-{block}", n, d, secure))
+            for block in range(blocks + 1):  # block 0 warms every kind up and is not timed
+                for kind in kinds:
+                    pool.start_run(run_info(f"bench-{d}-{kind}-{block}", n, d, kind is not None, kind or 0))
                     timed = time_rounds(pool, z, per_block if block else 2)
                     if block:
-                        times[secure] += timed
-            rows.append(
-                (d, times[False], times[True], pool.traffic["privacy"].bytes_up / pool.traffic["algorithm"].rounds)
-            )
+                        times[kind] += timed
+                    if kind is not None:
+                        extra[kind] = pool.traffic["privacy"].bytes_up / pool.traffic["algorithm"].rounds
+            rows.append((d, times, extra))
     finally:
         pool.close()
         reap(processes)
     print(f"1. gradient rounds over gRPC, {n} client processes on 127.0.0.1; ms per round, median [q1, q3]")
-    header = f"{'d':>9} {'plain':>24} {'secure':>24} {'ratio':>6} {'privacy bytes/round':>20}"
+    header = f"{'d':>9} {'aggregation':>12} {'ms per round':>26} {'ratio':>6} {'privacy bytes up/round':>23}"
     print(header)
     print("-" * len(header))
-    for d, plain, secure, extra in rows:
-        ratio = statistics.median(secure) / statistics.median(plain)
-        print(f"{d:>9} {quartiles(plain):>24} {quartiles(secure):>24} {ratio:>6.2f} {extra:>20.0f}", flush=True)
+    for d, times, extra in rows:
+        plain = statistics.median(times[None])
+        print(f"{d:>9} {'plain':>12} {quartiles(times[None]):>26} {1.0:>6.2f} {'':>23}")
+        for kind in graphs:
+            ratio = statistics.median(times[kind]) / plain
+            print(f"{d:>9} {graph_name(kind):>12} {quartiles(times[kind]):>26} {ratio:>6.2f} {extra[kind]:>23.0f}")
+    print(flush=True)
 
 
 def setup(sizes: list[int], d: int, repeats: int) -> None:
@@ -117,26 +132,28 @@ class TimedLocalPool(LocalPool):
 
 def growth(sizes: list[int], d: int, rounds: int) -> None:
     print(f"\n3. growth with n, in-process (the cryptography alone), d = {d}; ms per gradient round, median")
-    header = f"{'n':>5} {'plain':>9} {'secure':>9} {'secure - plain':>15} {'per client':>11} {'key agreement':>14}"
+    print("   (secure - plain, per round and per client; key agreement: every client's keys and derivations)")
+    header = f"{'n':>5} {'graph':>10} {'plain':>9} {'secure':>9} {'secure - plain':>15} {'per client':>11} {'keys':>9}"
     print(header)
     print("-" * len(header))
     for n in sizes:
-        spent = {}
-        agreement = 0.0
-        for secure in (False, True):
-            pool = TimedLocalPool()
-            pool.start_run(run_info(f"growth-{n}-{secure}", n, d, secure))
-            agreement = max(agreement, pool.agreement)
-            z = np.ones(2 * d)
-            time_rounds(pool, z, 2)
-            spent[secure] = statistics.median(time_rounds(pool, z, rounds))
-        plain, secure_round = spent[False], spent[True]
-        extra = secure_round - plain
-        print(
-            f"{n:>5} {1e3 * plain:>9.2f} {1e3 * secure_round:>9.2f} {1e3 * extra:>15.2f} {1e3 * extra / n:>11.3f} "
-            f"{1e3 * agreement:>14.1f}",
-            flush=True,
-        )
+        for k in sorted({0, default_neighbours(n)}):
+            spent = {}
+            agreement = 0.0
+            for secure in (False, True):
+                pool = TimedLocalPool()
+                pool.start_run(run_info(f"growth-{n}-{k}-{secure}", n, d, secure, k))
+                agreement = max(agreement, pool.agreement)
+                z = np.ones(2 * d)
+                time_rounds(pool, z, 2)
+                spent[secure] = statistics.median(time_rounds(pool, z, rounds))
+            plain, secure_round = spent[False], spent[True]
+            extra = secure_round - plain
+            print(
+                f"{n:>5} {graph_name(k):>10} {1e3 * plain:>9.2f} {1e3 * secure_round:>9.2f} {1e3 * extra:>15.2f} "
+                f"{1e3 * extra / n:>11.3f} {1e3 * agreement:>9.1f}",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -147,7 +164,14 @@ def main() -> None:
     parser.add_argument("--large-rounds", type=int, default=10, help="timed rounds at d >= 1e5 (part 1)")
     parser.add_argument("--blocks", type=int, default=5, help="plain and secure alternate in this many blocks")
     parser.add_argument("--setup-sizes", type=int, nargs="+", default=[10, 100], help="n in part 2")
-    parser.add_argument("--growth-sizes", type=int, nargs="+", default=[3, 10, 30, 100], help="n in part 3")
+    parser.add_argument("--growth-sizes", type=int, nargs="+", default=[10, 30, 100], help="n in part 3")
+    parser.add_argument(
+        "--graphs",
+        type=int,
+        nargs="+",
+        default=[0, 4],
+        help="part 1's secure rounds: 0 all pairs, k SecAgg+ with k neighbours (even)",
+    )
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-setup", action="store_true")
     parser.add_argument("--skip-growth", action="store_true")
@@ -155,7 +179,7 @@ def main() -> None:
     dims = [int(v) for v in args.dims]
     if not args.skip_latency:
         for d in dims:
-            latency(args.clients, [d], args.large_rounds if d >= 100_000 else args.rounds, args.blocks)
+            latency(args.clients, [d], args.large_rounds if d >= 100_000 else args.rounds, args.blocks, args.graphs)
     if not args.skip_setup:
         setup(args.setup_sizes, 10, 3)
     if not args.skip_growth:

@@ -67,9 +67,12 @@ class MaskedRound:
         self.shares: dict[int, dict[int, bytes]] = {}  # sender -> holder -> its sealed share
         self.total = np.zeros(length, dtype=np.uint64)  # the masked rows, added as they come
         self._requests: dict[int, UnmaskRequest] | None = None
+        self._graph: dict[int, tuple[int, ...]] = {}  # client -> its neighbours, as they are asked for
 
     def neighbours_of(self, client: int) -> tuple[int, ...]:
-        return graph.neighbours_of(client, self.participants, self.neighbours)
+        if client not in self._graph:
+            self._graph[client] = graph.neighbours_of(client, self.participants, self.neighbours)
+        return self._graph[client]
 
     def _share_threshold(self, client: int) -> int:
         """Shares that rebuild `client`'s self-mask seed (as Party.mask split it)."""

@@ -61,17 +61,22 @@ def neighbours_of(index: int, clients: Sequence[int], neighbours: int) -> tuple[
 def connected(nodes: Iterable[int], clients: Sequence[int], neighbours: int) -> bool:
     """Whether the round's graph restricted to `nodes` (a subset of `clients`) is connected."""
     members = set(nodes)
-    if len(members) <= 1 or neighbours == ALL_PAIRS or neighbours >= len(clients) - 1:
-        return True
-    start = min(members)
+    m = len(clients)
+    if len(members) <= 1 or neighbours == ALL_PAIRS or neighbours >= m - 1 or m - len(members) < neighbours:
+        return True  # H(k, m) is k-connected: fewer than k removed leave it connected
+    position = {client: p for p, client in enumerate(clients)}
+    present = [client in members for client in clients]
+    half = neighbours // 2
+    start = position[min(members)]
     seen, frontier = {start}, [start]
     while frontier:
-        node = frontier.pop()
-        for peer in neighbours_of(node, clients, neighbours):
-            if peer in members and peer not in seen:
-                seen.add(peer)
-                frontier.append(peer)
-    return seen == members
+        p = frontier.pop()
+        for step in range(-half, half + 1):
+            q = (p + step) % m
+            if present[q] and q not in seen:
+                seen.add(q)
+                frontier.append(q)
+    return len(seen) == len(members)
 
 
 def neighbourhood_threshold(size: int) -> int:
