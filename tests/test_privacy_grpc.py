@@ -287,3 +287,20 @@ def test_a_masked_answer_whose_shares_miss_a_client_of_the_round_is_refused_befo
     assert answer.shares is not None and sorted(answer.shares[0]) == [0, 2]
     with pytest.raises(Refusal, match="masked rows of 16 bytes, expected 24"):
         checks.answer(header, payload[:16], expected)
+
+
+def test_under_secagg_plus_a_masked_answer_must_share_with_its_neighbours_exactly() -> None:
+    round_clients = tuple(range(8))
+    expected = checks.Expectation("r", 7, (1,), 3, False, masked=True, round_clients=round_clients, neighbours=2)
+    payload = np.arange(3, dtype="<u8").tobytes()
+
+    def header_sharing_with(holders: list[int]) -> pb.Answer:
+        header = pb.Answer(run_id="r", round_id=7, client_indices=[1], payload_length=3, masked=True)
+        header.shares.add(holders=holders, sealed=[bytes(SEALED_SHARE_BYTES)] * len(holders))
+        return header
+
+    answer = checks.answer(header_sharing_with([0, 2]), payload, expected)  # 1's neighbours on the ring
+    assert answer.shares is not None and sorted(answer.shares[0]) == [0, 2]
+    for holders in ([0, 2, 3], [0], list(range(8))):
+        with pytest.raises(Refusal, match=r"client 1: sealed shares for clients .*, expected one for each neighbour"):
+            checks.answer(header_sharing_with([h for h in holders if h != 1]), payload, expected)

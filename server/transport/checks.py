@@ -13,7 +13,7 @@ import numpy as np
 
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
-from fedsaddle.common.secagg import messages
+from fedsaddle.common.secagg import graph, messages
 from fedsaddle.common.tasks import Answer
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.transport.refusal import Refusal
@@ -59,6 +59,7 @@ class Expectation(NamedTuple):
     listed: tuple[int, ...] | None = None
     masked: bool = False  # secure aggregation: masked rows of `entries` ring elements, with sealed shares
     round_clients: tuple[int, ...] = ()  # secure aggregation: the round's clients (each row's share holders)
+    neighbours: int = 0  # SecAgg+: k, a row's shares go to its k neighbours among round_clients (0: all pairs)
 
 
 def answer_header(
@@ -120,12 +121,13 @@ def answer(header: pb.Answer, payload: bytes | memoryview, expected: Expectation
         except wire.WireError as exc:
             raise Refusal(INVALID, str(exc)) from None
         for client, shares in zip(masked.indices, masked.shares or (), strict=False):
-            others = [j for j in expected.round_clients if j != client]
-            if sorted(shares) != others:
+            others = list(graph.neighbours_of(client, expected.round_clients, expected.neighbours))
+            if client not in expected.round_clients or sorted(shares) != others:
                 raise Refusal(
                     INVALID,
-                    f"client {client}: sealed shares for clients {some(list(shares))}, expected one for each other "
-                    f"client of round {expected.round_id} ({some(others)})",
+                    f"client {client}: sealed shares for clients {some(list(shares))}, expected one for each "
+                    f"{'neighbour' if len(others) < len(expected.round_clients) - 1 else 'other client'} "
+                    f"of it in round {expected.round_id} ({some(others)})",
                 )
         return masked
     try:

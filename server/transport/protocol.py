@@ -442,6 +442,7 @@ class Coordination:
                     s.listed_for(mine),
                     request.masked,
                     round_clients,
+                    run.secure.neighbours if run.secure is not None else 0,
                 )
                 for s, mine in taking_part
             }
