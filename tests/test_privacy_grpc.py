@@ -304,3 +304,104 @@ def test_under_secagg_plus_a_masked_answer_must_share_with_its_neighbours_exactl
     for holders in ([0, 2, 3], [0], list(range(8))):
         with pytest.raises(Refusal, match=r"client 1: sealed shares for clients .*, expected one for each neighbour"):
             checks.answer(header_sharing_with([h for h in holders if h != 1]), payload, expected)
+
+
+class Restarting(GrpcPool):
+    """A coordinator whose client VICTIM's process is SIGKILLed as round RESTART_ROUND is about to start and
+    started again (new process, new keys): it rejoins, and every client agrees on keys anew."""
+
+    victim: subprocess.Popen[bytes] | None = None
+    data: dict[int, str] = {}  # noqa: RUF012 - set per test
+    restarted: list[subprocess.Popen[bytes]] = []  # noqa: RUF012
+
+    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
+        if round_id == RESTART_ROUND and self.victim is not None:
+            self.victim.send_signal(signal.SIGKILL)
+            self.victim.wait(30)
+            deadline = time.monotonic() + 30
+            while any(VICTIM in s.indices for s in self.protocol.registry.live()) and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the coordinator has seen the stream end
+            self.restarted += start_clients(self.address, [str(VICTIM)], data={VICTIM: self.data[VICTIM]})
+        return super()._exchange_masked(task, round_id, category, participants)
+
+
+RESTART_ROUND = 4
+
+
+def test_a_killed_client_process_that_rejoins_gets_new_keys_and_the_run_equals_simulate(diabetes: Path) -> None:
+    config = parse_config(regression(8, True, {"name": "minibatch_md", "gamma": 0.5}))
+    data = {i: str(diabetes / f"client-{i:03d}.npz") for i in range(CLIENTS)}
+    alone = run_algorithm(config.algorithms[0], config, LocalPool(data=data), run_id="rejoin")
+    pool = Restarting(CLIENTS, "127.0.0.1:0", rejoin_timeout_s=60)
+    processes = start_clients(pool.address, [str(i) for i in range(CLIENTS)], data=data)
+    pool.victim, pool.data, pool.restarted = processes[VICTIM], data, []
+    try:
+        pool.wait_for_clients(60)
+        federated = run_algorithm(config.algorithms[0], config, pool, run_id="rejoin")
+    finally:
+        pool.close()
+        codes = stop_processes(processes + pool.restarted)
+    assert codes[VICTIM] == -signal.SIGKILL and len(pool.restarted) == 1
+    assert federated.status == alone.status == "ok", federated.detail
+    assert federated.z_sha256 == alone.z_sha256  # no round lost the client: the same sums, bit for bit
+    theirs, ours = without_bytes(federated.traffic), without_bytes(alone.traffic)
+    assert theirs["algorithm"] == ours["algorithm"]
+    # One key agreement more, counted as privacy traffic: the new key up, the directory of epoch 1 down to all.
+    assert theirs["privacy"]["rounds"] == ours["privacy"]["rounds"] + 1
+    assert theirs["privacy"]["messages_up"] == ours["privacy"]["messages_up"] + 1
+    assert theirs["privacy"]["messages_down"] == ours["privacy"]["messages_down"] + CLIENTS
+    assert federated.traffic["privacy"]["bytes_down"] > 0
+
+
+class DroppingIn(LocalPool):
+    """simulate, with client VICTIM's masked row lost in round RESTART_ROUND only."""
+
+    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
+        (answer,) = super()._exchange_masked(task, round_id, category, participants)
+        if round_id == RESTART_ROUND:
+            answer = answer._replace(rows=tuple(row for row in answer.rows if row.client != VICTIM))
+        return [answer]
+
+
+class KillingMidRound(Restarting):
+    """VICTIM is frozen as round RESTART_ROUND starts, SIGKILLed once the others answered, and started again:
+    it comes back during the round, sits it out (dropped), and agrees on keys anew for the next."""
+
+    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
+        if round_id == RESTART_ROUND and self.victim is not None:
+            victim = self.victim
+            victim.send_signal(signal.SIGSTOP)
+
+            def kill_and_restart() -> None:
+                while (round_ := self.protocol.collecting) is None or round_.answered_clients() < CLIENTS - 1:
+                    time.sleep(0.01)
+                victim.send_signal(signal.SIGKILL)
+                victim.wait(30)
+                self.restarted += start_clients(self.address, [str(VICTIM)], data={VICTIM: self.data[VICTIM]})
+
+            threading.Thread(target=kill_and_restart, daemon=True).start()
+        return GrpcPool._exchange_masked(self, task, round_id, category, participants)
+
+
+def test_a_client_killed_mid_round_that_rejoins_sits_that_round_out_and_the_run_equals_simulate(
+    diabetes: Path,
+) -> None:
+    config = parse_config(regression(8, True, {"name": "minibatch_md", "gamma": 0.5}))
+    data = {i: str(diabetes / f"client-{i:03d}.npz") for i in range(CLIENTS)}
+    alone = run_algorithm(config.algorithms[0], config, DroppingIn(data=data), run_id="rejoin")
+    pool = KillingMidRound(CLIENTS, "127.0.0.1:0", rejoin_timeout_s=60)
+    processes = start_clients(pool.address, [str(i) for i in range(CLIENTS)], data=data)
+    pool.victim, pool.data, pool.restarted = processes[VICTIM], data, []
+    try:
+        pool.wait_for_clients(60)
+        federated = run_algorithm(config.algorithms[0], config, pool, run_id="rejoin")
+    finally:
+        pool.close()
+        codes = stop_processes(processes + pool.restarted)
+    assert codes[VICTIM] == -signal.SIGKILL and len(pool.restarted) == 1
+    assert federated.status == alone.status == "ok", federated.detail
+    assert federated.z_sha256 == alone.z_sha256
+    theirs, ours = without_bytes(federated.traffic), without_bytes(alone.traffic)
+    assert theirs["algorithm"] == ours["algorithm"]  # round RESTART_ROUND closed without the victim in both
+    assert theirs["algorithm"]["messages_up"] == CLIENTS * 8 - 1
+    assert theirs["privacy"]["rounds"] == ours["privacy"]["rounds"] + 1  # the key agreement anew

@@ -37,6 +37,7 @@ from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import Category, ClientPool, PoolError, RunInfo
+from fedsaddle.server.settlement import RoundTally
 from fedsaddle.server.transport.auth import Authenticator
 from fedsaddle.server.transport.gate import ConnectionGate, GatedHealth
 from fedsaddle.server.transport.loop import LoopRunner
@@ -316,7 +317,22 @@ class GrpcPool(ClientPool):
     def _exchange_masked(
         self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
     ) -> list[MaskedAnswer]:
-        return [messages.as_masked(answer) for answer in self._collect(task, round_id, category, participants, True)]
+        try:
+            answers = self._collect(task, round_id, category, participants, True)
+        finally:
+            self._count_rekeys()
+        return [messages.as_masked(answer) for answer in answers]
+
+    def _count_rekeys(self) -> None:
+        """Each key agreement anew (clients that rejoined with new keys) is a round of the privacy category:
+        their keys up (in their Ready), the directory down to every client."""
+        privacy = self.traffic.get("privacy")
+        if privacy is None or self.run is None:
+            return
+        for clients, size in self.protocol.rekeys:
+            privacy.add(RoundTally(self.run.num_clients, 0, 0, None, clients))
+            privacy.bytes_down += size
+        self.protocol.rekeys = []
 
     def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:
         assert self.run is not None

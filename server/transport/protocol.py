@@ -293,6 +293,11 @@ class Coordination:
         self._spec: bytes | None = None
         self._counts: list[int] | None = None
         self.public_keys: dict[int, bytes] = {}  # secure aggregation: each client's key in this run
+        # Secure aggregation and rejoins: the epoch of the last key directory sent, the clients that came
+        # back with new keys since (everyone agrees anew before the next round), the directories sent so.
+        self.key_epoch = 0
+        self._rekeyed: set[int] = set()
+        self.rekeys: list[tuple[tuple[int, ...], int]] = []  # (clients with new keys, bytes sent) per re-agreement
         self._stacks: dict[int, str] = {}  # client index -> the numeric stack its process reported in Ready
         self._warned_stacks: dict[str, list[int]] = {}  # the differing stacks last warned about
         self._resent = [0, 0, 0]  # messages, float64 entries and bytes sent again to rejoining sessions
@@ -405,6 +410,7 @@ class Coordination:
         """Send the RunSpec to every session and wait until all are Ready. Settles with the clients'
         sample counts by index when the run asked for them (else None); Failed naming any that is not."""
         self.run, self._spec, self._counts, self.public_keys = run, spec, None, {}
+        self.key_epoch, self._rekeyed, self.rekeys = 0, set(), []
 
         def send_spec(now: float) -> list[Action]:
             sessions = self.registry.live()
@@ -462,7 +468,7 @@ class Coordination:
             self._round, self.phase = round_, Phase.COLLECTING
             # max(64 MiB by default, 3 rounds' tasks) may wait undelivered: more means a session stopped reading.
             bound = max(self.limits.max_undelivered_bytes, 3 * sum(len(p) for p in request.pieces))
-            actions: list[Action] = []
+            actions: list[Action] = self._agree_anew(run) if self._rekeyed else []
             for session, _ in taking_part:
                 for piece in round_.task_for(session):
                     actions.append(Send(session.key, piece, bound))
@@ -496,6 +502,22 @@ class Coordination:
                 actions.append(Send(session.key, data))
                 barrier.bytes_down += len(data)
         return self._settle(now, actions)
+
+    def _agree_anew(self, run: RunInfo) -> list[Action]:
+        """Clients came back with new keys (restarted processes): every session gets the key directory of
+        the next epoch before the round's task, and every client agrees anew (the stream keeps the order)."""
+        self.key_epoch += 1
+        directory = messages.key_directory(run.run_id, self.key_epoch, dict(self.public_keys))
+        actions, size = self.broadcast(directory)
+        self.rekeys.append((tuple(sorted(self._rekeyed)), size))
+        log.info(
+            "run %s: clients %s rejoined with new keys; key directory of epoch %d sent to every client",
+            run.run_id,
+            some(sorted(self._rekeyed)),
+            self.key_epoch,
+        )
+        self._rekeyed = set()
+        return actions
 
     def broadcast(self, data: bytes) -> tuple[list[Action], int]:
         """Send an instruction to every live session (secure aggregation's key directory): the bytes sent."""
@@ -652,11 +674,16 @@ class Coordination:
                     f"clients; run {run.run_id} uses secure aggregation"
                 )
             if self.public_keys and any(self.public_keys.get(i) for i in session.indices):
-                # A process that restarted has new keys; the run would need every client to agree anew.
-                return (
-                    f"{session.describe()} rejoined run {run.run_id} with new keys: secure aggregation does not "
-                    "take a client back into a run yet (resume the run instead)"
-                )
+                # A process that restarted has new keys: every client agrees anew before the next round.
+                if self.rejoin_timeout_s <= 0:
+                    return (
+                        f"{session.describe()} rejoined run {run.run_id} with new keys, and the run takes no "
+                        "rejoins (transport.rejoin_timeout_s)"
+                    )
+                if len(set(ready.public_keys)) != len(ready.public_keys) or any(
+                    key in self.public_keys.values() for key in ready.public_keys
+                ):
+                    return f"{session.describe()} rejoined run {run.run_id} with public keys already in use"
             return None
         reported = list(ready.sample_counts)
         if run.weighting == "samples" and len(reported) != len(session.indices):
@@ -820,6 +847,15 @@ class Coordination:
         session.ready_run = run.run_id
         self._note_stack(session, ready)  # it may have come back on another machine, or another build
         self._warn_if_stacks_differ(run.run_id)
+        if run.secure is not None:
+            for index, public_key in zip(session.hello_order, ready.public_keys, strict=False):
+                self.public_keys[index] = public_key
+            self._rekeyed.update(session.indices)
+            if round_ is not None:
+                # Its new keys do not fit the masks the others sent in this round: it sits the round out (one
+                # of the clients that dropped), and takes part again after the key agreement of the next.
+                round_.sit_out(session)
+            return True
         if round_ is not None and round_.replace(session, now) is not None:
             self._resend(session, round_.task_for(session), actions, len(round_.expected[session.key].indices))
         return True

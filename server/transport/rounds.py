@@ -180,6 +180,19 @@ class Collecting(Barrier):
             self.expected[new.key] = expected._replace(listed=new.listed_for(expected.indices))
         return old
 
+    def sit_out(self, new: Session) -> None:
+        """A lost session's clients came back (on `new`) but will not answer this round: it stops waiting
+        for them, and closes with the others' answers (secure aggregation: they count as dropped)."""
+        if new.indices not in self.lost or self.done:
+            return
+        old = next(s for s in self.sessions if s.indices == new.indices)
+        self.sessions.remove(old)
+        self.pending.discard(old.key)
+        self.expected.pop(old.key, None)
+        del self.lost[new.indices]
+        if not self.pending:
+            self.done = True
+
     def accept(self, session: Session, answer: Answer, size: int) -> None:
         self.answers[session.key] = answer
         self.bytes_up += size
