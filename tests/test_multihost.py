@@ -124,7 +124,10 @@ def start_host_clients(net: Network, data: dict[int, str] | None = None) -> list
 PROBLEM = {"name": "paper_regression", "num_clients": 4, "dim": 10, "s": 5.0}
 
 
-def test_clients_on_three_hosts_with_their_own_data_match_the_in_process_run(network: Network, tmp_path: Path) -> None:
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure-aggregation"])
+def test_clients_on_three_hosts_with_their_own_data_match_the_in_process_run(
+    network: Network, tmp_path: Path, secure: bool
+) -> None:
     # Each host holds only its own clients' files (a copy in its own folder): real, private data.
     split("diabetes", 4, "label-skew", seed=0, out=tmp_path / "dataset")
     data: dict[int, str] = {}
@@ -139,6 +142,8 @@ def test_clients_on_three_hosts_with_their_own_data_match_the_in_process_run(net
         {"name": "scaffold_catalyst_s", "gamma_local": 0.05},
     ]
     fields: dict[str, Any] = dict(problem=problem, algorithms=algorithms, rounds=41, weighting="samples")
+    if secure:  # each host's clients weigh and mask their own rows; the coordinator sees sums only
+        fields["privacy"] = {"secure_aggregation": True}
     path = write_config(tmp_path / "run.yaml", output={"plot": False}, **fields)
     coordinator = Coordinator(path, tmp_path / "runs", f"{COORDINATOR}:{PORT}", network.run_in("coordinator"))
     coordinator.wait_for(r"listening on", 30)
@@ -155,6 +160,8 @@ def test_clients_on_three_hosts_with_their_own_data_match_the_in_process_run(net
         assert remote["z_sha256"] == local.z_sha256
         for key in ("rounds", "messages_down", "messages_up", "floats_down", "floats_up"):
             assert remote["traffic"]["algorithm"][key] == local.traffic["algorithm"][key]
+            if secure:
+                assert remote["traffic"]["privacy"][key] == local.traffic["privacy"][key]
 
 
 def test_a_cut_link_fails_the_run_naming_the_client_and_nothing_stays_running(network: Network, tmp_path: Path) -> None:

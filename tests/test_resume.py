@@ -129,6 +129,23 @@ def test_a_coordinator_killed_between_checkpoints_resumes_bit_identical(
     assert_same_as_uninterrupted(run_dir, uninterrupted)
 
 
+def test_a_secure_federation_killed_between_checkpoints_resumes_bit_identical_with_new_keys(tmp_path: Path) -> None:
+    config = {**CONFIG, "name": "resumed-secure", "algorithms": CONFIG["algorithms"][:1]}
+    config["privacy"] = {"secure_aggregation": True}
+    path = write_config(tmp_path / "whole.yaml", **config)
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "whole"), timeout=300)
+    assert done.returncode == 0, done.stderr
+    (whole,) = (tmp_path / "whole").iterdir()
+    expected = json.loads((whole / "summary.json").read_text()), without_time(whole / "metrics.jsonl")
+    run_dir, code, log, codes = killed_and_resumed(tmp_path, r"fedavg_s\s+round\s+2\d\d/401", config=config)
+    assert code == 0, log
+    assert codes == [0, 0, 0]
+    assert_same_as_uninterrupted(run_dir, expected)
+    # The clients agreed on keys twice: once at the start, once with the resumed coordinator.
+    (before,), (after,) = expected[0]["algorithms"], json.loads((run_dir / "summary.json").read_text())["algorithms"]
+    assert after["traffic"]["privacy"]["rounds"] == before["traffic"]["privacy"]["rounds"] + 1
+
+
 def test_a_coordinator_killed_in_the_second_algorithm_keeps_the_first(
     tmp_path: Path, uninterrupted: tuple[dict[str, Any], list[dict[str, Any]]]
 ) -> None:

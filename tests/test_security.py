@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import CLIENT_ENV, config, stop_processes
 
-from fedsaddle.server.config import ConfigError, TlsSpec
+from fedsaddle.server.config import ConfigError, RunConfig, TlsSpec
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.transport.auth import Authenticator, server_credentials, token_hash
@@ -23,6 +23,7 @@ RUN = config(
     algorithms=[{"name": "scaffold_s", "gamma_local": 0.05}],
     rounds=11,
 )
+SECURE_RUN = RUN.model_copy(update={"privacy": RUN.privacy.model_copy(update={"secure_aggregation": True})})
 TOKENS = {"site-a": "token-of-site-a", "site-b": "token-of-site-b"}
 
 
@@ -63,15 +64,18 @@ def token_args(tmp_path: Path, name: str, token: str | None = None) -> list[str]
     return ["--token-file", str(path)]
 
 
-def run_and_compare(pool: GrpcPool, processes: list[subprocess.Popen[str]]) -> None:
+def run_and_compare(pool: GrpcPool, processes: list[subprocess.Popen[str]], run: RunConfig = RUN) -> None:
     try:
         pool.wait_for_clients(30)
-        remote = run_algorithm(RUN.algorithms[0], RUN, pool)
+        remote = run_algorithm(run.algorithms[0], run, pool)
     finally:
         pool.close()
         codes = stop_processes(processes)  # type: ignore[arg-type]
     assert codes == [0] * len(processes)
-    assert remote.z_sha256 == run_algorithm(RUN.algorithms[0], RUN, LocalPool()).z_sha256
+    local = run_algorithm(run.algorithms[0], run, LocalPool())
+    assert remote.status == local.status == "ok", remote.detail
+    assert remote.z_sha256 == local.z_sha256
+    assert ("privacy" in remote.traffic) == run.privacy.secure_aggregation
 
 
 @pytest.fixture
@@ -139,6 +143,33 @@ def test_mutual_tls_binds_client_certificates_to_indices(tmp_path: Path, certs: 
         client(pool.address, "2", *cert("intruder"))
     )
     run_and_compare(pool, [client(pool.address, "0-1", *cert("site-a")), client(pool.address, "2", *cert("site-b"))])
+
+
+def test_secure_aggregation_runs_over_mutual_tls_with_credentials(
+    tmp_path: Path, certs: Path, pools: list[GrpcPool]
+) -> None:
+    """Secure aggregation's key directory and unmasking travel over the same authenticated streams."""
+    credentials = tmp_path / "credentials.yaml"
+    credentials.write_text("identities:\n  site-a: {indices: [0, 1]}\n  site-b: {indices: [2]}\n")
+    tls = TlsSpec(
+        cert=str(certs / "coordinator.pem"), key=str(certs / "coordinator.key"), client_ca=str(certs / "ca.pem")
+    )
+    pool = make_pool(
+        pools, server_credentials=server_credentials(tls), authenticator=Authenticator.from_file(credentials)
+    )
+
+    def cert(name: str) -> list[str]:
+        return [
+            "--ca",
+            str(certs / "ca.pem"),
+            "--cert",
+            str(certs / f"{name}.pem"),
+            "--key",
+            str(certs / f"{name}.key"),
+        ]
+
+    processes = [client(pool.address, "0-1", *cert("site-a")), client(pool.address, "2", *cert("site-b"))]
+    run_and_compare(pool, processes, SECURE_RUN)
 
 
 def test_the_health_service_answers_over_tls(certs: Path, pools: list[GrpcPool]) -> None:
