@@ -189,6 +189,7 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
                 )
             for message in session.handle(instruction):
                 await call.write(message)
+            session.prepare_next()  # secure aggregation: the next round's masks, while the coordinator works
             if session.over:
                 await call.done_writing()
                 with contextlib.suppress(TimeoutError):

@@ -22,7 +22,7 @@ from fedsaddle.common.indices import some
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec, problem_class
 from fedsaddle.common.secagg import SecAggError, messages
 from fedsaddle.common.secagg.party import Party
-from fedsaddle.common.secagg.rows import mask_answer
+from fedsaddle.common.secagg.rows import mask_answer, row_length
 from fedsaddle.common.secagg.settings import check_bound
 from fedsaddle.common.tasks import EvaluateTask, Task
 from fedsaddle.common.text import RefusalLog, printable
@@ -66,6 +66,10 @@ class ClientSession:
         self._tasks, self._said = 0, time.monotonic()
         # Secure aggregation (docs/privacy.md): one party per hosted client, and each one's own weight.
         self._parties: dict[int, Party] = {}
+        # (round, its clients, row length) of the last masked round, and the round expected after its unmasking:
+        # its masks are made while the coordinator unmasks and computes (prepare_next).
+        self._last_masked: tuple[int, tuple[int, ...], int] | None = None
+        self._upcoming: tuple[int, tuple[int, ...], int] | None = None
         self._weights: dict[int, float] | None = None
         self._dp: DpSettings | None = None  # differential privacy's clipping and this process's noise
 
@@ -293,6 +297,8 @@ class ClientSession:
         assert self.worker is not None
         round_clients = tuple(int(i) for i in message.round_clients) or tuple(range(self._federation_size))
         answer = self.worker.execute(task, message.round_id, clients)
+        self._last_masked = (message.round_id, round_clients, row_length(task, self._dimension))
+        self._upcoming = None
         try:
             masked = mask_answer(
                 self._parties, answer, task, message.round_id, 0, round_clients, self._weights, self._dp
@@ -314,4 +320,19 @@ class ClientSession:
         except SecAggError as exc:
             log.error("run %s: client %d refuses to unmask: %s", self._run_name, request.client, exc)
             return messages.unmask_reply(self._run_id, request.round_id, request.client, None, str(exc))
+        last = self._last_masked
+        if last is not None and last[0] == request.round_id:  # the same clients and length are the likely next
+            self._upcoming = (request.round_id + 1, last[1], last[2])
         return messages.unmask_reply(self._run_id, request.round_id, request.client, reply)
+
+    def prepare_next(self) -> None:
+        """Make the expected next round's masks now, after the unmasking replies are sent and before the
+        task comes (the coordinator is unmasking and computing): the task then only adds them. A round that
+        comes otherwise is masked as usual, and the masks made here are dropped."""
+        upcoming, self._upcoming = self._upcoming, None
+        if upcoming is None:
+            return
+        round_id, clients, length = upcoming
+        for index, party in self._parties.items():
+            if index in clients:
+                party.prepare(round_id, 0, clients, length)

@@ -236,6 +236,25 @@ def test_rounds_follow_each_other_and_sampled_rounds_sum_their_clients() -> None
         assert np.array_equal(run_round(parties, rows, round_id, set(), clients), encoded_sum(rows, list(clients)))
 
 
+def test_masks_made_ahead_of_a_round_give_the_same_exact_sum_and_are_dropped_if_the_round_differs() -> None:
+    parties = federation(5)
+    rng = np.random.default_rng(6)
+    for party in parties[:3]:  # some made round 1's masks while they waited, the others make them on the task
+        assert party.prepare(1, 0, tuple(range(5)), 9)
+    rows = rng.normal(size=(5, 9))
+    assert np.array_equal(run_round(parties, rows, 1, set()), encoded_sum(rows, list(range(5))))
+    for party in parties:  # made for all five, but round 2 comes for four, round 3 with another length
+        party.prepare(2, 0, tuple(range(5)), 9)
+    rows = rng.normal(size=(5, 9))
+    assert np.array_equal(run_round(parties, rows, 2, set(), (0, 1, 2, 3)), encoded_sum(rows, [0, 1, 2, 3]))
+    for party in parties:
+        party.prepare(3, 0, tuple(range(5)), 4)
+    rows = rng.normal(size=(5, 9))
+    assert np.array_equal(run_round(parties, rows, 3, {1}), encoded_sum(rows, [0, 2, 3, 4]))
+    assert not parties[0].prepare(3, 0, tuple(range(5)), 9)  # it answered round 3: nothing is made for it again
+    assert not parties[0].prepare(4, 0, (0,), 9)  # a round of one client is never masked
+
+
 def test_a_masked_row_reveals_nothing_like_the_answer() -> None:
     parties = federation(3)
     row = np.zeros(10_000)

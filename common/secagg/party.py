@@ -60,6 +60,21 @@ class UnmaskReply(NamedTuple):
     seeds: dict[int, bytes]
 
 
+class _Prepared(NamedTuple):
+    """A round's masks made ahead of its task (Party.prepare): the key of the round they fit, and them."""
+
+    round_id: int
+    attempt: int
+    participants: tuple[int, ...]
+    length: int
+    threshold: int
+    neighbours: tuple[int, ...]
+    share_threshold: int
+    own_share: int
+    sealed: dict[int, bytes]
+    pad: Ring  # PRG(b_i) + sum_j +-PRG(m_ij): y_i is enc(x_i) + pad
+
+
 class _Answered(NamedTuple):
     attempt: int
     participants: tuple[int, ...]
@@ -93,6 +108,7 @@ class Party:
         self._envelopes: dict[int, ChaCha20Poly1305] = {}  # per peer: the AEAD its shares travel in
         self._answered: dict[int, _Answered] = {}  # round id -> what this party sent in it
         self._unmasked: set[int] = set()  # rounds whose unmasking this party has given
+        self._prepared: _Prepared | None = None  # the next round's masks, made while the client waited
 
     # -- keys --------------------------------------------------------------------------
 
@@ -125,6 +141,7 @@ class Party:
             pairwise[j] = self._derive(j, directory[j], f"key directory of epoch {epoch}")
         self._directory, self._pairwise, self.epoch = dict(directory), pairwise, epoch
         self._envelopes = {j: crypto.envelope(key) for j, key in pairwise.items()}
+        self._prepared = None  # made with the keys of the last epoch
 
     def _derive(self, peer: int, public_key: bytes, where: str) -> bytes:
         try:
@@ -145,6 +162,37 @@ class Party:
 
     def mask(self, round_id: int, attempt: int, participants: Sequence[int], row: Array) -> MaskedRow:
         """y_i for a round among `participants` (increasing client indices, this one among them)."""
+        clients = self._check_round(round_id, attempt, participants)
+        bound = self.settings.bound
+        masked = fixedpoint.encode(row, self.settings.scale_bits, bound, round_id)
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[:4] == (round_id, attempt, clients, len(row)):
+            np.add(masked, prepared.pad, out=masked)
+        else:  # made now, straight into the row
+            prepared = self._make_masks(round_id, attempt, clients, len(row), into=masked)
+        # Only the latest round can still be unmasked: older ones are forgotten (the pool finishes a round
+        # before it starts the next, so a request for one of them is stale).
+        self._answered = {
+            round_id: _Answered(
+                attempt, clients, prepared.threshold, prepared.neighbours, prepared.share_threshold, prepared.own_share
+            )
+        }
+        return MaskedRow(self.index, masked, prepared.sealed)
+
+    def prepare(self, round_id: int, attempt: int, participants: Sequence[int], length: int) -> bool:
+        """Make a coming round's masks ahead of its task (while the client would wait for it), so that `mask`
+        only adds them; False, and nothing made, if that round could not be masked. Masks made for a round
+        that then comes otherwise (other clients, length or keys) are dropped unused: a self-mask seed is
+        never used for two rounds, and what is made here is what `mask` would make then."""
+        try:
+            clients = self._check_round(round_id, attempt, participants)
+            self._prepared = self._make_masks(round_id, attempt, clients, length)
+        except SecAggError:
+            return False
+        return True
+
+    def _check_round(self, round_id: int, attempt: int, participants: Sequence[int]) -> tuple[int, ...]:
+        """The round's clients, or SecAggError if this party must not mask for it."""
         where = f"round {round_id}"
         clients = tuple(participants)
         if list(clients) != sorted(set(clients)):
@@ -160,10 +208,17 @@ class Party:
         before = self._answered.get(round_id)
         if round_id in self._unmasked or (before is not None and attempt <= before.attempt):
             raise SecAggError(f"{where}: this client already answered it (attempt {attempt} repeated)")
+        return clients
+
+    def _make_masks(
+        self, round_id: int, attempt: int, clients: tuple[int, ...], length: int, into: Ring | None = None
+    ) -> _Prepared:
+        """A fresh self-mask seed b_i, its shares sealed to the neighbours, and the round's whole mask (added
+        to `into` when given, which is then the pad)."""
+        where = f"round {round_id}"
+        threshold = round_threshold(self.settings, len(clients))
         neighbours = graph.neighbours_of(self.index, clients, self.settings.neighbours)
         self._keys_with(neighbours, where)
-        bound = self.settings.bound
-        masked = fixedpoint.encode(row, self.settings.scale_bits, bound, round_id)
         # b_i is shared among this client and its neighbours; a majority of them rebuilds it (under all
         # pairs the round's threshold, as Bonawitz et al.).
         holders = tuple(sorted((*neighbours, self.index)))
@@ -176,15 +231,13 @@ class Party:
             for j, share in shares.items()
             if j != self.index
         }
+        pad = np.zeros(length, dtype=np.uint64) if into is None else into
         masks = [(self._self_key(self_seed, round_id, attempt), 1)]
         masks += [(self._round_seed(j, round_id, attempt), 1 if j > self.index else -1) for j in neighbours]
-        crypto.add_masks(masked, masks)  # all of them in one pass over the row
-        # Only the latest round can still be unmasked: older ones are forgotten (the pool finishes a round
-        # before it starts the next, so a request for one of them is stale).
-        self._answered = {
-            round_id: _Answered(attempt, clients, threshold, neighbours, share_threshold, shares[self.index])
-        }
-        return MaskedRow(self.index, masked, sealed)
+        crypto.add_masks(pad, masks)  # all of them in one pass
+        return _Prepared(
+            round_id, attempt, clients, length, threshold, neighbours, share_threshold, shares[self.index], sealed, pad
+        )
 
     def unmask(self, request: UnmaskRequest) -> UnmaskReply:
         """This client's part of unmasking a round it answered, or SecAggError naming why not."""
