@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import time
 
 import numpy as np
+from procfs import cpu_seconds
 from round_latency import time_rounds  # bench/round_latency.py: the same timing, one round at a time
 
 from fedsaddle.common.problems import PaperRegressionSpec
@@ -64,32 +66,51 @@ def latency(n: int, dims: list[int], rounds: int, blocks: int, graphs: list[int]
         pool.wait_for_clients(120)
         for d in dims:
             times: dict[int | None, list[float]] = {kind: [] for kind in kinds}
+            cpu: dict[int | None, float] = {kind: 0.0 for kind in kinds}  # CPU s of every process, timed rounds
             extra: dict[int, float] = {}
             z = np.ones(2 * d)
             per_block = max(1, rounds // blocks)
             for block in range(blocks + 1):  # block 0 warms every kind up and is not timed
                 for kind in kinds:
                     pool.start_run(run_info(f"bench-{d}-{kind}-{block}", n, d, kind is not None, kind or 0))
+                    before = all_cpu(processes)
                     timed = time_rounds(pool, z, per_block if block else 2)
                     if block:
                         times[kind] += timed
+                        cpu[kind] += all_cpu(processes) - before
                     if kind is not None:
                         extra[kind] = pool.traffic["privacy"].bytes_up / pool.traffic["algorithm"].rounds
-            rows.append((d, times, extra))
+            rows.append((d, times, {k: c / max(1, len(times[k])) for k, c in cpu.items()}, extra))
     finally:
         pool.close()
         reap(processes)
     print(f"1. gradient rounds over gRPC, {n} client processes on 127.0.0.1; ms per round, median [q1, q3]")
-    header = f"{'d':>9} {'aggregation':>12} {'ms per round':>26} {'ratio':>6} {'privacy bytes up/round':>23}"
+    print("   (CPU: user + system time of the coordinator and every client process per round, mean; it is what")
+    print("   the round costs the machine, and depends less than the latency on what else runs on it)")
+    header = (
+        f"{'d':>9} {'aggregation':>12} {'ms per round':>26} {'ratio':>6} {'CPU ms/round':>13} {'ratio':>6} "
+        f"{'privacy bytes up/round':>23}"
+    )
     print(header)
     print("-" * len(header))
-    for d, times, extra in rows:
-        plain = statistics.median(times[None])
-        print(f"{d:>9} {'plain':>12} {quartiles(times[None]):>26} {1.0:>6.2f} {'':>23}")
+    for d, times, cpu, extra in rows:
+        plain, plain_cpu = statistics.median(times[None]), cpu[None]
+        print(
+            f"{d:>9} {'plain':>12} {quartiles(times[None]):>26} {1.0:>6.2f} {1e3 * plain_cpu:>13.1f} {1.0:>6.2f} "
+            f"{'':>23}"
+        )
         for kind in graphs:
             ratio = statistics.median(times[kind]) / plain
-            print(f"{d:>9} {graph_name(kind):>12} {quartiles(times[kind]):>26} {ratio:>6.2f} {extra[kind]:>23.0f}")
+            print(
+                f"{d:>9} {graph_name(kind):>12} {quartiles(times[kind]):>26} {ratio:>6.2f} {1e3 * cpu[kind]:>13.1f} "
+                f"{cpu[kind] / plain_cpu:>6.2f} {extra[kind]:>23.0f}"
+            )
     print(flush=True)
+
+
+def all_cpu(processes: list[subprocess.Popen[bytes]]) -> float:
+    """CPU seconds used so far by this process (the coordinator) and the client processes."""
+    return cpu_seconds() + sum(cpu_seconds(process.pid) for process in processes)
 
 
 def setup(sizes: list[int], d: int, repeats: int) -> None:
