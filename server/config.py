@@ -370,7 +370,8 @@ class PrivacySpec(_Model):
         None,
         ge=0,
         description="SecAgg+: each client masks with k neighbours in a Harary graph of the round's clients "
-        "(k even; 0: all pairs); default: all pairs up to 13 clients, above the smallest even k >= 3 log2(n)",
+        "(k even; 0: all pairs); default: all pairs up to 13 clients, above the smallest even k >= 3 log2(n), "
+        "or twice the clients a straggler quorum lets drop if that is more",
     )
 
     dp: DpSpec | None = Field(
@@ -379,10 +380,15 @@ class PrivacySpec(_Model):
         "else by the coordinator",
     )
 
-    def settings(self, num_clients: int) -> SecAggSettings:
-        """What clients are told (the bound resolved for a federation of num_clients)."""
+    def settings(self, num_clients: int, dropouts: int = 0) -> SecAggSettings:
+        """What clients are told (the bound and the neighbours resolved for a federation of num_clients, of
+        whose rounds a straggler quorum lets `dropouts` clients drop)."""
         bound = self.bound if self.bound is not None else default_bound(num_clients, self.scale_bits)
-        neighbours = self.neighbours if self.neighbours is not None else default_neighbours(num_clients)
+        neighbours = self.neighbours
+        if neighbours is None:  # the log rule, widened to 2 x dropouts so that any round the quorum closes unmasks
+            neighbours = default_neighbours(num_clients)
+            if neighbours and dropouts > neighbours // 2:
+                neighbours = 2 * dropouts if 2 * dropouts < num_clients - 1 else 0
         return SecAggSettings(self.threshold or 0, self.scale_bits, bound, neighbours)
 
 
@@ -480,6 +486,17 @@ class RunConfig(_Model):
             raise ValueError("privacy.dp: evaluate_every would release the clients' metrics without noise; set it to 0")
         return self
 
+    def dropouts_allowed(self) -> int:
+        """How many of a round's clients a straggler quorum lets drop (0 without one)."""
+        quorum = self.participation.min_clients
+        if quorum is None:
+            return 0
+        return max(0, max(1, round(self.participation.fraction * self.problem.num_clients)) - quorum)
+
+    def secure_settings(self) -> SecAggSettings:
+        """Secure aggregation as the clients are told it (privacy.secure_aggregation must be on)."""
+        return self.privacy.settings(self.problem.num_clients, self.dropouts_allowed())
+
     @model_validator(mode="after")
     def _secure_aggregation_is_sound(self) -> RunConfig:
         privacy = self.privacy
@@ -500,7 +517,7 @@ class RunConfig(_Model):
                 f"participation.min_clients: {quorum} is fewer than the {needed} clients secure aggregation "
                 "needs to unmask a round"
             )
-        k = privacy.settings(n).neighbours
+        k = privacy.settings(n, self.dropouts_allowed()).neighbours
         if quorum is not None and 0 < k < per_round - 1 and per_round - quorum > k // 2:
             # H(k, m) loses no connection and no neighbourhood its majority while at most k/2 clients drop
             raise ValueError(

@@ -333,7 +333,7 @@ def privacy_spent(config: RunConfig, rounds: int) -> float:
 def run_info(config: RunConfig, run_id: str) -> RunInfo:
     fraction = config.participation.fraction
     privacy = config.privacy
-    secure = privacy.settings(config.problem.num_clients) if privacy.secure_aggregation else None
+    secure = config.secure_settings() if privacy.secure_aggregation else None
     dp = privacy.dp.settings() if privacy.dp is not None else None
     return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction, secure, dp)
 

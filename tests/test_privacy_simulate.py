@@ -217,6 +217,19 @@ def test_unsafe_settings_are_refused_naming_the_field(
         parse_config(data)
 
 
+def test_the_default_neighbours_widen_to_what_a_straggler_quorum_lets_drop() -> None:
+    def neighbours(num_clients: int, **fields: Any) -> int:
+        data = yaml.safe_load((EXAMPLES / "paper-s10.yaml").read_text())
+        data["problem"]["num_clients"] = num_clients
+        data.update(privacy={"secure_aggregation": True}, **fields)
+        return parse_config(data).secure_settings().neighbours
+
+    assert neighbours(100) == 20 and neighbours(10) == 0  # the log rule; all pairs for small n
+    quorum = {"participation": {"straggler_deadline_s": 1, "min_clients": 60}}
+    assert neighbours(100, **quorum) == 80  # 40 may drop: k = 80 keeps every such round unmaskable
+    assert neighbours(100, participation={"straggler_deadline_s": 1, "min_clients": 92}) == 20
+
+
 def test_secagg_plus_gives_the_same_iterates_bit_for_bit_as_all_pairs() -> None:
     """Masks cancel exactly whichever graph they come from: the sums, and so every iterate, are the same."""
     all_pairs = run(paper(40, True))
