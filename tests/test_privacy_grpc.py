@@ -74,6 +74,26 @@ def test_sampled_rounds_mask_among_the_drawn_clients_only(tmp_path: Path) -> Non
     assert theirs.traffic["algorithm"]["messages_up"] == 5 * theirs.traffic["algorithm"]["rounds"]
 
 
+def test_secagg_plus_over_grpc_agrees_with_simulate_and_with_all_pairs_bit_for_bit(tmp_path: Path) -> None:
+    """k = 2 neighbours (a ring) on sampled rounds of 6 of 12 clients, hosted 4 to a process."""
+    config = yaml.safe_load((EXAMPLES / "paper-s10.yaml").read_text())
+    config["problem"]["num_clients"] = 12
+    config.update(
+        rounds=12,
+        privacy={"secure_aggregation": True, "neighbours": 2},
+        participation={"fraction": 0.5},
+        output={"plot": False},
+        algorithms=[config["algorithms"][3]],
+    )
+    (ours,) = api.run(config, out=tmp_path).results
+    (theirs,) = api.run(config, transport="grpc", clients_per_process=4, out=tmp_path).results
+    config["privacy"]["neighbours"] = 0
+    (all_pairs,) = api.run(config, out=tmp_path).results
+    assert theirs.status == ours.status == all_pairs.status == "ok", theirs.detail
+    assert theirs.z_sha256 == ours.z_sha256 == all_pairs.z_sha256
+    assert without_bytes(theirs.traffic) == without_bytes(ours.traffic)
+
+
 @pytest.fixture(scope="module")
 def diabetes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("diabetes")
