@@ -169,12 +169,14 @@ def test_the_last_client_to_join_is_sent_the_run_once_and_nothing_counts_as_rese
         assert (resent["messages_down"], resent["bytes_down"]) == (0, 0)
 
 
-def fails_fast(args: list[str], cause: str, limit: float = 10) -> None:
+def fails_fast(args: list[str], cause: str) -> None:
+    # The client is given 600 s to connect; ending within 120 s (a few seconds on a quiet machine) shows it
+    # did not retry for that long, with room for a loaded machine's slow process starts.
     started = time.monotonic()
-    done = fedsaddle("client", "--clients", "0", "--connect-timeout", "60", *args, timeout=60)
+    done = fedsaddle("client", "--clients", "0", "--connect-timeout", "600", *args, timeout=120)
     assert done.returncode == 1, done.stderr
     assert cause in done.stderr, done.stderr
-    assert time.monotonic() - started < limit  # not the 60 s connect timeout
+    assert time.monotonic() - started < 120  # not the 600 s connect timeout
 
 
 @pytest.fixture(scope="module")
