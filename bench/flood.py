@@ -1,9 +1,10 @@
 """Flood: honest clients joining a coordinator while one address holds thousands of idle connections.
 
-For each flood size, a `fedsaddle coordinator` process (10 clients, a short run) is
-started on 127.0.0.1; bench/flooder.py then holds that many idle connections from
-127.0.0.2 (HTTP/2 preface and SETTINGS, never reading; with --stream, a Session call
-that never says Hello), reopening each one the coordinator closes. Once the flood
+For each kind of flood and each size, a `fedsaddle coordinator` process (10 clients, a
+short run) is started on 127.0.0.1; bench/flooder.py then holds that many idle
+connections from 127.0.0.2 (bare: the HTTP/2 preface and SETTINGS, never reading;
+stream: the same and a Session call that never says Hello), reopening each one the
+coordinator closes. Once the flood
 holds them all, 10 `fedsaddle client` processes are started. Prints, per size: the
 seconds from starting the clients to "all 10 clients connected" (their interpreters'
 start-up included: the row with 0 connections is the reference), whether `fedsaddle
@@ -11,7 +12,7 @@ health` answered during the flood, the coordinator's RSS before the flood and it
 peak during it, how many connections the flood opened and the coordinator closed, and
 the exit codes. All traffic stays on loopback; every process is stopped at the end.
 
-    python bench/flood.py [--sizes 0 500 2000 8000] [--stream]
+    python bench/flood.py [--sizes 0 500 2000 8000] [--kinds bare stream]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ CONFIG = {
     "output": {"plot": False},
     "transport": {"join_timeout_s": 120},
 }
+KINDS = {"bare": "bare connections (preface and SETTINGS)", "stream": "streams without a Hello"}
 
 
 def free_port() -> int:
@@ -147,14 +149,22 @@ def one(size: int, stream: bool, folder: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[0, 500, 2000, 8000])
-    parser.add_argument("--stream", action="store_true", help="each connection opens a Session and says nothing")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=sorted(KINDS),
+        default=["bare", "stream"],
+        help="bare: each connection sends the preface and SETTINGS; stream: and opens a Session, saying nothing",
+    )
     args = parser.parse_args()
-    kind = "streams without a Hello" if args.stream else "bare connections (preface and SETTINGS)"
-    print(f"flood of {kind} from 127.0.0.2, reopened as they close; {CLIENTS} client processes then join")
-    print("  size  join s  health  coordinator RSS                 outcome")
     with tempfile.TemporaryDirectory() as folder:
-        for size in args.sizes:
-            print(one(size, args.stream, Path(folder)), flush=True)
+        for kind in args.kinds:
+            print(
+                f"flood of {KINDS[kind]} from 127.0.0.2, reopened as they close; {CLIENTS} client processes then join"
+            )
+            print("  size  join s  health  coordinator RSS                 outcome")
+            for size in args.sizes:
+                print(one(size, kind == "stream", Path(folder)), flush=True)
 
 
 if __name__ == "__main__":

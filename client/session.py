@@ -33,6 +33,14 @@ log = logging.getLogger("fedsaddle.client")
 
 
 HEARTBEAT_S = 60.0
+# The instructions that belong to a run, refused before the Welcome (and what the refusal calls them).
+_AFTER_WELCOME = {
+    "run": "a RunSpec",
+    "task": "a Task",
+    "chunk": "a Chunk",
+    "keys": "a KeyDirectory",
+    "unmask": "an UnmaskRequest",
+}
 
 
 class ClientError(RuntimeError):
@@ -48,7 +56,7 @@ class ClientSession:
 
     def __init__(self, indices: tuple[int, ...], shards: ShardCache | None = None) -> None:
         self.indices = indices
-        self._answers = wire.AnswerWriter(0)  # made anew by the Welcome, with its chunk size
+        self._answers: wire.AnswerWriter | None = None  # made by the Welcome, with its chunk size
         self.run: pb.RunSpec | None = None
         self._run_id, self._dimension = "", 0  # the run's, read once (not per task)
         self._run_name = ""  # its id as logs show it: the coordinator's text, bounded and escaped
@@ -76,7 +84,7 @@ class ClientSession:
     @property
     def chunk_bytes(self) -> int:
         """The Welcome's chunk size (0 before it), with which answers are cut."""
-        return self._answers.chunk_bytes
+        return 0 if self._answers is None else self._answers.chunk_bytes
 
     @property
     def over(self) -> bool:
@@ -93,6 +101,10 @@ class ClientSession:
         if isinstance(instruction, wire.RawChunk):
             return self._chunk(instruction)
         kind = instruction.WhichOneof("body")
+        if self._answers is None and kind in _AFTER_WELCOME:
+            # Nothing of a run can be served before the Welcome gives the chunk size: an answer cut into
+            # chunks of no size would never end (a hostile or broken coordinator's first message).
+            raise ClientError(self._before_welcome(instruction, kind))
         if kind == "task":
             return self._task_header(instruction.task)
         if kind == "welcome":
@@ -128,6 +140,13 @@ class ClientSession:
             log.info("coordinator says goodbye (%d tasks answered in the last run): %s", self._tasks, reason)
             return []
         raise ClientError(f"unknown instruction {kind!r}")
+
+    @staticmethod
+    def _before_welcome(instruction: pb.Instruction, kind: str) -> str:
+        if kind == "task":  # (a task needs its RunSpec too, which cannot have come either)
+            run_id = printable(instruction.task.run_id, 64)
+            return f"task for run {run_id!r} before its RunSpec: the coordinator sent it before its Welcome"
+        return f"the coordinator sent {_AFTER_WELCOME[kind]} before its Welcome"
 
     def _task_header(self, task: pb.Task) -> Iterable[pb.ClientMessage | bytes]:
         """A task: executed at once when its payload came inline, else its chunks are awaited."""
@@ -266,6 +285,7 @@ class ClientSession:
         if self._parties:
             answer = self._masked(message, task, clients)
         else:
+            assert self._answers is not None  # (a run has begun: the Welcome came before it)
             answer = self._answers.encode(run_id, round_id, self.worker.execute(task, round_id, clients))
         self._tasks += 1
         now = time.monotonic()

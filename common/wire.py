@@ -229,7 +229,16 @@ _MESSAGE_ANSWER, _ANSWER_PAYLOAD = _tag(pb.ClientMessage, "answer"), _tag(pb.Ans
 
 def chunks(parts: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
     """The payload (the concatenation of `parts`) as serialized Chunk messages of `chunk_bytes` data
-    (the last may be shorter), each made when asked for; a chunk may span two parts."""
+    (the last may be shorter), each made when asked for; a chunk may span two parts.
+
+    ValueError, raised here and not at the first chunk, if `chunk_bytes` is not positive: a chunk of
+    no data would never get through the payload, and the chunks would never end."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    return _chunks(parts, chunk_bytes)
+
+
+def _chunks(parts: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
     offset, pending, room = 0, [], chunk_bytes
     for part in parts:
         start = 0

@@ -40,7 +40,9 @@ class HandClient:
     """A client session driven by the test, one message at a time, over a real stream.
 
     A reader thread answers RunSpecs with Ready, as a real client does (unless
-    `auto_ready` is off), and queues every other instruction for the test.
+    `auto_ready` is off), and queues every other instruction for the test. It hands
+    the Welcome to the client's state itself: a RunSpec may follow at once, and the
+    state refuses one that comes before its Welcome.
     """
 
     def __init__(
@@ -60,6 +62,8 @@ class HandClient:
     def _pump(self) -> None:
         try:
             for instruction in self.stream:
+                if instruction.HasField("welcome"):
+                    self.state.handle(instruction)
                 if instruction.HasField("run") and self.auto_ready:
                     for reply in self.state.handle(instruction):
                         self.send(reply)
@@ -90,7 +94,7 @@ class HandClient:
 
     def welcome(self) -> pb.Welcome:
         instruction = self.next()
-        self.state.handle(instruction)
+        assert instruction.HasField("welcome"), instruction
         return instruction.welcome
 
     def next_task(self) -> pb.Task:

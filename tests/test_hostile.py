@@ -381,6 +381,46 @@ def test_a_task_larger_than_the_clients_data_ends_the_client_with_an_error_namin
     assert "Traceback" not in output
 
 
+def _peak_rss_until_exit(client: subprocess.Popen[str], peak: list[int]) -> None:
+    """Sample the client's peak RSS (VmHWM, MiB) until it exits, for at most 60 s."""
+    end = time.monotonic() + 60
+    while client.poll() is None and time.monotonic() < end:
+        try:
+            status = Path(f"/proc/{client.pid}/status").read_text()
+        except OSError:  # (it exited meanwhile)
+            break
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                peak[0] = max(peak[0], int(line.split()[1]) >> 10)
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "first, refusal",
+    [
+        ("run", "the coordinator sent a RunSpec before its Welcome"),
+        ("task", "task for run 'r' before its RunSpec: the coordinator sent it before its Welcome"),
+    ],
+)
+def test_a_run_before_the_welcome_ends_the_client_with_an_error_naming_it(first: str, refusal: str) -> None:
+    # Before the Welcome no chunk size is known: a client that served this RunSpec and Task cut its answer
+    # into chunks of no size, for ever, its memory growing. It must refuse at once instead.
+    problem = {"name": "paper_regression", "num_clients": 1, "dim": 3, "s": 1.0}
+    run = pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=6))
+    task = pb.Instruction(
+        task=pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=6, payload=np.ones(6).tobytes())
+    )
+    task.task.gradient.batch = 1
+    peak = [0]
+    instructions: list[pb.Instruction | bytes | None] = [run, task] if first == "run" else [task]
+    status, output, received = client_against(instructions, lambda client, _: _peak_rss_until_exit(client, peak))
+    assert [m.WhichOneof("body") for m in received] == ["hello"]  # no Ready, no answer
+    assert status == 1
+    assert refusal in output
+    assert "Traceback" not in output
+    assert 0 < peak[0] < 400  # MiB: an interpreter with numpy and gRPC, nothing that grew
+
+
 def test_a_coordinators_words_reach_the_clients_log_bounded_and_escaped() -> None:
     # Ids and reasons are the coordinator's text: megabytes of it, or escape sequences that would
     # clear or retitle the operator's terminal, must not reach the log as they came.

@@ -264,6 +264,21 @@ def test_every_chunk_but_the_last_carries_at_least_the_minimum_piece() -> None:
     assert skipped.filled == 4096 and not skipped.done
 
 
+@pytest.mark.parametrize("chunk_bytes", [0, -1])
+def test_chunks_of_no_data_are_refused_when_asked_for_not_cut_forever(chunk_bytes: int) -> None:
+    payload = [memoryview(np.arange(4.0).tobytes())]
+    with pytest.raises(ValueError, match=f"chunk_bytes must be > 0, got {chunk_bytes}"):
+        wire.chunks(payload, chunk_bytes)  # raised by the call itself, before any chunk is asked for
+    with pytest.raises(ValueError, match="chunk_bytes must be > 0, got 0"):
+        wire.AnswerWriter(0).encode("r", 1, Answer((0,), np.arange(4.0).reshape(1, 4)))
+    cut = [wire.read_chunk(piece) for piece in wire.chunks(payload, 12)]  # a positive size cuts as before
+    assert [(c.offset, bytes(c.data)) for c in cut if c is not None] == [
+        (0, payload[0][:12].tobytes()),
+        (12, payload[0][12:24].tobytes()),
+        (24, payload[0][24:].tobytes()),
+    ]
+
+
 def test_the_assembler_holds_only_what_arrived() -> None:
     # A peer announcing a large payload and sending little costs the process little:
     # the buffer's pages are committed only as chunks fill them.

@@ -225,17 +225,21 @@ class SessionService:
     async def session(
         self, requests: AsyncIterator[Received], context: grpc.aio.ServicerContext[Received, bytes]
     ) -> None:
-        # Answers are checked for non-finite entries and refused by name (checks.py); numpy need
-        # not warn about them as well. Set for this stream's tasks alone (numpy's error state is a
-        # context variable, and each task runs in a copy of the context it was created in).
-        np.seterr(over="ignore", invalid="ignore")
         peer = context.peer()
         host = peer.rsplit(":", 1)[0]
         try:
             self.admission.enter(host)
         except Refusal as refusal:
+            # A flood's streams come here by the thousand (docs/operations.md): refused with the status
+            # set and no exception raised, as cheaply as a call served in Python can be.
             self.protocol.refusals.warn("refused a stream from %s: %s", peer, refusal.details)
-            await _end(context, refusal)
+            context.set_code(refusal.code)
+            context.set_details(refusal.details)
+            return
+        # Answers are checked for non-finite entries and refused by name (checks.py); numpy need
+        # not warn about them as well. Set for this stream's tasks alone (numpy's error state is a
+        # context variable, and each task runs in a copy of the context it was created in).
+        np.seterr(over="ignore", invalid="ignore")
         # Admitted: the connection carries a call now, which the gate leaves alone (a stream waiting for its
         # Hello ends at hello_timeout_s, and an address has at most max_quiet_per_peer of those).
         if self.gate is not None:
