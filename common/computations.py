@@ -108,6 +108,18 @@ BUILT_IN: dict[str, LocalComputation] = {
 }
 
 
+_REGISTERED: dict[str, LocalComputation] = {}
+
+
+def register(name: str, computation: LocalComputation) -> None:
+    """Make a local computation known to this process (server/algorithms/registry.py's register)."""
+    if name in BUILT_IN:
+        raise ValueError(f"{name!r} is a built-in local computation's name")
+    if not callable(computation):
+        raise TypeError(f"local computation {name!r} must be callable")
+    _REGISTERED[name] = computation
+
+
 @functools.cache
 def _installed() -> dict[str, LocalComputation]:
     """The local computations of the installed packages' algorithms, read once per process."""
@@ -127,7 +139,7 @@ def _installed() -> dict[str, LocalComputation]:
 
 def find_computation(name: str) -> LocalComputation | None:
     """The local computation called `name`, built in or installed; None if this process has none."""
-    return BUILT_IN.get(name) or _installed().get(name)
+    return BUILT_IN.get(name) or _REGISTERED.get(name) or _installed().get(name)
 
 
 def rescan() -> None:

@@ -38,6 +38,7 @@ from fedsaddle.server.algorithms.registry import (
     BuildContext,
     available,
     definition,
+    register,
     rescan,
 )
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldS
@@ -76,6 +77,7 @@ __all__ = [
     "load_state",
     "no_exchange",
     "positive",
+    "register",
     "rescan",
     "save_state",
 ]

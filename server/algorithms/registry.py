@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedsaddle.common import computations
+from fedsaddle.common.computations import LocalComputation
+
 if TYPE_CHECKING:
-    from fedsaddle.common.computations import LocalComputation
     from fedsaddle.server.algorithms.base import Algorithm
     from fedsaddle.server.algorithms.schedule import SyncSchedule
 
@@ -112,6 +114,23 @@ def _load(path: str, name: str) -> AlgorithmDef:
     return found
 
 
+_REGISTERED: dict[str, AlgorithmDef] = {}  # register()ed in this process
+
+
+def register(algorithm: AlgorithmDef) -> None:
+    """Make `algorithm` and its local computations known to this process, without an entry point
+    (a notebook, a test, an in-process run). Processes it starts afresh do not inherit it: client
+    processes find a plug-in by its entry point."""
+    if not isinstance(algorithm, AlgorithmDef):
+        raise TypeError(f"register() takes an AlgorithmDef, got {type(algorithm).__name__}")
+    if algorithm.name in BUILT_IN:
+        raise ValueError(f"{algorithm.name!r} is a built-in algorithm's name")
+    for name, computation in algorithm.computations.items():
+        computations.register(name, computation)
+    _REGISTERED[algorithm.name] = algorithm
+    definition.cache_clear()
+
+
 @functools.cache
 def _entry_points() -> dict[str, str]:
     """The installed packages' algorithms, read once per process."""
@@ -129,12 +148,12 @@ def rescan() -> None:
 
 def registered() -> dict[str, str]:
     """name -> 'module:ATTRIBUTE' of every algorithm this process can run (built-in names win)."""
-    return {**_entry_points(), **BUILT_IN}
+    return {**_entry_points(), **{name: "(registered in this process)" for name in _REGISTERED}, **BUILT_IN}
 
 
 def available() -> list[str]:
     """The names of every algorithm this process can run: the built-in ones, then the plug-ins, sorted."""
-    plugins = sorted(name for name in _entry_points() if name not in BUILT_IN)
+    plugins = sorted(name for name in {*_entry_points(), *_REGISTERED} if name not in BUILT_IN)
     return [*BUILT_IN, *plugins]
 
 
@@ -149,6 +168,8 @@ def definition(name: str) -> AlgorithmDef:
             f"unknown name {name[:64]!r}{guess}; expected one of {available()} "
             f"(plug-ins register under the entry-point group {ENTRY_POINT_GROUP!r})"
         )
+    if name in _REGISTERED and name not in BUILT_IN:
+        return _REGISTERED[name]
     return _load(known[name], name)
 
 
