@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedsaddle_fedprox_gda import FEDPROX_GDA
+
 from fedsaddle import api
 from fedsaddle.server.algorithms import available, register
-from fedsaddle_fedprox_gda import FEDPROX_GDA
 
 register(FEDPROX_GDA)  # what the entry point does for an installed package
 
