@@ -569,8 +569,8 @@ def cmd_new(args: argparse.Namespace) -> int:
 
     if args.kind == "algorithm":
         raise UsageError(
-            "plug-in algorithms are not possible yet: the five algorithms live in fedsaddle/server/algorithms/; "
-            "`fedsaddle new problem NAME` starts a problem"
+            "`fedsaddle new` writes problem packages only; an algorithm plug-in starts from the package "
+            "examples/algorithm-plugin in fedsaddle's repository (docs: how-to/own-algorithm.md)"
         )
     out = Path(args.out or args.name)
     try:
