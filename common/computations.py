@@ -120,6 +120,10 @@ def register(name: str, computation: LocalComputation) -> None:
     _REGISTERED[name] = computation
 
 
+def unregister(name: str) -> None:
+    _REGISTERED.pop(name, None)
+
+
 @functools.cache
 def _installed() -> dict[str, LocalComputation]:
     """The local computations of the installed packages' algorithms, read once per process."""

@@ -40,6 +40,7 @@ from fedsaddle.server.algorithms.registry import (
     definition,
     register,
     rescan,
+    unregister,
 )
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldS
 from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
@@ -80,6 +81,7 @@ __all__ = [
     "register",
     "rescan",
     "save_state",
+    "unregister",
 ]
 
 

@@ -131,6 +131,15 @@ def register(algorithm: AlgorithmDef) -> None:
     definition.cache_clear()
 
 
+def unregister(name: str) -> None:
+    """Forget an algorithm `register` made known (and its local computations); others are untouched."""
+    algorithm = _REGISTERED.pop(name, None)
+    if algorithm is not None:
+        for computation in algorithm.computations:
+            computations.unregister(computation)
+    definition.cache_clear()
+
+
 @functools.cache
 def _entry_points() -> dict[str, str]:
     """The installed packages' algorithms, read once per process."""

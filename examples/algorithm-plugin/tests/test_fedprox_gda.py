@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from fedsaddle_fedprox_gda import FEDPROX_GDA
 
 from fedsaddle import api
-from fedsaddle.server.algorithms import available, register
+from fedsaddle.server.algorithms import available, register, unregister
 
-register(FEDPROX_GDA)  # what the entry point does for an installed package
+
+@pytest.fixture(autouse=True, scope="module")
+def registered() -> Iterator[None]:
+    register(FEDPROX_GDA)  # what the entry point does for an installed package, for this process only
+    yield
+    unregister("fedprox_gda")
+
 
 GAME = {"name": "quadratic_game", "num_clients": 5, "dim": 4, "heterogeneity": 0.5}
 
