@@ -124,14 +124,19 @@ def unregister(name: str) -> None:
     _REGISTERED.pop(name, None)
 
 
+_BROKEN: dict[str, str] = {}  # installed plug-ins that failed to load: entry name -> why
+
+
 @functools.cache
 def _installed() -> dict[str, LocalComputation]:
     """The local computations of the installed packages' algorithms, read once per process."""
     found: dict[str, LocalComputation] = {}
+    _BROKEN.clear()
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         try:
             definition: Any = entry.load()
-        except Exception:  # a broken plug-in lacks its computations; the task naming one says so
+        except Exception as exc:  # a broken plug-in lacks its computations; a task naming one says why
+            _BROKEN[entry.name] = f"{entry.value}: {type(exc).__name__}: {exc}"[:300]
             continue
         computations = getattr(definition, "computations", None)
         if isinstance(computations, Mapping):
@@ -144,6 +149,12 @@ def _installed() -> dict[str, LocalComputation]:
 def find_computation(name: str) -> LocalComputation | None:
     """The local computation called `name`, built in or installed; None if this process has none."""
     return BUILT_IN.get(name) or _REGISTERED.get(name) or _installed().get(name)
+
+
+def broken_plugins() -> dict[str, str]:
+    """The installed algorithm plug-ins that could not be loaded here, and why."""
+    _installed()
+    return dict(_BROKEN)
 
 
 def rescan() -> None:

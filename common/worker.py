@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 
 from fedsaddle.common import seeding
-from fedsaddle.common.computations import find_computation
+from fedsaddle.common.computations import broken_plugins, find_computation
 from fedsaddle.common.indices import some
 from fedsaddle.common.numeric import BLOCK, Array, all_finite, blocks
 from fedsaddle.common.problems import (
@@ -288,9 +288,11 @@ class UnknownComputation(LookupError):
     """A task names a local computation this process does not have."""
 
     def __init__(self, name: str) -> None:
+        broken = broken_plugins()
+        failed = f" (installed plug-ins that failed to load here: {broken})" if broken else ""
         super().__init__(
             f"this client has no local computation {name[:64]!r}: install the package of the algorithm that "
-            "provides it (entry-point group 'fedsaddle.algorithms') in every client's environment"
+            f"provides it (entry-point group 'fedsaddle.algorithms') in every client's environment{failed}"
         )
         self.name = name
 

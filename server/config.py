@@ -483,7 +483,9 @@ class RunConfig(_Model):
             except AlgorithmNotFound as exc:
                 raise ValueError(f"[{i}]: {exc}") from None
             except ValidationError as exc:
-                raise ValueError(f"[{i}]: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise ValueError(f"[{i}].{where}: {first['msg']}") from None
         return specs
 
     @model_validator(mode="after")

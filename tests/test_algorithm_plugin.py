@@ -101,3 +101,25 @@ def test_a_client_without_the_plugin_refuses_the_run_naming_its_computation(tmp_
     assert code == 1
     assert f"client {lacking}" in log
     assert "this client has no local computation 'fedprox_gda_steps'" in log, log
+
+
+def test_a_client_whose_plugin_fails_to_load_says_why_in_its_refusal(tmp_path: Path) -> None:
+    env = installed(tmp_path / "site")
+    broken = dict(env)
+    site = tmp_path / "broken-site"
+    dist = site / "fedsaddle_fedprox_gda-0.1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fedsaddle-fedprox-gda\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[fedsaddle.algorithms]\nfedprox_gda = fedsaddle_fedprox_gda_gone:FEDPROX_GDA\n"
+    )
+    broken["PYTHONPATH"] = str(site)
+    config = {**CONFIG, "algorithms": CONFIG["algorithms"][:1]}
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **config), tmp_path / "runs", env=env)
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = [client(address, i, env=broken if i == 1 else env) for i in range(3)]
+    code, log, _ = coordinator.finish_with(clients, 90)
+    assert code == 1
+    assert "client 1" in log and "this client has no local computation 'fedprox_gda_steps'" in log, log
+    assert "installed plug-ins that failed to load here: {'fedprox_gda': " in log
+    assert "fedsaddle_fedprox_gda_gone:FEDPROX_GDA: ModuleNotFoundError" in log
