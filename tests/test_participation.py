@@ -26,6 +26,12 @@ FIVE: list[dict[str, Any]] = [
     {"name": "scaffold_s", "gamma_local": 0.05},
     {"name": "scaffold_catalyst_s", "gamma_local": 0.05, "stop": {"rule": "objective", "rtol": 1e-2}},
 ]
+# The newer baselines: two of them answer named local computations (COMPUTE tasks).
+NEWER: list[dict[str, Any]] = [
+    {"name": "fedgda_gt", "eta": 0.05},
+    {"name": "local_extragradient", "gamma": 0.05},
+    {"name": "local_sgda_plus", "eta_x": 0.05, "snapshot_every": 2},
+]
 
 
 def sampled(algorithm: dict[str, Any], **fields: Any) -> Any:
@@ -42,7 +48,7 @@ def test_the_sample_is_drawn_from_the_seed_and_the_round() -> None:
 
 def test_sampled_rounds_are_bit_identical_over_processes_hosting_several_clients() -> None:
     with federation(7, groups=["0-2", "3", "4-6"]) as pool:
-        for algorithm in FIVE:
+        for algorithm in [*FIVE, *NEWER]:
             run = sampled(algorithm, gradient_noise=0.1)
             remote = run_algorithm(run.algorithms[0], run, pool)
             local = run_algorithm(run.algorithms[0], run, LocalPool())
