@@ -78,14 +78,19 @@ def test_sampled_runs_still_converge(algorithm: dict[str, Any]) -> None:
     assert result.dist_z < 1e-6
 
 
-def test_a_stopped_straggler_does_not_hold_up_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "algorithm",
+    [{"name": "minibatch_md", "gamma": 0.02}, {"name": "local_extragradient", "gamma": 0.02}],
+    ids=lambda a: a["name"],
+)
+def test_a_stopped_straggler_does_not_hold_up_the_run(tmp_path: Path, algorithm: dict[str, Any]) -> None:
     # Enough rounds that the run is surely still going when the first progress line (at 10%)
     # has been read and the straggler is stopped: rounds take about a millisecond here.
     rounds = 1000
     path = write_config(
         tmp_path / "run.yaml",
         problem={"name": "paper_regression", "num_clients": 3, "dim": 5},
-        algorithms=[{"name": "minibatch_md", "gamma": 0.02}],
+        algorithms=[algorithm],
         rounds=rounds,
         participation={"straggler_deadline_s": 0.2, "min_clients": 2},
         transport={"round_timeout_s": 30},
