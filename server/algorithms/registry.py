@@ -5,7 +5,8 @@ hyper-parameters and their defaults, declared once), a `build` that makes its
 server half from a validated spec, and, when it needs one, its client half: named
 local computations (common/computations.py) that a client runs on its own data.
 
-A plug-in package registers its `AlgorithmDef` under the entry-point group
+A plug-in package registers its `AlgorithmDef` under the entry-point group (or, for
+one process only, `register(definition)` does)
 `fedsaddle.algorithms`:
 
     [project.entry-points."fedsaddle.algorithms"]
@@ -153,6 +154,7 @@ def rescan() -> None:
     """Read the installed packages' algorithms again (after installing a plug-in in a running process)."""
     _entry_points.cache_clear()
     definition.cache_clear()
+    computations.rescan()  # the client side's view of the same entry points
 
 
 def registered() -> dict[str, str]:
