@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pydantic import ValidationError
 
 from fedsaddle.common import blas, wire
+from fedsaddle.common.computations import find_computation
 from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.indices import some
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec, problem_class
@@ -24,9 +25,9 @@ from fedsaddle.common.secagg import SecAggError, messages
 from fedsaddle.common.secagg.party import Party
 from fedsaddle.common.secagg.rows import mask_answer, row_length
 from fedsaddle.common.secagg.settings import check_bound
-from fedsaddle.common.tasks import EvaluateTask, Task
+from fedsaddle.common.tasks import ComputeTask, EvaluateTask, Task
 from fedsaddle.common.text import RefusalLog, printable
-from fedsaddle.common.worker import ShardCache, Worker
+from fedsaddle.common.worker import ShardCache, UnknownComputation, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 log = logging.getLogger("fedsaddle.client")
@@ -155,7 +156,8 @@ class ClientSession:
             return self._execute(task, payload)
         self._check_run(task.run_id)
         assert self.run is not None
-        limit = 2 * self._dimension  # z and a control at most
+        # z and a control at most; a local computation's z and named arrays
+        limit = (wire.COMPUTE_PAYLOAD_LIMIT if task.kind == pb.COMPUTE else 2) * self._dimension
         if task.payload_length > limit:
             raise ClientError(
                 f"the coordinator sent a task of {task.payload_length} float64 entries; "
@@ -191,6 +193,9 @@ class ClientSession:
             except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deeply to parse)
                 raise ValueError(f"the coordinator's problem is not JSON: {exc}") from None
             spec = parse_spec(problem, self.shards.trusted)
+            missing = [name for name in run.computations if find_computation(name) is None]
+            if missing:
+                raise ValueError(str(UnknownComputation(missing[0])))
             n = self._federation_size
             if n and spec.num_clients != n:  # a synthetic problem's data generation scales with it
                 raise ValueError(f"the run's problem has {spec.num_clients} clients; the federation has {n}")
@@ -271,6 +276,8 @@ class ClientSession:
         self._check_run(run_id)
         assert self.worker is not None
         task = wire.decode_task(message, payload, self._dimension, writable=own)
+        if isinstance(task, ComputeTask) and find_computation(task.name) is None:
+            raise ClientError(str(UnknownComputation(task.name)))
         if isinstance(task, EvaluateTask) and (not self._metrics or task.metric_names != self._metrics):
             raise ClientError(self._other_metrics(task.metric_names))
         # Only the clients the task names take part, when it names some (a sampled round).

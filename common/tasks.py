@@ -59,7 +59,25 @@ class EvaluateTask(NamedTuple):
         return [self.z]
 
 
-Task = GradientTask | LocalStepsTask | EvaluateTask
+class ComputeTask(NamedTuple):
+    """Run the local computation called `name` (common/computations.py) from z on each client.
+
+    The generic client half of an algorithm: `arrays` are named vectors the
+    computation receives besides z (each of any length), `params` named numbers.
+    The answer is one vector of z's length per client. Nothing of it is specific to
+    an algorithm, so a plug-in's computation travels without a change to the wire.
+    """
+
+    name: str
+    z: Array
+    arrays: tuple[tuple[str, Array], ...] = ()
+    params: tuple[tuple[str, float], ...] = ()
+
+    def payload(self) -> list[Array]:
+        return [self.z, *(array for _, array in self.arrays)]
+
+
+Task = GradientTask | LocalStepsTask | EvaluateTask | ComputeTask
 
 
 class Answer(NamedTuple):

@@ -20,7 +20,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from fedsaddle.common.numeric import Array, all_finite
-from fedsaddle.common.tasks import Answer, Decay, EvaluateTask, GradientTask, LocalStepsTask, Task
+from fedsaddle.common.tasks import Answer, ComputeTask, Decay, EvaluateTask, GradientTask, LocalStepsTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 # The gRPC names both sides use, as the generated descriptor spells them.
@@ -327,6 +327,10 @@ def task_message(run_id: str, round_id: int, task: Task, payload_length: int) ->
             pb.GradientParams(batch=task.batch, exact=task.exact, want_objective=task.want_objective)
         )
         return message
+    if isinstance(task, ComputeTask):
+        message.kind = pb.COMPUTE
+        message.compute.CopyFrom(compute_message(task))
+        return message
     if np.size(task.gamma_local) > 1 or np.size(task.theta) > 1:
         raise WireError("a batch of runs (array step sizes) runs in-process only; one run travels over gRPC")
     message.kind = pb.LOCAL_STEPS
@@ -341,6 +345,64 @@ def task_message(run_id: str, round_id: int, task: Task, payload_length: int) ->
         )
     )
     return message
+
+
+# A compute task's payload: z, then its named arrays, at most this many z-lengths in all.
+COMPUTE_PAYLOAD_LIMIT = 4
+_NAME_LIMIT = 64
+
+
+def compute_message(task: ComputeTask) -> pb.Compute:
+    """A ComputeTask's name, array names and lengths, and parameters."""
+    for name, value in task.params:
+        if not math.isfinite(value):
+            raise WireError(f"local computation {task.name!r}: parameter {name!r} must be finite, got {value}")
+    return pb.Compute(
+        name=task.name,
+        array_names=[name for name, _ in task.arrays],
+        array_lengths=[int(array.shape[-1]) for _, array in task.arrays],
+        params=[pb.ComputeParam(name=name, value=float(value)) for name, value in task.params],
+    )
+
+
+def _identifier(kind: str, name: str, taken: set[str]) -> str:
+    if not (name.isidentifier() and len(name) <= _NAME_LIMIT) or name in taken:
+        shown = name[:_NAME_LIMIT]
+        raise WireError(
+            f"compute {kind} name {shown!r} is not a distinct identifier of at most {_NAME_LIMIT} characters"
+        )
+    taken.add(name)
+    return name
+
+
+def decode_compute(message: pb.Compute, payload: bytes | bytearray | memoryview, dimension: int) -> ComputeTask:
+    """A COMPUTE task; WireError naming what is malformed."""
+    name = message.name
+    if not name or len(name) > _NAME_LIMIT:
+        raise WireError(f"a compute task needs a computation name of 1 to {_NAME_LIMIT} characters")
+    if len(message.array_names) != len(message.array_lengths):
+        raise WireError(
+            f"compute task {name!r}: {len(message.array_names)} array names, {len(message.array_lengths)} lengths"
+        )
+    taken = {"oracle", "z"}
+    lengths = [int(n) for n in message.array_lengths]
+    total = dimension + sum(lengths)
+    if total > COMPUTE_PAYLOAD_LIMIT * dimension:
+        raise WireError(
+            f"compute task {name!r}: {total} payload entries, at most {COMPUTE_PAYLOAD_LIMIT} x {dimension}"
+        )
+    values = from_bytes(payload, total)
+    arrays = []
+    start = dimension
+    for array_name, length in zip(message.array_names, lengths, strict=True):
+        arrays.append((_identifier("array", array_name, taken), values[start : start + length]))
+        start += length
+    params = []
+    for param in message.params:
+        if not math.isfinite(param.value):
+            raise WireError(f"compute task {name!r}: parameter {param.name[:_NAME_LIMIT]!r} is not finite")
+        params.append((_identifier("parameter", param.name, taken), float(param.value)))
+    return ComputeTask(name, values[:dimension], tuple(arrays), tuple(params))
 
 
 def encode_task(
@@ -366,9 +428,15 @@ def encode_task(
         message.payload = b"".join(parts)
         return [pb.Instruction(task=message).SerializeToString()]
     # Fields 1-6, the payload (7), then client_indices (8), metric_names (9) and round_clients (10).
-    back = pb.Task(client_indices=client_indices, metric_names=message.metric_names, round_clients=round_clients)
+    back = pb.Task(
+        client_indices=client_indices,
+        metric_names=message.metric_names,
+        round_clients=round_clients,
+        compute=message.compute if message.HasField("compute") else None,
+    )
     message.ClearField("metric_names")
     message.ClearField("round_clients")
+    message.ClearField("compute")
     return [
         with_payload(_INSTRUCTION_TASK, message.SerializeToString(), _TASK_PAYLOAD, parts, back.SerializeToString())
     ]
@@ -387,6 +455,8 @@ def decode_task(
         if batch < 1:
             raise WireError(f"gradient batch must be >= 1, got {batch}")
         return GradientTask(values, batch, params.exact, params.want_objective)
+    if kind == pb.COMPUTE:
+        return decode_compute(message.compute, payload, dimension)
     if kind == pb.EVALUATE:
         return EvaluateTask(from_bytes(payload, dimension), tuple(message.metric_names))
     if kind == pb.LOCAL_STEPS:

@@ -17,6 +17,7 @@ from typing import Literal
 import numpy as np
 
 from fedsaddle.common import seeding
+from fedsaddle.common.computations import broken_plugins, find_computation
 from fedsaddle.common.indices import some
 from fedsaddle.common.numeric import BLOCK, Array, all_finite, blocks
 from fedsaddle.common.problems import (
@@ -30,7 +31,15 @@ from fedsaddle.common.problems import (
 )
 from fedsaddle.common.problems.domains import Domain, problem_domain
 from fedsaddle.common.problems.statistics import disagreements
-from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, LocalStepsTask, Task, step_weight
+from fedsaddle.common.tasks import (
+    Answer,
+    ComputeTask,
+    EvaluateTask,
+    GradientTask,
+    LocalStepsTask,
+    Task,
+    step_weight,
+)
 
 log = logging.getLogger("fedsaddle.data")
 
@@ -115,6 +124,8 @@ class Worker:
             return self._evaluate(task)
         if isinstance(task, GradientTask):
             vectors, objective = self._gradient(task, round_id)
+        elif isinstance(task, ComputeTask):
+            vectors, objective = self._compute(task, round_id), None
         else:
             vectors, objective = self._local_steps(task, round_id), None
         vectors = vectors.T  # columns (D, k[, B]) -> rows ([B,] k, D)
@@ -226,6 +237,21 @@ class Worker:
                 z[rows] -= np.multiply(gamma_local * weight, g[rows], out=part)
         return direction_sum
 
+    def _compute(self, task: ComputeTask, round_id: int) -> Array:
+        """A named local computation (common/computations.py) on the hosted clients, as columns."""
+        computation = find_computation(task.name)
+        if computation is None:
+            raise UnknownComputation(task.name)
+        z = np.array(self._per_client(task.z))  # the computation's own copy, one column per client
+        named: dict[str, object] = {name: self._per_client(array) for name, array in task.arrays}
+        named.update(task.params)
+        result = np.asarray(computation(_Oracle(self, round_id), z, **named), dtype=np.float64)
+        if result.shape != z.shape:
+            raise ValueError(
+                f"local computation {task.name!r} answered shape {result.shape}; it must answer z's {z.shape}"
+            )
+        return result
+
     def _projected_local_steps(self, task: LocalStepsTask, round_id: int, domain: Domain) -> Array:
         """Local steps on a constrained problem: z_i <- P(z_i - gamma_l w_l g_i^l), with the direction
         of `_local_steps` (FedAvg-S's or SCAFFOLD-S's), and the answer sum_l (z_i^l - z_i^{l+1}) /
@@ -256,6 +282,47 @@ class Worker:
             direction_sum += (z - z_next) / gamma_local
             z = z_next
         return direction_sum
+
+
+class UnknownComputation(LookupError):
+    """A task names a local computation this process does not have."""
+
+    def __init__(self, name: str) -> None:
+        broken = broken_plugins()
+        failed = f" (installed plug-ins that failed to load here: {broken})" if broken else ""
+        super().__init__(
+            f"this client has no local computation {name[:64]!r}: install the package of the algorithm that "
+            f"provides it (entry-point group 'fedsaddle.algorithms') in every client's environment{failed}"
+        )
+        self.name = name
+
+
+class _Oracle:
+    """The hosted clients' data as a local computation sees it (common/computations.py's ClientOracle)."""
+
+    def __init__(self, worker: Worker, round_id: int) -> None:
+        self._worker = worker
+        self._streams = worker._streams(round_id) if worker.noise_scale > 0 else []
+
+    @property
+    def constrained(self) -> bool:
+        return self._worker.domain is not None
+
+    def gradient(self, z: Array) -> Array:
+        return self._worker.shards.gradient(np.ascontiguousarray(z))
+
+    def stochastic_gradient(self, z: Array) -> Array:
+        g = self.gradient(z)
+        if self._streams:
+            g += self._worker._noise(self._streams)
+        return g
+
+    def objective(self, z: Array) -> Array:
+        return self._worker.shards.objective(np.ascontiguousarray(z))
+
+    def project(self, z: Array) -> Array:
+        domain = self._worker.domain
+        return z if domain is None else domain.project(z)
 
 
 def _mean_of_draws(stream: np.random.Generator, batch: int, dim: int) -> Array:

@@ -59,8 +59,13 @@ PAPER_ENTRIES: dict[str, dict[str, Any]] = {
         "theta_rule": "estimated",
         "stop": {"rule": "gradient", "rtol": 0.1, "max_inner_syncs": 50},
     },
+    # The newer baselines (docs/reference/algorithms.md), at their papers' defaults besides the step.
+    "fedgda_gt": {"name": "fedgda_gt"},
+    "local_extragradient": {"name": "local_extragradient"},
+    "local_sgda_plus": {"name": "local_sgda_plus", "snapshot_every": 1},
 }
 PAPER_FIVE = ("minibatch_md", "mirror_prox", "fedavg_s", "scaffold_s", "scaffold_catalyst_s")
+NEWER_BASELINES = ("fedgda_gt", "local_extragradient", "local_sgda_plus")
 SWEPT = (
     "minibatch_md",
     "mirror_prox",
@@ -69,6 +74,7 @@ SWEPT = (
     "scaffold_s",
     "scaffold_catalyst_s",
     "catalyst_ours",
+    *NEWER_BASELINES,
 )
 
 # One name per algorithm variant, in every table and figure (runs.csv keeps the keys).
@@ -80,6 +86,9 @@ NAMES = {
     "scaffold_s": "SCAFFOLD-S",
     "scaffold_catalyst_s": "Catalyst (paper)",
     "catalyst_ours": "Catalyst (ours)",
+    "fedgda_gt": "FedGDA-GT",
+    "local_extragradient": "Local Extragradient",
+    "local_sgda_plus": "Local SGDA+",
 }
 
 # Each method's step grid, times 1/max(s, 1), chosen to bracket its best step at every s.
@@ -91,6 +100,9 @@ STEP_GRIDS: dict[str, tuple[float, ...]] = {
     "scaffold_s": (0.5, 0.2, 0.1, 0.05),
     "scaffold_catalyst_s": (1.0, 0.5, 0.2, 0.1),
     "catalyst_ours": (1.0, 0.5, 0.2, 0.1, 0.05),
+    "fedgda_gt": (0.5, 0.2, 0.1, 0.05, 0.02),
+    "local_extragradient": (0.1, 0.05, 0.02, 0.01, 0.005, 0.002),
+    "local_sgda_plus": (0.05, 0.02, 0.01, 0.005, 0.002, 0.001),
 }
 
 # Hyper-parameters tuned beside the step: the paper's Catalyst at each stop threshold.
@@ -100,10 +112,19 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+# The field that holds each algorithm's step (gamma_local for the local methods of the paper).
+STEP_FIELDS = {
+    "minibatch_md": "gamma",
+    "mirror_prox": "gamma",
+    "local_extragradient": "gamma",
+    "fedgda_gt": "eta",
+    "local_sgda_plus": "eta_x",
+}
+
+
 def with_step(entry: Mapping[str, Any], step: float) -> dict[str, Any]:
     """The entry with its step size set (gamma_g = gamma_l = step, as in the paper)."""
-    key = "gamma" if entry["name"] in ("minibatch_md", "mirror_prox") else "gamma_local"
-    return {**entry, key: step}
+    return {**entry, STEP_FIELDS.get(entry["name"], "gamma_local"): step}
 
 
 @dataclass(frozen=True)
@@ -192,7 +213,7 @@ class Row:
         t = r.traffic["algorithm"]
         return {
             **self.key,
-            "gamma": r.spec.get("gamma", r.spec.get("gamma_local")),
+            "gamma": r.spec.get(STEP_FIELDS.get(r.spec["name"], "gamma_local")),  # the swept step
             "status": r.status,
             "dist_x": r.dist_x,
             "dist_z": r.dist_z,

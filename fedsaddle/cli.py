@@ -569,8 +569,8 @@ def cmd_new(args: argparse.Namespace) -> int:
 
     if args.kind == "algorithm":
         raise UsageError(
-            "plug-in algorithms are not possible yet: the five algorithms live in fedsaddle/server/algorithms/; "
-            "`fedsaddle new problem NAME` starts a problem"
+            "`fedsaddle new` writes problem packages only; an algorithm plug-in starts from the package "
+            "examples/algorithm-plugin in fedsaddle's repository (docs: how-to/own-algorithm.md)"
         )
     out = Path(args.out or args.name)
     try:
@@ -1039,7 +1039,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="a client's data file")
 
     p = command("new", "start a package for a problem of your own, with a passing test", cmd_new)
-    p.add_argument("kind", choices=["problem", "algorithm"], help="what to start (algorithms: not yet possible)")
+    p.add_argument(
+        "kind", choices=["problem", "algorithm"], help="what to start (an algorithm: see examples/algorithm-plugin)"
+    )
     p.add_argument("name", help="its name, a Python module name (e.g. robust_regression)")
     p.add_argument("--out", help="folder to write (default: ./NAME; must not exist or be empty)")
 

@@ -19,6 +19,7 @@ class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRADIENT: _ClassVar[TaskKind]
     LOCAL_STEPS: _ClassVar[TaskKind]
     EVALUATE: _ClassVar[TaskKind]
+    COMPUTE: _ClassVar[TaskKind]
 
 class Correction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +53,7 @@ TASK_KIND_UNSPECIFIED: TaskKind
 GRADIENT: TaskKind
 LOCAL_STEPS: TaskKind
 EVALUATE: TaskKind
+COMPUTE: TaskKind
 CORRECTION_UNSPECIFIED: Correction
 NONE: Correction
 SCAFFOLD: Correction
@@ -196,7 +198,7 @@ class Welcome(_message.Message):
     def __init__(self, federation_id: _Optional[str] = ..., num_clients: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("run_id", "problem_name", "problem_json", "synthetic_seed", "noise_seed", "gradient_noise", "dimension", "want_sample_counts", "secure_aggregation", "dp")
+    __slots__ = ("run_id", "problem_name", "problem_json", "synthetic_seed", "noise_seed", "gradient_noise", "dimension", "want_sample_counts", "secure_aggregation", "dp", "computations")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_NAME_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +209,7 @@ class RunSpec(_message.Message):
     WANT_SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     SECURE_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     DP_FIELD_NUMBER: _ClassVar[int]
+    COMPUTATIONS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     problem_name: str
     problem_json: str
@@ -217,7 +220,8 @@ class RunSpec(_message.Message):
     want_sample_counts: bool
     secure_aggregation: SecureAggregation
     dp: DifferentialPrivacy
-    def __init__(self, run_id: _Optional[str] = ..., problem_name: _Optional[str] = ..., problem_json: _Optional[str] = ..., synthetic_seed: _Optional[int] = ..., noise_seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ..., want_sample_counts: _Optional[bool] = ..., secure_aggregation: _Optional[_Union[SecureAggregation, _Mapping]] = ..., dp: _Optional[_Union[DifferentialPrivacy, _Mapping]] = ...) -> None: ...
+    computations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., problem_name: _Optional[str] = ..., problem_json: _Optional[str] = ..., synthetic_seed: _Optional[int] = ..., noise_seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ..., want_sample_counts: _Optional[bool] = ..., secure_aggregation: _Optional[_Union[SecureAggregation, _Mapping]] = ..., dp: _Optional[_Union[DifferentialPrivacy, _Mapping]] = ..., computations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DifferentialPrivacy(_message.Message):
     __slots__ = ("clip", "noise_multiplier")
@@ -293,8 +297,28 @@ class LocalSteps(_message.Message):
     theta: float
     def __init__(self, steps: _Optional[int] = ..., gamma_local: _Optional[float] = ..., step_offset: _Optional[int] = ..., decay: _Optional[_Union[StepDecay, str]] = ..., correction: _Optional[_Union[Correction, str]] = ..., theta: _Optional[float] = ...) -> None: ...
 
+class Compute(_message.Message):
+    __slots__ = ("name", "array_names", "array_lengths", "params")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_NAMES_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    array_names: _containers.RepeatedScalarFieldContainer[str]
+    array_lengths: _containers.RepeatedScalarFieldContainer[int]
+    params: _containers.RepeatedCompositeFieldContainer[ComputeParam]
+    def __init__(self, name: _Optional[str] = ..., array_names: _Optional[_Iterable[str]] = ..., array_lengths: _Optional[_Iterable[int]] = ..., params: _Optional[_Iterable[_Union[ComputeParam, _Mapping]]] = ...) -> None: ...
+
+class ComputeParam(_message.Message):
+    __slots__ = ("name", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+
 class Task(_message.Message):
-    __slots__ = ("run_id", "round_id", "kind", "gradient", "local", "payload_length", "payload", "client_indices", "metric_names", "round_clients")
+    __slots__ = ("run_id", "round_id", "kind", "gradient", "local", "payload_length", "payload", "client_indices", "metric_names", "round_clients", "compute")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +329,7 @@ class Task(_message.Message):
     CLIENT_INDICES_FIELD_NUMBER: _ClassVar[int]
     METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
     ROUND_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round_id: int
     kind: TaskKind
@@ -315,7 +340,8 @@ class Task(_message.Message):
     client_indices: _containers.RepeatedScalarFieldContainer[int]
     metric_names: _containers.RepeatedScalarFieldContainer[str]
     round_clients: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., gradient: _Optional[_Union[GradientParams, _Mapping]] = ..., local: _Optional[_Union[LocalSteps, _Mapping]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., client_indices: _Optional[_Iterable[int]] = ..., metric_names: _Optional[_Iterable[str]] = ..., round_clients: _Optional[_Iterable[int]] = ...) -> None: ...
+    compute: Compute
+    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., gradient: _Optional[_Union[GradientParams, _Mapping]] = ..., local: _Optional[_Union[LocalSteps, _Mapping]] = ..., payload_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., client_indices: _Optional[_Iterable[int]] = ..., metric_names: _Optional[_Iterable[str]] = ..., round_clients: _Optional[_Iterable[int]] = ..., compute: _Optional[_Union[Compute, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")

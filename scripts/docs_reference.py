@@ -94,7 +94,7 @@ def config_reference() -> str:
     """Markdown: one table per model of a run config, then each built-in problem's spec."""
     seen: dict[str, type[BaseModel]] = {}
     _models(run_config.RunConfig, seen)
-    for name in typing.get_args(typing.get_args(run_config.AlgorithmSpec)[0]):
+    for name in run_config.BUILT_IN_SPECS:
         _models(name, seen)
     lines = ["## Run config", ""]
     for model in seen.values():

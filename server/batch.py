@@ -34,7 +34,7 @@ import numpy as np
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem, solution, stack_shards
-from fedsaddle.common.tasks import Answer, GradientTask, LocalStepsTask, Task
+from fedsaddle.common.tasks import Answer, ComputeTask, GradientTask, LocalStepsTask, Task
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.server.algorithms.base import aggregate
 from fedsaddle.server.config import AlgorithmSpec, RunConfig
@@ -79,6 +79,8 @@ def _signature(task: Task, round_id: int) -> tuple[object, ...]:
         return ("gradient", round_id, task.batch, task.exact, task.want_objective)
     if isinstance(task, LocalStepsTask):
         return ("local", round_id, task.steps, task.step_offset, task.decay, task.control is None)
+    if isinstance(task, ComputeTask):  # one call for runs of the same computation, parameters and array names
+        return ("compute", round_id, task.name, task.params, tuple(name for name, _ in task.arrays))
     raise ValueError("batches of runs do not evaluate on held-out data; run them one at a time")
 
 
@@ -95,6 +97,10 @@ def _stacked_task(tasks: list[Task]) -> Task:
     if isinstance(first, GradientTask):
         z = np.stack([t.z for t in tasks])  # type: ignore[union-attr]
         return GradientTask(z, batch=first.batch, exact=first.exact, want_objective=first.want_objective)
+    if isinstance(first, ComputeTask):
+        computes = [t for t in tasks if isinstance(t, ComputeTask)]
+        arrays = tuple((name, np.stack([dict(t.arrays)[name] for t in computes])) for name, _ in first.arrays)
+        return ComputeTask(first.name, np.stack([t.z for t in computes]), arrays, first.params)
     local = [t for t in tasks if isinstance(t, LocalStepsTask)]
     first = local[0]
     return LocalStepsTask(
@@ -164,7 +170,7 @@ def run_batch(
         groups: dict[tuple[object, ...], list[int]] = {}
         for b in waiting:
             task = runs[b].event
-            assert isinstance(task, GradientTask | LocalStepsTask)
+            assert isinstance(task, GradientTask | LocalStepsTask | ComputeTask)
             weights = runs[b].weights
             key = (*_signature(task, runs[b].rounds + 1), None if weights is None else weights.tobytes())
             groups.setdefault(key, []).append(b)

@@ -48,6 +48,7 @@ from fedsaddle.common.secagg.settings import (
     round_threshold,
 )
 from fedsaddle.common.tasks import Decay
+from fedsaddle.server.algorithms.registry import AlgorithmNotFound, AlgorithmSpecBase, definition, parse_algorithm
 
 if TYPE_CHECKING:
     from fedsaddle.server.algorithms.base import StepCost
@@ -106,12 +107,8 @@ SyncSpec = Annotated[FixedSync | RandomSync, Field(discriminator="kind")]
 # -- algorithms ------------------------------------------------------------------------
 
 
-class _Algorithm(_Model):
-    label: str | None = Field(None, description="name in outputs; defaults to the algorithm name")
-
-    @property
-    def display_name(self) -> str:
-        return self.label or str(type(self).model_fields["name"].default)
+class _Algorithm(AlgorithmSpecBase):
+    """A built-in algorithm's spec (a plug-in's subclasses AlgorithmSpecBase the same way)."""
 
 
 class MinibatchMDSpec(_Algorithm):
@@ -202,12 +199,39 @@ class CatalystSpec(_Algorithm):
         return self
 
 
-AlgorithmSpec = Annotated[
-    MinibatchMDSpec | MirrorProxSpec | FedAvgSpec | ScaffoldSpec | CatalystSpec,
-    Field(discriminator="name"),
-]
+class FedGdaGtSpec(_Algorithm):
+    name: Literal["fedgda_gt"] = "fedgda_gt"
+    eta: float = Field(gt=0, description="step size of the local steps (and of the average they make)")
 
-ALGORITHM_NAMES = ("minibatch_md", "mirror_prox", "fedavg_s", "scaffold_s", "scaffold_catalyst_s")
+
+class LocalExtragradientSpec(_Algorithm):
+    name: Literal["local_extragradient"] = "local_extragradient"
+    gamma: float = Field(gt=0, description="step size of both half steps of every local extragradient step")
+
+
+class LocalSgdaPlusSpec(_Algorithm):
+    name: Literal["local_sgda_plus"] = "local_sgda_plus"
+    eta_x: float = Field(gt=0, description="descent step size on x")
+    eta_y: float | None = Field(None, gt=0, description="ascent step size on y; defaults to eta_x")
+    snapshot_every: int = Field(
+        1, ge=1, le=1_000_000, description="syncs between refreshes of the snapshot x~ the ascent looks at (S / tau)"
+    )
+
+
+# Every algorithm's spec is an AlgorithmSpecBase: the built-in ones below and the plug-ins'
+# (server/algorithms/registry.py finds a spec by its name).
+AlgorithmSpec = AlgorithmSpecBase
+BUILT_IN_SPECS: tuple[type[AlgorithmSpecBase], ...] = (
+    MinibatchMDSpec,
+    MirrorProxSpec,
+    FedAvgSpec,
+    ScaffoldSpec,
+    CatalystSpec,
+    FedGdaGtSpec,
+    LocalExtragradientSpec,
+    LocalSgdaPlusSpec,
+)
+ALGORITHM_NAMES = tuple(str(spec.model_fields["name"].default) for spec in BUILT_IN_SPECS)
 
 
 # -- transport and output --------------------------------------------------------------
@@ -422,7 +446,9 @@ class RunConfig(_Model):
         default_factory=PaperRegressionSpec,
         description="the problem's name and public hyper-parameters (never data); see common/problems",
     )
-    algorithms: list[AlgorithmSpec] = Field(min_length=1)
+    algorithms: list[SerializeAsAny[AlgorithmSpecBase]] = Field(
+        min_length=1, description="the algorithms to run, each by its `name` (built in or installed) and its own fields"
+    )
     sync: SyncSpec = Field(default_factory=FixedSync)
     rounds: int = Field(500, ge=1, description="communication budget, counted as `round_convention` says")
     round_convention: RoundConvention = Field(
@@ -454,6 +480,27 @@ class RunConfig(_Model):
             except ProblemNotFound as exc:
                 raise ValueError(str(exc)) from None
         return value
+
+    @field_validator("algorithms", mode="before")
+    @classmethod
+    def _algorithms(cls, value: Any) -> Any:
+        """Each entry validated by its own algorithm's spec (parse_config reports each field's error)."""
+        if not isinstance(value, list):
+            return value
+        specs = []
+        for i, item in enumerate(value):
+            if isinstance(item, AlgorithmSpecBase):
+                specs.append(item)
+                continue
+            try:
+                specs.append(parse_algorithm(item))
+            except AlgorithmNotFound as exc:
+                raise ValueError(f"[{i}]: {exc}") from None
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise ValueError(f"[{i}].{where}: {first['msg']}") from None
+        return specs
 
     @model_validator(mode="after")
     def _what_the_problem_offers(self, info: ValidationInfo) -> RunConfig:
@@ -638,13 +685,38 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
             spec = problem_class(data["problem"]["name"], plugin if isinstance(plugin, str) else None).Spec
             errors += [f"  problem.{_describe(e, spec)}" for e in exc.errors()]
             del data["problem"]
+    algorithm_errors = False
+    if isinstance(data, dict) and isinstance(data.get("algorithms"), list):
+        data = dict(data)
+        data["algorithms"], found = _parse_algorithms(data["algorithms"])
+        errors += found
+        algorithm_errors = bool(found)
     try:
         config = RunConfig.model_validate(data, context={"problem_invalid": bool(errors)})
     except ValidationError as exc:
-        errors.append(describe_errors(exc, RunConfig))
+        # Entries already reported field by field leave no second, vaguer line.
+        left = [e for e in exc.errors() if not (algorithm_errors and e["loc"][:1] == ("algorithms",))]
+        errors += [f"  {_describe(e, RunConfig)}" for e in left]
     if errors:
         raise ConfigError(f"invalid {source}:\n" + "\n".join(errors))
     return config
+
+
+def _parse_algorithms(entries: list[Any]) -> tuple[list[Any], list[str]]:
+    """The `algorithms:` entries validated by their own specs, and an error line per bad field."""
+    parsed: list[Any] = []
+    errors: list[str] = []
+    for i, entry in enumerate(entries):
+        try:
+            parsed.append(parse_algorithm(entry))
+        except AlgorithmNotFound as exc:
+            errors.append(f"  algorithms[{i}]: {exc}")
+            parsed.append(entry)
+        except ValidationError as exc:
+            spec = definition(entry["name"]).spec
+            errors += [f"  algorithms[{i}].{_describe(e, spec)}" for e in exc.errors()]
+            parsed.append(entry)
+    return parsed, errors
 
 
 def load_config(path: str | Path) -> RunConfig:

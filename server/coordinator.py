@@ -125,7 +125,8 @@ def resume_run(
         )
     config = load_config(run_dir / "config.json")
     stopped = _why_it_stopped(run_dir / "summary.json")
-    state_types = [build(spec, config.sync).state_type for spec in config.algorithms]
+    dim_x, _ = make_problem(config.problem).dims()  # (an algorithm may need z's split to be built)
+    state_types = [build(spec, config.sync, dim_x=dim_x).state_type for spec in config.algorithms]
     saved = checkpoint.read(run_dir, config, state_types)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
     if len(lines) < saved.metrics_lines:

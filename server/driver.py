@@ -29,6 +29,7 @@ from fedsaddle.common.problems.domains import Domain, DomainError, problem_domai
 from fedsaddle.common.stop import Stopped
 from fedsaddle.common.tasks import EvaluateTask, GradientTask, Task
 from fedsaddle.server.algorithms import Algorithm, RoundAnswers, StepCost, build
+from fedsaddle.server.algorithms.registry import definition
 from fedsaddle.server.config import AlgorithmSpec, RoundConvention, RunConfig
 from fedsaddle.server.pool import ClientPool, Diverged, RunInfo, fresh_traffic
 
@@ -330,12 +331,15 @@ def privacy_spent(config: RunConfig, rounds: int) -> float:
     return epsilon(dp.settings(), config.participation.fraction, rounds, dp.delta)
 
 
-def run_info(config: RunConfig, run_id: str) -> RunInfo:
+def run_info(config: RunConfig, run_id: str, computations: tuple[str, ...] = ()) -> RunInfo:
+    """What the clients are told of a run; `computations`: the local computations its algorithm names."""
     fraction = config.participation.fraction
     privacy = config.privacy
     secure = config.secure_settings() if privacy.secure_aggregation else None
     dp = privacy.dp.settings() if privacy.dp is not None else None
-    return RunInfo(run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction, secure, dp)
+    return RunInfo(
+        run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction, secure, dp, computations
+    )
 
 
 def gradient_norms(pool: ClientPool, z: Array, domain: Domain | None) -> dict[str, float]:
@@ -392,10 +396,11 @@ def run_algorithm(
     dim_x, _ = problem.dims()
     stopped_by: BaseException | None = None
     try:
+        needs = tuple(definition(spec.name).computations)
         if resume is None:
-            pool.start_run(run_info(config, run_id or f"{run.name}-{uuid.uuid4().hex[:8]}"))
+            pool.start_run(run_info(config, run_id or f"{run.name}-{uuid.uuid4().hex[:8]}", needs))
         else:
-            pool.start_run(run_info(config, resume.run_id))
+            pool.start_run(run_info(config, resume.run_id, needs))
             pool.restore(resume.round_id, resume.traffic)
         event = run.advance(None)
         while event is not None:

@@ -83,6 +83,7 @@ class RunInfo:
     fraction: float = 1.0  # clients sampled per round (from the coordinator's seed); 1: all
     secure: SecAggSettings | None = None  # secure aggregation (its bound resolved), or None: plain answers
     dp: DpSettings | None = None  # differential privacy: clipping and noise on every algorithm round's sum
+    computations: tuple[str, ...] = ()  # the local computations the algorithm's tasks name (a client needs each)
 
     @cached_property
     def problem_object(self) -> Problem:

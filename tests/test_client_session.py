@@ -11,7 +11,7 @@ import pytest
 from fedsaddle.client.session import ClientError, ClientSession
 from fedsaddle.common import wire
 from fedsaddle.common.problems import PaperRegressionSpec, parse_spec
-from fedsaddle.common.tasks import EvaluateTask, GradientTask, LocalStepsTask
+from fedsaddle.common.tasks import ComputeTask, EvaluateTask, GradientTask, LocalStepsTask
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
@@ -29,7 +29,7 @@ def session(indices: tuple[int, ...] = (1, 4)) -> ClientSession:
     return state
 
 
-def answer_to(state: ClientSession, task: LocalStepsTask, round_id: int, chunk_bytes: int) -> bytes:
+def answer_to(state: ClientSession, task: LocalStepsTask | ComputeTask, round_id: int, chunk_bytes: int) -> bytes:
     """The answer's payload, the task sent as the coordinator sends it; chunks parsed as the client runtime does."""
     replies: list[pb.ClientMessage | bytes] = []
     for piece in wire.encode_task("r", round_id, task, chunk_bytes):
@@ -263,3 +263,31 @@ def test_an_evaluation_task_for_other_metrics_than_the_problems_is_malformed_and
     assert isinstance(header, bytes)
     answer = pb.ClientMessage.FromString(header).answer
     assert answer.round_id == 2 and answer.payload_length == len(state.indices) * (1 if data else 2 * DIM)
+
+
+def test_a_compute_task_runs_the_named_computation_on_the_hosted_clients_as_in_process() -> None:
+    state = session()
+    z = np.linspace(-1.0, 1.0, 2 * DIM)
+    task = ComputeTask("local_extragradient", z, params=(("steps", 3.0), ("gamma", 0.01)))
+    payload = answer_to(state, task, 2, 16_000)
+    shards = ShardCache().get(PaperRegressionSpec(num_clients=5, dim=DIM, s=2.0), 7, (1, 4))
+    expected = Worker(shards, 0).execute(task, 2)
+    assert payload == expected.vectors.tobytes()
+
+
+def test_a_compute_task_for_a_computation_this_client_lacks_ends_the_session_naming_it() -> None:
+    state = session()
+    with pytest.raises(ClientError, match="this client has no local computation 'no_such_method': install the package"):
+        answer_to(state, ComputeTask("no_such_method", np.ones(2 * DIM)), 2, 16_000)
+
+
+def test_a_run_that_names_a_computation_this_client_lacks_is_refused_in_ready() -> None:
+    state = ClientSession((0,))
+    state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
+    spec = PaperRegressionSpec(num_clients=5, dim=4, s=2.0)
+    run = pb.RunSpec(run_id="r", problem_name=spec.name, problem_json=spec.model_dump_json(), dimension=8)
+    run.synthetic_seed = 7
+    run.computations.extend(["local_sgda_plus", "someone_elses"])
+    (ready,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(ready, pb.ClientMessage)
+    assert ready.ready.error.startswith("this client has no local computation 'someone_elses'")

@@ -75,6 +75,31 @@ def test_random_synchronization_and_noise_reproduce_exactly_over_grpc(
     assert first.z_sha256 == again.z_sha256
 
 
+NEWER: list[dict[str, Any]] = [
+    {"name": "fedgda_gt", "eta": 0.01},
+    {"name": "local_extragradient", "gamma": 0.01},
+    {"name": "local_sgda_plus", "eta_x": 0.01, "eta_y": 0.02, "snapshot_every": 2},
+]
+
+
+@pytest.mark.parametrize("algorithm", NEWER, ids=lambda a: a["name"])
+def test_the_newer_baselines_match_the_in_process_run_bit_for_bit_with_noise(
+    ten_processes: GrpcPool, algorithm: dict[str, Any]
+) -> None:
+    # Local Extragradient and Local SGDA+ travel as COMPUTE tasks (a named local computation):
+    # the same bits and the same counts as in-process, random synchronization and noise included.
+    run = config(
+        problem=PAPER, algorithms=[algorithm], rounds=31, seed=5, sync={"kind": "random", "p": 0.2}, gradient_noise=0.3
+    )
+    remote = run_algorithm(run.algorithms[0], run, ten_processes)
+    local = run_algorithm(run.algorithms[0], run, LocalPool())
+    assert_same_run(remote, local)
+    counts = remote.traffic["algorithm"]
+    if algorithm["name"] == "local_sgda_plus":  # z and the snapshot x~ down, one vector up, per sync
+        assert counts["floats_down"] == counts["rounds"] * 10 * (20 + 10)
+        assert counts["floats_up"] == counts["rounds"] * 10 * 20
+
+
 def test_objective_stop_rule_matches_over_grpc(ten_processes: GrpcPool) -> None:
     algorithm = {**FIVE[4], "stop": {"rule": "objective", "rtol": 1e-2}}
     run = config(problem=PAPER, algorithms=[algorithm], rounds=61)

@@ -76,7 +76,10 @@ def test_new_problem_writes_a_package_whose_test_passes_and_whose_config_runs(tm
     bad = run([str(SCRIPT), "new", "problem", "Robust-Fit"], cwd=tmp_path)
     assert bad.returncode == 2 and "must be a Python module name in lower case" in bad.stderr
     algorithm = run([str(SCRIPT), "new", "algorithm", "mine"], cwd=tmp_path)
-    assert algorithm.returncode == 2 and "plug-in algorithms are not possible yet" in algorithm.stderr
+    assert (
+        algorithm.returncode == 2
+        and "an algorithm plug-in starts from the package examples/algorithm-plugin" in algorithm.stderr
+    )
 
 
 def test_a_plugin_that_cannot_be_found_says_what_to_do_and_for_which_processes(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import CLIENT_ENV, config, stop_processes
+from test_algorithm_plugin import installed
 from test_failures import Coordinator, write_config
 
 from fedsaddle.common.indices import parse_indices
@@ -108,7 +109,9 @@ def network() -> Iterator[Network]:
     assert net.tag not in leftovers
 
 
-def start_host_clients(net: Network, data: dict[int, str] | None = None) -> list[subprocess.Popen[bytes]]:
+def start_host_clients(
+    net: Network, data: dict[int, str] | None = None, env: dict[str, str] | None = None
+) -> list[subprocess.Popen[bytes]]:
     """A client process on each host; with `data`, each is given its own clients' files only."""
     processes = []
     for host, indices in CLIENTS.items():
@@ -117,7 +120,9 @@ def start_host_clients(net: Network, data: dict[int, str] | None = None) -> list
         command += ["--connect-timeout", "5"]  # a cut-off client retries this long before it gives up
         for index in parse_indices(indices) if data else ():
             command += ["--data", data[index]]
-        processes.append(subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        processes.append(
+            subprocess.Popen(command, env=env or CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        )
     return processes
 
 
@@ -162,6 +167,37 @@ def test_clients_on_three_hosts_with_their_own_data_match_the_in_process_run(
             assert remote["traffic"]["algorithm"][key] == local.traffic["algorithm"][key]
             if secure:
                 assert remote["traffic"]["privacy"][key] == local.traffic["privacy"][key]
+
+
+def test_a_plugin_algorithm_on_three_hosts_matches_simulate(network: Network, tmp_path: Path) -> None:
+    # The example plug-in (examples/algorithm-plugin), installed on every host: its local computation
+    # runs in each host's client process, and the run ends with simulate's bits and counts.
+    env = installed(tmp_path / "site")
+    algorithms = [{"name": "fedprox_gda", "gamma_local": 0.02, "mu": 0.3}, {"name": "local_sgda_plus", "eta_x": 0.02}]
+    fields: dict[str, Any] = dict(problem=PROBLEM, algorithms=algorithms, rounds=31, gradient_noise=0.1)
+    path = write_config(tmp_path / "run.yaml", output={"plot": False}, **fields)
+    coordinator = Coordinator(path, tmp_path / "runs", f"{COORDINATOR}:{PORT}", network.run_in("coordinator"), env=env)
+    coordinator.wait_for(r"listening on", 30)
+    code, log, codes = coordinator.finish_with(start_host_clients(network, env=env), timeout=120)
+    assert code == 0, log
+    assert codes == [0, 0, 0]
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    remote = yaml.safe_load((run_dir / "summary.json").read_text())["algorithms"]
+    simulated = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path), "--out", str(tmp_path / "simulated")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert simulated.returncode == 0, simulated.stderr
+    (simulated_dir,) = list((tmp_path / "simulated").iterdir())
+    local = yaml.safe_load((simulated_dir / "summary.json").read_text())["algorithms"]
+    for ours, theirs in zip(local, remote, strict=True):
+        assert theirs["status"] == ours["status"] == "ok"
+        assert theirs["z_sha256"] == ours["z_sha256"], ours["name"]
+        for key in ("rounds", "messages_down", "messages_up", "floats_down", "floats_up"):
+            assert theirs["traffic"]["algorithm"][key] == ours["traffic"]["algorithm"][key]
 
 
 def test_a_cut_link_fails_the_run_naming_the_client_and_nothing_stays_running(network: Network, tmp_path: Path) -> None:

@@ -26,6 +26,12 @@ FIVE: list[dict[str, Any]] = [
     {"name": "scaffold_s", "gamma_local": 0.05},
     {"name": "scaffold_catalyst_s", "gamma_local": 0.05, "stop": {"rule": "objective", "rtol": 1e-2}},
 ]
+# The newer baselines: two of them answer named local computations (COMPUTE tasks).
+NEWER: list[dict[str, Any]] = [
+    {"name": "fedgda_gt", "eta": 0.05},
+    {"name": "local_extragradient", "gamma": 0.05},
+    {"name": "local_sgda_plus", "eta_x": 0.05, "snapshot_every": 2},
+]
 
 
 def sampled(algorithm: dict[str, Any], **fields: Any) -> Any:
@@ -42,7 +48,7 @@ def test_the_sample_is_drawn_from_the_seed_and_the_round() -> None:
 
 def test_sampled_rounds_are_bit_identical_over_processes_hosting_several_clients() -> None:
     with federation(7, groups=["0-2", "3", "4-6"]) as pool:
-        for algorithm in FIVE:
+        for algorithm in [*FIVE, *NEWER]:
             run = sampled(algorithm, gradient_noise=0.1)
             remote = run_algorithm(run.algorithms[0], run, pool)
             local = run_algorithm(run.algorithms[0], run, LocalPool())
@@ -72,14 +78,19 @@ def test_sampled_runs_still_converge(algorithm: dict[str, Any]) -> None:
     assert result.dist_z < 1e-6
 
 
-def test_a_stopped_straggler_does_not_hold_up_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "algorithm",
+    [{"name": "minibatch_md", "gamma": 0.02}, {"name": "local_extragradient", "gamma": 0.02}],
+    ids=lambda a: a["name"],
+)
+def test_a_stopped_straggler_does_not_hold_up_the_run(tmp_path: Path, algorithm: dict[str, Any]) -> None:
     # Enough rounds that the run is surely still going when the first progress line (at 10%)
     # has been read and the straggler is stopped: rounds take about a millisecond here.
     rounds = 1000
     path = write_config(
         tmp_path / "run.yaml",
         problem={"name": "paper_regression", "num_clients": 3, "dim": 5},
-        algorithms=[{"name": "minibatch_md", "gamma": 0.02}],
+        algorithms=[algorithm],
         rounds=rounds,
         participation={"straggler_deadline_s": 0.2, "min_clients": 2},
         transport={"round_timeout_s": 30},

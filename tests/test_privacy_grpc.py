@@ -57,6 +57,27 @@ def test_simulate_and_the_federation_agree_bit_for_bit_for_every_algorithm(tmp_p
         assert theirs.traffic["privacy"]["bytes_up"] > 0 and theirs.traffic["privacy"]["bytes_down"] > 0
 
 
+def test_algorithms_of_compute_tasks_go_through_secure_aggregation_bit_for_bit(tmp_path: Path) -> None:
+    # Local Extragradient and Local SGDA+ answer named local computations: masked like any answer.
+    config = yaml.safe_load((EXAMPLES / "paper-s10.yaml").read_text())
+    config.update(
+        rounds=20,
+        privacy={"secure_aggregation": True},
+        output={"plot": False},
+        algorithms=[{"name": "local_extragradient", "gamma": 0.01}, {"name": "local_sgda_plus", "eta_x": 0.01}],
+    )
+    alone = api.run(config, out=tmp_path)
+    federated = api.run(config, transport="grpc", clients_per_process=3, out=tmp_path)
+    plain = api.run({**config, "privacy": {}}, out=tmp_path)
+    assert federated.failure is None
+    for ours, theirs, unmasked in zip(alone.results, federated.results, plain.results, strict=True):
+        assert theirs.status == ours.status == "ok", theirs.detail
+        assert theirs.z_sha256 == ours.z_sha256, ours.name
+        assert without_bytes(theirs.traffic) == without_bytes(ours.traffic), ours.name
+        assert theirs.traffic["privacy"]["rounds"] == 1 + theirs.traffic["algorithm"]["rounds"]
+        np.testing.assert_allclose(ours.final_z, unmasked.final_z, rtol=0, atol=1e-9)  # fixed point's resolution
+
+
 def test_sampled_rounds_mask_among_the_drawn_clients_only(tmp_path: Path) -> None:
     config = yaml.safe_load((EXAMPLES / "paper-s10.yaml").read_text())
     config.update(

@@ -146,6 +146,28 @@ def test_a_secure_federation_killed_between_checkpoints_resumes_bit_identical_wi
     assert after["traffic"]["privacy"]["rounds"] == before["traffic"]["privacy"]["rounds"] + 1
 
 
+COMPUTING: dict[str, Any] = {
+    **CONFIG,
+    "name": "computing",
+    "algorithms": [{"name": "local_sgda_plus", "eta_x": 0.02, "eta_y": 0.03, "snapshot_every": 3}],
+}
+
+
+def test_an_algorithm_of_compute_tasks_killed_between_checkpoints_resumes_bit_identical(tmp_path: Path) -> None:
+    # Local SGDA+ runs its own client computation (COMPUTE tasks) and keeps a snapshot x~ in its
+    # state: the framework's checkpoint carries it, and the resumed run ends as the uninterrupted one.
+    path = write_config(tmp_path / "straight.yaml", **COMPUTING)
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "straight"), timeout=300)
+    assert done.returncode == 0, done.stderr
+    (straight,) = (tmp_path / "straight").iterdir()
+    expected = json.loads((straight / "summary.json").read_text()), without_time(straight / "metrics.jsonl")
+    run_dir, code, log, codes = killed_and_resumed(tmp_path, r"local_sgda_plus\s+round\s+2\d\d/401", config=COMPUTING)
+    assert code == 0, log
+    assert re.search(r"resuming .* from its checkpoint: local_sgda_plus at step \d+", log), log
+    assert codes == [0, 0, 0]
+    assert_same_as_uninterrupted(run_dir, expected)
+
+
 def test_a_coordinator_killed_in_the_second_algorithm_keeps_the_first(
     tmp_path: Path, uninterrupted: tuple[dict[str, Any], list[dict[str, Any]]]
 ) -> None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from fedsaddle.common import wire
 from fedsaddle.common.numeric import all_finite
-from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, LocalStepsTask
+from fedsaddle.common.tasks import Answer, ComputeTask, EvaluateTask, GradientTask, LocalStepsTask
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
@@ -49,6 +51,58 @@ def test_a_task_round_trips_bit_for_bit_inline_and_chunked() -> None:
         assert decoded.z_start.tobytes() == z.tobytes()
         assert decoded.control is not None and decoded.control.tobytes() == control.tobytes()
         assert (decoded.steps, decoded.step_offset, decoded.decay, decoded.theta) == (7, 40, "inverse_sqrt", 2.0)
+
+
+def test_a_compute_task_carries_its_name_arrays_and_parameters_bit_for_bit() -> None:
+    rng = np.random.default_rng(3)
+    z, anchor, short = rng.standard_normal(500), rng.standard_normal(500), rng.standard_normal(7)
+    task = ComputeTask(
+        "local_sgda_plus", z, (("anchor", anchor), ("x_snapshot", short)), (("steps", 5.0), ("gamma", 0.125))
+    )
+    for chunk_bytes in (1 << 20, 1024):
+        pieces = [pb.Instruction.FromString(p) for p in wire.encode_task("run", 4, task, chunk_bytes)]
+        header = pieces[0].task
+        payload = header.payload
+        if len(pieces) > 1:
+            assembler = wire.Assembler(8 * header.payload_length)
+            for piece in pieces[1:]:
+                assembler.add(piece.chunk)
+            payload = assembler.payload()
+        assert header.payload_length == 1007
+        decoded = wire.decode_task(header, payload, 500)
+        assert isinstance(decoded, ComputeTask)
+        assert decoded.name == "local_sgda_plus" and decoded.params == (("steps", 5.0), ("gamma", 0.125))
+        assert [name for name, _ in decoded.arrays] == ["anchor", "x_snapshot"]
+        assert decoded.z.tobytes() == z.tobytes()
+        assert decoded.arrays[0][1].tobytes() == anchor.tobytes() and decoded.arrays[1][1].tobytes() == short.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda c: setattr(c, "name", ""), "needs a computation name"),
+        (lambda c: setattr(c, "name", "x" * 65), "needs a computation name"),
+        (lambda c: c.array_names.append("other"), "2 array names, 1 lengths"),
+        (lambda c: c.array_names.__setitem__(0, "z"), "compute array name 'z' is not a distinct identifier"),
+        (lambda c: c.array_names.__setitem__(0, "not an identifier"), "is not a distinct identifier"),
+        (lambda c: c.params.add(name="gamma", value=1.0), "compute parameter name 'gamma' is not a distinct"),
+        (lambda c: setattr(c.params[0], "value", float("nan")), "parameter 'gamma' is not finite"),
+        (lambda c: c.array_lengths.__setitem__(0, 5), "payload has 64 bytes, expected 72"),
+        (lambda c: c.array_lengths.__setitem__(0, 10**12), "at most 4 x 4"),
+    ],
+)
+def test_a_malformed_compute_task_is_refused_naming_the_fault(mutate: Any, reason: str) -> None:
+    task = ComputeTask("mine", np.ones(4), (("anchor", np.ones(4)),), (("gamma", 0.5),))
+    (piece,) = wire.encode_task("r", 1, task, 1 << 20)
+    message = pb.Instruction.FromString(piece).task
+    mutate(message.compute)
+    with pytest.raises(wire.WireError, match=re.escape(reason)):
+        wire.decode_task(message, message.payload, 4)
+
+
+def test_a_compute_task_with_a_parameter_that_is_no_number_is_not_sent() -> None:
+    with pytest.raises(wire.WireError, match="parameter 'gamma' must be finite, got inf"):
+        wire.encode_task("r", 1, ComputeTask("mine", np.ones(4), params=(("gamma", float("inf")),)), 1 << 20)
 
 
 def test_gradient_task_and_answer_round_trip() -> None:
@@ -116,6 +170,7 @@ def test_large_inline_payloads_written_by_hand_are_protobufs_bytes() -> None:
             GradientTask(np.concatenate([z, control]), batch=2, want_objective=True),
             LocalStepsTask(z, 3, 0.1, 7, "inverse_sqrt", control=control, theta=0.5),
             EvaluateTask(np.concatenate([z, control]), ("test_auc", "test_mse")),
+            ComputeTask("mine", z, (("anchor", control),), (("steps", 3.0), ("mu", 0.25))),
         ]
         for task in tasks:
             for indices in ((), (2, 5)):

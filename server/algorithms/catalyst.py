@@ -49,7 +49,7 @@ average the clients that answered); the stop rules see that sampled G.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -59,7 +59,9 @@ from fedsaddle.common.tasks import GradientTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, positive
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldS, ScaffoldState
 from fedsaddle.server.algorithms.schedule import SyncSchedule
-from fedsaddle.server.config import ThetaRule
+
+if TYPE_CHECKING:
+    from fedsaddle.server.config import ThetaRule
 
 # -- the inner stop rule -----------------------------------------------------------------
 

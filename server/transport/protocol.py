@@ -181,6 +181,7 @@ def run_spec(run: RunInfo) -> bytes:
         gradient_noise=run.gradient_noise,
         dimension=run.dimension,
         want_sample_counts=run.weighting == "samples" and run.secure is None,
+        computations=run.computations,
     )
     if run.secure is not None:  # (clients weigh their own rows: the counts stay with them)
         spec.secure_aggregation.CopyFrom(messages.settings_message(run.secure, run.weighting == "samples"))

@@ -1,0 +1,162 @@
+"""The client half of an algorithm: named local computations a client runs on its own data.
+
+A local computation is a function
+
+    fn(oracle: ClientOracle, z: Array, **named) -> Array
+
+called once per task for all the clients a process hosts. `z` holds one column per
+hosted client, shape (D, k) (or (D, k, B) for a batch of B runs in a sweep): write it
+with elementwise numpy and the oracle's calls, and it serves any k and B. `named`
+are the task's named arrays (each as columns, like z) and scalar parameters
+(floats). It returns the clients' answers as columns of z's shape. The oracle is the
+client's data: `gradient`, `stochastic_gradient` (the run's seeded noise, drawn
+from each client's own stream, so the result is the same in-process and over
+gRPC), `objective`, `project` (onto the problem's domain) and `constrained`.
+
+A computation is looked up by name: the built-in ones below, then those of the
+installed packages' `AlgorithmDef`s (entry-point group `fedsaddle.algorithms`, see
+server/algorithms/registry.py). A client that has no computation of a task's name
+refuses the task, naming it (client/session.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+import numpy as np
+
+from fedsaddle.common.numeric import Array
+
+ENTRY_POINT_GROUP = "fedsaddle.algorithms"  # the same group as server/algorithms/registry.py's
+
+
+class ClientOracle(Protocol):
+    """A process's clients' data, as a local computation sees it (common/worker.py implements it)."""
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the problem has a domain that `project` maps onto."""
+
+    def gradient(self, z: Array) -> Array:
+        """G_i(z) exactly, one column per client."""
+
+    def stochastic_gradient(self, z: Array) -> Array:
+        """G_i(z) plus the run's gradient noise (a fresh draw from each client's stream per call)."""
+
+    def objective(self, z: Array) -> Array:
+        """f_i(z), one value per client."""
+
+    def project(self, z: Array) -> Array:
+        """z projected onto the problem's domain (z itself when unconstrained)."""
+
+
+LocalComputation = Callable[..., Array]
+
+
+def local_extragradient(oracle: ClientOracle, z: Array, *, steps: float, gamma: float) -> Array:
+    """Local Extragradient's client half (server/algorithms/local_extragradient.py): `steps` stochastic
+    extragradient steps from z, answering the sum of the update directions actually taken,
+    sum_l (z_i^l - z_i^{l+1}) / gamma (sum_l G^_i(z_i^{l+1/2}) when unconstrained)."""
+    z_i = z.copy()
+    direction_sum = np.zeros(z.shape)
+    for _ in range(int(steps)):
+        z_half = oracle.project(z_i - gamma * oracle.stochastic_gradient(z_i))
+        g_half = oracle.stochastic_gradient(z_half)
+        if oracle.constrained:
+            z_next = oracle.project(z_i - gamma * g_half)
+            direction_sum += (z_i - z_next) / gamma
+            z_i = z_next
+        else:
+            direction_sum += g_half
+            z_i = z_i - gamma * g_half
+    return direction_sum
+
+
+def local_sgda_plus(
+    oracle: ClientOracle, z: Array, *, x_snapshot: Array, steps: float, gamma_x: float, gamma_y: float
+) -> Array:
+    """Local SGDA+'s client half (server/algorithms/local_sgda_plus.py): `steps` local steps
+    x_i <- x_i - gamma_x grad_x f_i(x_i, y_i),  y_i <- y_i + gamma_y grad_y f_i(x_snapshot, y_i),
+    answering the sum of the directions, (sum_l grad_x f_i, sum_l -grad_y f_i at the snapshot)."""
+    dim_x = x_snapshot.shape[0]
+    z_i = z.copy()
+    direction_sum = np.zeros(z.shape)
+    anchored = z.copy()  # (x_snapshot, y_i): where the ascent direction is taken
+    anchored[:dim_x] = x_snapshot
+    scale = np.empty((z.shape[0],) + (1,) * (z.ndim - 1))
+    scale[:dim_x], scale[dim_x:] = gamma_x, gamma_y
+    for _ in range(int(steps)):
+        direction = oracle.stochastic_gradient(z_i)
+        anchored[dim_x:] = z_i[dim_x:]
+        direction[dim_x:] = oracle.stochastic_gradient(anchored)[dim_x:]
+        if oracle.constrained:  # the directions actually taken, as for the other local methods
+            z_next = oracle.project(z_i - scale * direction)
+            direction_sum += (z_i - z_next) / scale
+            z_i = z_next
+        else:
+            direction_sum += direction
+            z_i = z_i - scale * direction
+    return direction_sum
+
+
+BUILT_IN: dict[str, LocalComputation] = {
+    "local_extragradient": local_extragradient,
+    "local_sgda_plus": local_sgda_plus,
+}
+
+
+_REGISTERED: dict[str, LocalComputation] = {}
+
+
+def register(name: str, computation: LocalComputation) -> None:
+    """Make a local computation known to this process (server/algorithms/registry.py's register)."""
+    if name in BUILT_IN:
+        raise ValueError(f"{name!r} is a built-in local computation's name")
+    if not callable(computation):
+        raise TypeError(f"local computation {name!r} must be callable")
+    _REGISTERED[name] = computation
+
+
+def unregister(name: str) -> None:
+    _REGISTERED.pop(name, None)
+
+
+_BROKEN: dict[str, str] = {}  # installed plug-ins that failed to load: entry name -> why
+
+
+@functools.cache
+def _installed() -> dict[str, LocalComputation]:
+    """The local computations of the installed packages' algorithms, read once per process."""
+    found: dict[str, LocalComputation] = {}
+    _BROKEN.clear()
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            definition: Any = entry.load()
+        except Exception as exc:  # a broken plug-in lacks its computations; a task naming one says why
+            _BROKEN[entry.name] = f"{entry.value}: {type(exc).__name__}: {exc}"[:300]
+            continue
+        computations = getattr(definition, "computations", None)
+        if isinstance(computations, Mapping):
+            for name, fn in computations.items():
+                if callable(fn):
+                    found.setdefault(str(name), fn)
+    return found
+
+
+def find_computation(name: str) -> LocalComputation | None:
+    """The local computation called `name`, built in or installed; None if this process has none."""
+    return BUILT_IN.get(name) or _REGISTERED.get(name) or _installed().get(name)
+
+
+def broken_plugins() -> dict[str, str]:
+    """The installed algorithm plug-ins that could not be loaded here, and why."""
+    _installed()
+    return dict(_BROKEN)
+
+
+def rescan() -> None:
+    """Read the installed packages' computations again."""
+    _installed.cache_clear()

@@ -1,0 +1,125 @@
+"""A plug-in algorithm, installed by its entry point, runs in `simulate` and over `local` client
+processes with the same bits; a client process without it refuses the run, naming the computation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_failures import Coordinator, write_config
+from test_private_data import client
+
+from fedsaddle.launch import client_env
+
+SOURCE = Path(__file__).resolve().parent.parent / "examples" / "algorithm-plugin" / "src"
+CONFIG = {
+    "name": "plugin",
+    "problem": {"name": "quadratic_game", "num_clients": 3, "dim": 4, "heterogeneity": 0.5},
+    "algorithms": [
+        {"name": "fedprox_gda", "gamma_local": 0.05, "mu": 0.3},
+        {"name": "fedprox_gda", "gamma_local": 0.05, "mu": 0.0, "label": "no_pull"},
+        {"name": "fedavg_s", "gamma_local": 0.05, "decay": "constant"},
+    ],
+    "rounds": 25,
+    "sync": {"kind": "random", "p": 0.25},
+    "gradient_noise": 0.1,
+    "output": {"plot": False},
+}
+
+
+def installed(folder: Path) -> dict[str, str]:
+    """An environment in which the example is installed: its source on the path, and the package
+    metadata pip would write (a dist-info folder with the entry point) beside it."""
+    dist = folder / "fedsaddle_fedprox_gda-0.1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fedsaddle-fedprox-gda\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[fedsaddle.algorithms]\nfedprox_gda = fedsaddle_fedprox_gda:FEDPROX_GDA\n")
+    path = os.pathsep.join(p for p in (str(folder), str(SOURCE), os.environ.get("PYTHONPATH", "")) if p)
+    return {**client_env(), "PYTHONPATH": path}
+
+
+def summary_of(out: Path) -> dict[str, dict[str, object]]:
+    (run_dir,) = out.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {a["name"]: a for a in summary["algorithms"]}
+
+
+def test_an_installed_plugin_algorithm_runs_in_simulate_and_local_with_the_same_bits(tmp_path: Path) -> None:
+    env = installed(tmp_path / "site")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    results = []
+    for command in ("simulate", "local"):
+        out = tmp_path / command
+        done = subprocess.run(
+            [sys.executable, "-m", "fedsaddle", command, "--config", str(path), "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr
+        results.append(summary_of(out))
+    simulated, local = results
+    for name in ("fedprox_gda", "no_pull", "fedavg_s"):
+        assert simulated[name]["status"] == local[name]["status"] == "ok"
+        assert simulated[name]["z_sha256"] == local[name]["z_sha256"]
+    # Without its proximal pull the plug-in is FedAvg-S with a constant step: the same bits.
+    assert simulated["no_pull"]["z_sha256"] == simulated["fedavg_s"]["z_sha256"]
+    assert simulated["fedprox_gda"]["z_sha256"] != simulated["fedavg_s"]["z_sha256"]
+
+
+def test_an_unknown_algorithm_lists_the_installed_plugin(tmp_path: Path) -> None:
+    env = installed(tmp_path / "site")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "algorithms": [{"name": "fedprox_gd", "gamma_local": 0.1}]}))
+    done = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode != 0
+    assert "algorithms[0]: unknown name 'fedprox_gd' (did you mean 'fedprox_gda'?)" in done.stderr
+    assert "'local_sgda_plus', 'fedprox_gda']" in done.stderr  # the built-in ones, then the installed ones
+
+
+@pytest.mark.parametrize("lacking", [0, 2])
+def test_a_client_without_the_plugin_refuses_the_run_naming_its_computation(tmp_path: Path, lacking: int) -> None:
+    env = installed(tmp_path / "site")
+    config = {**CONFIG, "algorithms": CONFIG["algorithms"][:1]}
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **config), tmp_path / "runs", env=env)
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = [client(address, i, env=None if i == lacking else env) for i in range(3)]
+    code, log, _ = coordinator.finish_with(clients, 90)
+    assert code == 1
+    assert f"client {lacking}" in log
+    assert "this client has no local computation 'fedprox_gda_steps'" in log, log
+
+
+def test_a_client_whose_plugin_fails_to_load_says_why_in_its_refusal(tmp_path: Path) -> None:
+    env = installed(tmp_path / "site")
+    broken = dict(env)
+    site = tmp_path / "broken-site"
+    dist = site / "fedsaddle_fedprox_gda-0.1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fedsaddle-fedprox-gda\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[fedsaddle.algorithms]\nfedprox_gda = fedsaddle_fedprox_gda_gone:FEDPROX_GDA\n"
+    )
+    broken["PYTHONPATH"] = str(site)
+    config = {**CONFIG, "algorithms": CONFIG["algorithms"][:1]}
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **config), tmp_path / "runs", env=env)
+    address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
+    clients = [client(address, i, env=broken if i == 1 else env) for i in range(3)]
+    code, log, _ = coordinator.finish_with(clients, 90)
+    assert code == 1
+    assert "client 1" in log and "this client has no local computation 'fedprox_gda_steps'" in log, log
+    assert "installed plug-ins that failed to load here: {'fedprox_gda': " in log
+    assert "fedsaddle_fedprox_gda_gone:FEDPROX_GDA: ModuleNotFoundError" in log
