@@ -184,8 +184,13 @@ def definition(name: str) -> AlgorithmDef:
     return _load(known[name], name)
 
 
-def parse_algorithm(data: Mapping[str, Any]) -> AlgorithmSpecBase:
-    """Validate one `algorithms:` entry with its algorithm's own spec; ValidationError if a field is bad."""
+def parse_algorithm(data: Mapping[str, Any] | AlgorithmSpecBase) -> AlgorithmSpecBase:
+    """Validate one `algorithms:` entry with its algorithm's own spec; ValidationError if a field is bad.
+
+    An entry may also be a spec already built (from Python: `api.run`, a config's own `algorithms`): it is
+    validated again as its fields, so a spec of an algorithm that is not registered is still refused."""
+    if isinstance(data, AlgorithmSpecBase):
+        data = data.model_dump()
     if not isinstance(data, Mapping):
         raise AlgorithmNotFound(f"an algorithm must be a mapping of fields, got {type(data).__name__}")
     name = data.get("name")
