@@ -20,7 +20,9 @@ from fedsaddle.common import blas
 
 from .compare import CompareError, Progress, Task, TaskResult, run_task
 
-LOCAL = "local"  # --ray local: a one-node Ray started for this command (ray.init() with no address)
+# --ray local: a one-node Ray started for this command (ray.init() with no address). Ray's own servers
+# listen on every interface of the machine, whatever node address it is given.
+LOCAL = "local"
 
 
 def _on_node(task: Task) -> TaskResult:
