@@ -981,7 +981,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["paper", "ablations", "noise", "problems", "agnostic", "dp", "compare"],
         help="the paper's sweep, ablations of its open choices, stochastic gradients, the real problems, "
         "agnostic federated learning on breast_cancer, differential privacy (held-out AUC against epsilon), "
-        "or a comparison of chosen algorithms on chosen problems (docs/experiments/compare.md)",
+        "or a comparison of chosen algorithms on chosen problems (docs/how-to/compare.md)",
     )
     p.add_argument(
         "--seeds",

@@ -59,9 +59,9 @@ def ray_env(token: Path) -> dict[str, str]:
     }
 
 
-def start_node(net: Network, host: str, address: str, temp: Path, head: bool) -> subprocess.Popen[bytes]:
+def start_node(net: Network, host: str, address: str, temp: Path, head: bool, cpus: int = 1) -> subprocess.Popen[bytes]:
     env = ray_env(temp.parent / "token")
-    command = [*net.run_in(host), RAY, "start", "--block", "--num-cpus", "1", "--disable-usage-stats"]
+    command = [*net.run_in(host), RAY, "start", "--block", "--num-cpus", str(cpus), "--disable-usage-stats"]
     command += ["--node-ip-address", address, "--temp-dir", str(temp)]
     command += (
         ["--head", "--port", str(PORT), "--include-dashboard", "false"] if head else ["--address", f"{HEAD}:{PORT}"]
@@ -109,29 +109,38 @@ class Cluster:
     env: dict[str, str]  # what a driver needs: the cluster's token
 
 
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
+@contextlib.contextmanager
+def ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[Cluster]:
+    """A Ray head at 10.77.0.1 and `nodes - 1` workers at 10.77.0.2, ..., each in its own namespace with
+    `cpus` CPUs; every process, namespace and file is gone afterwards. (bench/compare_ray.py uses it too.)"""
     # Ray's socket paths must stay short: a short temp folder of our own, one per node.
     root = Path(f"/tmp/fsray{os.getpid() % 100000}")
     root.mkdir()
     (root / "token").write_text(secrets.token_hex(32))
     env = ray_env(root / "token")
-    nodes = []
+    started = []
+    hosts = ["head", *(f"worker{i}" for i in range(1, nodes))]
     try:
-        with Network(["head", "worker"]) as net:
+        with Network(hosts) as net:
             try:
-                nodes.append(start_node(net, "head", HEAD, root / "h", head=True))
-                wait_for_nodes(net, 1, env)
-                nodes.append(start_node(net, "worker", f"{SUBNET}.2", root / "w", head=False))
-                wait_for_nodes(net, 2, env)
+                for index, host in enumerate(hosts):
+                    address = f"{SUBNET}.{index + 1}"
+                    started.append(start_node(net, host, address, root / host, head=index == 0, cpus=cpus))
+                    wait_for_nodes(net, index + 1, env)
                 yield Cluster(net, env)
             finally:
-                for node in reversed(nodes):
+                for node in reversed(started):
                     stop_node(node)
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=False)
     leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert net.tag not in leftovers
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with ray_cluster(2) as made:
+        yield made
 
 
 def runs(folder: Path) -> bytes:
