@@ -582,7 +582,8 @@ def figure(path: Path, cells: Sequence[Cell], setup: Setup) -> None:
                 continue
             q1, median, q3 = np.percentile(ys, [25, 50, 75], axis=0, method="median_unbiased")
             shown = np.isfinite(median)
-            (line,) = ax.semilogy(np.array(xs)[shown], np.maximum(median[shown], PLOT_FLOOR), label=cell.algorithm)
+            label = f"{cell.algorithm} (step {cell.runs[0].step:.3g})"
+            (line,) = ax.semilogy(np.array(xs)[shown], np.maximum(median[shown], PLOT_FLOOR), label=label)
             band = shown & np.isfinite(q3)
             ax.fill_between(
                 np.array(xs)[band],
@@ -595,9 +596,8 @@ def figure(path: Path, cells: Sequence[Cell], setup: Setup) -> None:
         ax.set_title(cells[0].problem if s is None else f"{cells[0].problem}, $s = {s:g}$")
         ax.set_xlabel(axis_label(setup.convention))
         ax.grid(True, which="both", alpha=0.3)
-    first = np.atleast_1d(axes)[0]
-    first.set_ylabel(r"$\|z - z^\star\|$, median over seeds (band: IQR)")
-    first.legend(fontsize=7)
+        ax.legend(fontsize=7)  # in each panel: the chosen steps differ with s
+    np.atleast_1d(axes)[0].set_ylabel(r"$\|z - z^\star\|$, median over seeds (band: IQR)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -16,6 +16,7 @@ import importlib.util
 import io
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,9 @@ from fedsaddle.launch import CLIENT_ENV
 pytestmark = [
     pytest.mark.multihost,
     pytest.mark.ray_cluster,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 to create network namespaces"
+    ),
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed: pip install '.[ray]'"),
 ]
 
