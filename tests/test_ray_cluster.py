@@ -70,8 +70,8 @@ def start_node(net: Network, host: str, address: str, temp: Path, head: bool, cp
     command += (
         ["--head", "--port", str(PORT), "--include-dashboard", "false"] if head else ["--address", f"{HEAD}:{PORT}"]
     )
-    log = open(temp.parent / f"{host}.log", "wb")  # noqa: SIM115 - closed with the process below
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(temp.parent / f"{host}.log", "wb") as log:  # the node writes to its own copy of the file
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_node(process: subprocess.Popen[bytes]) -> None:
@@ -91,20 +91,28 @@ def stop_node(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=5)
 
 
-def wait_for_nodes(net: Network, count: int, env: dict[str, str], timeout: float = 120.0) -> None:
+def wait_until_started(node: subprocess.Popen[bytes], log: Path, timeout: float = 180.0) -> None:
+    """Until `ray start` says the node runs (its log), failing with the log if it ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if "Ray runtime started" in text:
+            return
+        if node.poll() is not None:
+            raise AssertionError(f"ray start ended with {node.returncode}:\n{text[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"ray start did not finish within {timeout:.0f} s:\n{text[-3000:]}")
+
+
+def alive_nodes(net: Network, env: dict[str, str]) -> int:
+    """The cluster's live nodes, as a driver in the head's namespace sees them."""
     probe = f"import ray; ray.init(address='{HEAD}:{PORT}', log_to_driver=False); "
     probe += "print(sum(n['Alive'] for n in ray.nodes()))"
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        done = subprocess.run(
-            [*net.run_in("head"), sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
-        )
-        last = done.stdout.strip() or done.stderr[-500:]
-        if done.returncode == 0 and last.splitlines()[-1] == str(count):
-            return
-        time.sleep(2)
-    raise AssertionError(f"the Ray cluster did not reach {count} nodes: {last}")
+    done = subprocess.run(
+        [*net.run_in("head"), sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.split()[-1])
 
 
 @dataclass
@@ -130,7 +138,8 @@ def ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[Cluster]:
                 for index, host in enumerate(hosts):
                     address = f"{SUBNET}.{index + 1}"
                     started.append(start_node(net, host, address, root / host, head=index == 0, cpus=cpus))
-                    wait_for_nodes(net, index + 1, env)
+                    wait_until_started(started[-1], root / f"{host}.log")
+                assert alive_nodes(net, env) == nodes
                 yield Cluster(net, env)
             finally:
                 for node in reversed(started):
