@@ -326,15 +326,6 @@ def run_local(tasks: Sequence[Task], workers: int | None = None, progress: Progr
     return [r for r in results if r is not None]
 
 
-def run_all(setup: Setup, ray_address: str | None = None, progress: Progress | None = None) -> list[TaskResult]:
-    tasks = setup.tasks()
-    if ray_address is None:
-        return run_local(tasks, progress=progress)
-    from .ray_tasks import run_on_ray
-
-    return run_on_ray(tasks, ray_address, progress)
-
-
 # -- choosing and reporting ------------------------------------------------------------------
 
 

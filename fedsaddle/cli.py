@@ -426,8 +426,17 @@ def _compare(args: argparse.Namespace, out: Path, command: str, progress: Progre
     where = f"the Ray cluster at {args.ray}" if args.ray else "local processes"
     print(f"{setup.size} runs in {len(setup.tasks())} tasks on {where}", file=sys.stderr)
     started = time.perf_counter()
+
+    def count(done: int) -> None:
+        progress.update("runs", done, setup.size)
+
     try:
-        results = compare.run_all(setup, args.ray, lambda done: progress.update("runs", done, setup.size))
+        if args.ray:
+            from fedsaddle.experiments.ray_tasks import run_on_ray
+
+            results = run_on_ray(setup.tasks(), args.ray, count)
+        else:
+            results = compare.run_local(setup.tasks(), progress=count)
     except compare.CompareError as exc:
         raise UsageError(str(exc)) from None
     elapsed = time.perf_counter() - started
