@@ -13,6 +13,7 @@ code.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +32,22 @@ def _on_node(task: Task) -> TaskResult:
     return run_task(task, node=ray.get_runtime_context().get_node_id())
 
 
+def _reachable(address: str, timeout: float = 10.0) -> None:
+    """Fail at once, naming the address, when nothing listens at a HOST:PORT: Ray's driver would retry
+    for many minutes before it gave up. (Other forms, `auto` or `ray://...`, are left to Ray.)"""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "/" in address:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise CompareError(f"--ray {address}: no Ray head answers there ({exc})") from None
+
+
 def run_on_ray(tasks: Sequence[Task], address: str, progress: Progress | None = None) -> list[TaskResult]:
     """The tasks on the Ray cluster at `address` (HOST:PORT of its head, or `local`), in the order given."""
+    if address != LOCAL:
+        _reachable(address)
     try:
         import ray
     except ImportError:
