@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,8 @@ def main() -> None:
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces)")
+    # A SIGTERM (a timeout, an impatient operator) unwinds like Ctrl-C: the Ray nodes and namespaces go too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     grid = ["--algorithms", *ALGORITHMS, "--problems", "paper", "linear_regression"]
     grid += ["--s", *(f"{s:g}" for s in args.s), "--seeds", str(args.seeds), "--rounds", str(args.rounds)]
     compare = [sys.executable, "-m", "fedsaddle", "experiment", "compare", *grid]
