@@ -103,6 +103,8 @@ class Setup:
                 raise CompareError(f"--grid {name}: not among the compared algorithms {list(self.algorithms)}")
             if not scales or any(not (math.isfinite(v) and v > 0) for v in scales):
                 raise CompareError(f"--grid {name}: the step scales must be positive numbers, got {list(scales)}")
+            if len(set(scales)) != len(scales):
+                raise CompareError(f"--grid {name}: {list(scales)} names a scale twice")
         for problem in self.problems:
             _check_problem(problem)
         for algorithm in self.algorithms:

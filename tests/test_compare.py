@@ -135,6 +135,7 @@ def test_a_real_problem_splits_its_data_per_seed() -> None:
         (["--problems", "agnostic"], "agnostic reads its clients' data files"),
         (["--grid", "scaffold_s=0.1,x"], "--grid scaffold_s=0.1,x: expected NAME=SCALE"),
         (["--algorithms", "scaffold_s", "--grid", "fedavg_s=1"], "--grid fedavg_s: not among the compared"),
+        (["--grid", "scaffold_s=0.2,0.2"], "--grid scaffold_s: [0.2, 0.2] names a scale twice"),
         (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: no Ray head answers there"),
         (["--transport", "grpc"], "experiment compare does not take --transport (it takes --seeds, --s"),
     ],
