@@ -24,6 +24,7 @@ from pathlib import Path
 
 VARIABLE = "OPENBLAS_NUM_THREADS"
 _ALSO = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # for BLAS builds that read these instead
+VARIABLES = (VARIABLE, *_ALSO)  # every variable `set_environment` sets
 # (set, get) in the OpenBLAS numpy's wheels bundle, and in a plain OpenBLAS.
 _SYMBOLS = (
     ("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
@@ -43,7 +44,7 @@ def threads() -> int:
 def set_environment() -> None:
     """Before numpy loads: this process, and every process it starts, runs BLAS on `threads()` threads."""
     count = str(threads())
-    for name in (VARIABLE, *_ALSO):
+    for name in VARIABLES:
         os.environ.setdefault(name, count)
 
 

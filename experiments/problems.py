@@ -20,6 +20,7 @@ count every exchange. Held-out metrics are computed on the pooled held-out rows.
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import problem_class
 from fedsaddle.common.problems.auc import roc_auc
 from fedsaddle.common.problems.data import data_paths, read_client_data
@@ -86,6 +88,22 @@ def _held_out(case: Case, z: np.ndarray[Any, Any], test: Any, features: int) -> 
     return float(np.mean((scores > 0) == (test["y"] > 0)))
 
 
+def case_setup(case: Case, seed: int, folder: Path) -> tuple[dict[str, Any], dict[int, str], Array]:
+    """The case's dataset split over CLIENTS with label skew drawn from `seed`, written under `folder`:
+    the problem entry (with the split's public statistics), the clients' files, and the centralized z*."""
+    summary = split(case.dataset, CLIENTS, "label-skew", seed=seed, out=folder)
+    fields = problem_class(case.problem).Spec.model_fields
+    problem: dict[str, Any] = {"name": case.problem, "num_clients": CLIENTS, "features": summary["features"]}
+    problem.update({k: summary[k] for k in ("positive_rate", "group_rate") if k in fields})
+    problem.update(case.spec)
+    paths = data_paths(str(folder / "client-{i:03d}.npz"), range(CLIENTS))
+    config = parse_config({"problem": problem, "weighting": "samples", "algorithms": [_entry("scaffold_s", 1.0)]})
+    reference = reference_solution(config, ShardCache(data=paths))
+    if reference is None:
+        raise ValueError(f"problem {case.problem} computes no centralized solution")
+    return problem, paths, reference
+
+
 def run_problems(out: Path, command: str, rounds: int = 1000, progress: Callable[[int], None] | None = None) -> None:
     """Every (problem, algorithm, step) run; figures and a table under `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -103,18 +121,9 @@ def _run_problems(out: Path, scratch: Path, command: str, rounds: int, progress:
     contexts = []
     for case in CASES:
         folder = scratch / case.dataset  # the split is reproducible from its seed; only the report is kept
-        summary = split(case.dataset, CLIENTS, "label-skew", seed=0, out=folder)
-        fields = problem_class(case.problem).Spec.model_fields
-        public: dict[str, Any] = {k: summary[k] for k in ("positive_rate", "group_rate") if k in fields}
-        problem: dict[str, Any] = {"name": case.problem, "num_clients": CLIENTS, "features": summary["features"]}
-        problem.update(public)
-        problem.update(case.spec)
-        paths = data_paths(str(folder / "client-{i:03d}.npz"), range(CLIENTS))
+        problem, paths, reference = case_setup(case, 0, folder)
+        summary = json.loads((folder / "summary.json").read_text())
         base = {"problem": problem, "weighting": "samples", "rounds": rounds, "sync": {"kind": "fixed", "tau": 10}}
-        reference = reference_solution(
-            parse_config({**base, "algorithms": [_entry("scaffold_s", 1.0)]}), ShardCache(data=paths)
-        )
-        assert reference is not None
         members = []
         for algorithm in ALGORITHMS:
             for factor in STEP_FACTORS:

@@ -360,6 +360,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             run_ablations(out, command, progress=lambda done: progress.update("ablation variants", done, total))
             print(f"report: {out / 'ablations.md'} ({time.perf_counter() - started:.1f} s)")
             return EXIT_OK
+        if args.which == "compare":
+            return _compare(args, out, command, progress)
         return _paper_experiment(args, out, command, progress)
     finally:
         progress.close()
@@ -374,7 +376,11 @@ EXPERIMENT_FLAGS: dict[str, tuple[str, ...]] = {
     "problems": ("rounds",),
     "agnostic": ("seeds", "rounds", "transport"),
     "dp": ("seeds", "rounds", "epsilons"),
+    "compare": ("seeds", "s", "rounds", "convention", "tau", "algorithms", "problems", "eps", "grid", "ray"),
 }
+
+
+COMPARE_FLAGS = ("algorithms", "problems", "eps", "grid", "ray")
 
 
 def _refuse_flags_not_taken(args: argparse.Namespace) -> None:
@@ -383,13 +389,63 @@ def _refuse_flags_not_taken(args: argparse.Namespace) -> None:
         return
     given = [
         name
-        for name in ("seeds", "s", "rounds", "epsilons", "convention", "tau", "init", "transport")
+        for name in ("seeds", "s", "rounds", "epsilons", "convention", "tau", "init", "transport", *COMPARE_FLAGS)
         if getattr(args, name, None) is not None and name not in takes
     ]
     if given:
         flags = ", ".join(f"--{name}" for name in given)
         allowed = ", ".join(f"--{name}" for name in (*takes, "out"))
         raise UsageError(f"experiment {args.which} does not take {flags} (it takes {allowed})")
+
+
+def _compare(args: argparse.Namespace, out: Path, command: str, progress: Progress) -> int:
+    from fedsaddle.experiments import compare
+    from fedsaddle.server.config import RoundConvention
+
+    grids: dict[str, tuple[float, ...]] = {}
+    for given in args.grid or ():
+        name, _, values = given.partition("=")
+        try:
+            grids[name] = tuple(float(v) for v in values.split(","))
+        except ValueError:
+            raise UsageError(f"--grid {given}: expected NAME=SCALE,SCALE,... (numbers)") from None
+    try:
+        setup = compare.Setup(
+            algorithms=tuple(args.algorithms or compare.DEFAULT_ALGORITHMS),
+            problems=tuple(args.problems or compare.DEFAULT_PROBLEMS),
+            s_values=tuple(args.s) if args.s else compare.DEFAULT_S,
+            seeds=tuple(range(args.seeds or compare.DEFAULT_SEEDS)),
+            rounds=args.rounds or compare.DEFAULT_ROUNDS,
+            eps=args.eps or compare.DEFAULT_EPS,
+            convention=RoundConvention(args.convention or "exchanges"),
+            tau=args.tau or 20,
+            grids=grids,
+        )
+    except compare.CompareError as exc:
+        raise UsageError(str(exc)) from None
+    where = f"the Ray cluster at {args.ray}" if args.ray else "local processes"
+    print(f"{setup.size} runs in {len(setup.tasks())} tasks on {where}", file=sys.stderr)
+    started = time.perf_counter()
+
+    def count(done: int) -> None:
+        progress.update("runs", done, setup.size)
+
+    try:
+        if args.ray:
+            from fedsaddle.experiments.ray_tasks import run_on_ray
+
+            results = run_on_ray(setup.tasks(), args.ray, count)
+        else:
+            results = compare.run_local(setup.tasks(), progress=count)
+    except compare.CompareError as exc:
+        raise UsageError(str(exc)) from None
+    elapsed = time.perf_counter() - started
+    nodes = sorted({r.node for r in results})
+    compare.report(out, setup, results, command)
+    (out / "placement.csv").write_text(compare.placement_csv(setup, results))
+    print(f"{setup.size} runs in {elapsed:.1f} s on {len(nodes)} node(s)", file=sys.stderr)
+    print(f"report: {out / 'compare.md'} (runs.csv, summary.csv, placement.csv, figure_PROBLEM.png)")
+    return EXIT_OK
 
 
 def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progress: Progress) -> int:
@@ -931,33 +987,63 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
         "which",
-        choices=["paper", "ablations", "noise", "problems", "agnostic", "dp"],
+        choices=["paper", "ablations", "noise", "problems", "agnostic", "dp", "compare"],
         help="the paper's sweep, ablations of its open choices, stochastic gradients, the real problems, "
-        "agnostic federated learning on breast_cancer, or differential privacy (held-out AUC against epsilon)",
+        "agnostic federated learning on breast_cancer, differential privacy (held-out AUC against epsilon), "
+        "or a comparison of chosen algorithms on chosen problems (docs/how-to/compare.md)",
     )
     p.add_argument(
         "--seeds",
         type=positive_int,
-        help="seeds per setting (default 5; 1 with --transport grpc; the docs use 20; 10 for dp)",
+        help="seeds per setting (default 5; 1 with --transport grpc; the docs use 20; 10 for dp; 3 for compare)",
     )
     p.add_argument(
-        "--s", type=non_negative_float, nargs="+", help="values of s (default 0..15; 0 5 10 with --transport grpc)"
+        "--s",
+        type=non_negative_float,
+        nargs="+",
+        help="values of s (default 0..15; 0 5 10 with --transport grpc; 1 10 for compare)",
     )
     p.add_argument(
-        "--rounds", type=positive_int, help="communication budget per run (default 500; 1000 for problems; 20 for dp)"
+        "--rounds",
+        type=positive_int,
+        help="communication budget per run (default 500; 1000 for problems; 20 for dp; 300 for compare)",
     )
     p.add_argument(
         "--epsilons", type=positive_float, nargs="+", help="dp: target epsilons (default 0.5 1 2 4 8; delta 1e-5)"
     )
     # The names of RoundConvention's members (server/config.py is not imported until a command needs it).
-    p.add_argument("--convention", choices=["exchanges", "paper"], help="paper: what a round is (default exchanges)")
-    p.add_argument("--tau", type=positive_int, help="paper: local steps per sync (default 20)")
+    p.add_argument(
+        "--convention", choices=["exchanges", "paper"], help="paper, compare: what a round is (default exchanges)"
+    )
+    p.add_argument("--tau", type=positive_int, help="paper, compare: local steps per sync (default 20)")
     p.add_argument("--init", choices=["ones", "zeros", "random"], help="paper: starting point z0 (default ones)")
     p.add_argument(
         "--transport",
         choices=["inprocess", "grpc"],
         help="paper, agnostic: inprocess (default), or grpc: also run the points over 10 client processes and "
         "check them bit for bit",
+    )
+    p.add_argument(
+        "--algorithms", nargs="+", metavar="NAME", help="compare: algorithms as a config names them (default: the five)"
+    )
+    p.add_argument(
+        "--problems",
+        nargs="+",
+        metavar="NAME",
+        help="compare: paper, linear_regression, auc, fair_logistic, or an installed synthetic problem "
+        "(default: paper linear_regression)",
+    )
+    p.add_argument("--eps", type=positive_float, help="compare: the accuracy for rounds to eps (default 1e-6)")
+    p.add_argument(
+        "--grid",
+        action="append",
+        metavar="NAME=SCALE,...",
+        help="compare: an algorithm's own step scales (times the problem's base step); repeatable",
+    )
+    p.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="compare: run the tasks on the Ray cluster whose head is at HOST:PORT ('local': a one-node Ray)",
     )
     p.add_argument("--out", help="report folder (default: runs/experiment-WHICH-TIME)")
 

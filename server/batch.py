@@ -250,6 +250,12 @@ def _run_chunk(members: Sequence[BatchRun], data: Mapping[int, str] | None) -> l
     return run_batch(members, ShardCache(size=len(members), data=data))
 
 
+def process_context() -> multiprocessing.context.BaseContext:
+    """How worker processes of a sweep start: fork is fast, and safe while no gRPC object exists in
+    this process (grpc/grpc#13873); forkserver once one may."""
+    return multiprocessing.get_context("forkserver" if "grpc" in sys.modules else "fork")
+
+
 def run_batches(
     batches: Sequence[Sequence[BatchRun]],
     workers: int | None = None,
@@ -275,11 +281,9 @@ def run_batches(
         return results
     # Interleaved pieces balance the work: runs of neighbouring s or steps diverge alike.
     pieces = [(b, k) for b, batch in enumerate(batches) for k in range(min(workers, len(batch)))]
-    # fork is fast and safe while no gRPC object exists in this process (grpc/grpc#13873).
-    method = "forkserver" if "grpc" in sys.modules else "fork"
     out: list[list[AlgorithmResult | None]] = [[None] * len(batch) for batch in batches]
     done = 0
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=process_context()) as pool:
         futures = {
             pool.submit(_run_chunk, list(batches[b][k :: min(workers, len(batches[b]))]), files[b]): (b, k)
             for b, k in pieces

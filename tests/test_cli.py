@@ -211,7 +211,7 @@ def test_version_and_help_say_what_every_option_does_with_its_default() -> None:
     client = fedsaddle("client", "--help").stdout
     assert "seconds to wait for the coordinator (default: 60.0)" in " ".join(client.split())
     experiment = " ".join(fedsaddle("experiment", "--help").stdout.split())
-    assert "communication budget per run (default 500; 1000 for problems; 20 for dp)" in experiment
+    assert "communication budget per run (default 500; 1000 for problems; 20 for dp; 300 for compare)" in experiment
     assert "dp: target epsilons (default 0.5 1 2 4 8; delta 1e-5)" in experiment
     split = " ".join(fedsaddle("data", "split", "--help").stdout.split())
     assert "Dirichlet concentration of label-skew (default: 0.5)" in split
