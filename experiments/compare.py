@@ -4,9 +4,9 @@
                                  [--seeds N] [--rounds R] [--eps E] [--grid NAME=v1,v2 ...] [--ray ADDRESS]
 
 Algorithms are named as a config's `algorithms:` list names them (the built-in
-five and any installed plug-in), each with its spec's defaults; only its step
-(`gamma`, or `gamma_local` with gamma_global = gamma_local, as in the paper) is
-tuned. Problems are `paper` (the paper's regression saddle, n = 10, d = 10,
+ones and any installed plug-in), each with its spec's defaults; only its step
+(`gamma`; `gamma_local` with gamma_global = gamma_local, as in the paper; `eta` or
+`eta_x` for FedGDA-GT and Local SGDA+) is tuned. Problems are `paper` (the paper's regression saddle, n = 10, d = 10,
 lambda = 1e-5, at each heterogeneity s), the built-in real problems of
 experiments/problems.py (the bundled dataset split over 10 clients with
 Dirichlet(0.5) label skew, drawn afresh for each seed), or any other installed
@@ -61,7 +61,8 @@ DEFAULT_EPS = 1e-6
 SYNTHETIC_BASE = 0.1
 FLOOR = 1e-15  # final distances below this are round-off: equal for choosing a step
 CASE_OF = {case.problem: case for case in CASES}
-STEP_FIELDS = ("gamma", "gamma_local")  # the first of these an algorithm's spec takes is its step
+# The first of these an algorithm's spec takes is its step (eta, eta_x: FedGDA-GT's and Local SGDA+'s).
+STEP_FIELDS = ("gamma", "gamma_local", "eta", "eta_x")
 
 
 class CompareError(ValueError):
@@ -168,7 +169,7 @@ def _step_field(algorithm: str) -> str:
             continue
         return name
     raise CompareError(
-        f"--algorithms {algorithm}: compare tunes a step {' or '.join(STEP_FIELDS)}, and with either the config "
+        f"--algorithms {algorithm}: compare tunes a step {' or '.join(STEP_FIELDS)}, and with each the config "
         f"says: {errors[-1]}"
     )
 

@@ -130,7 +130,7 @@ def test_a_real_problem_splits_its_data_per_seed() -> None:
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        (["--algorithms", "no_such"], "unknown name 'no_such'; expected one of 'minibatch_md'"),
+        (["--algorithms", "no_such"], "unknown name 'no_such'; expected one of ['minibatch_md', "),
         (["--problems", "no_such"], "no problem 'no_such'; installed: "),
         (["--problems", "agnostic"], "agnostic reads its clients' data files"),
         (["--grid", "scaffold_s=0.1,x"], "--grid scaffold_s=0.1,x: expected NAME=SCALE"),
