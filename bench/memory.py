@@ -37,6 +37,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=float, default=1e6, help="d: x and y each in R^d")
     parser.add_argument("--clients", type=int, default=10, help="clients, one process each")
+    parser.add_argument("--per-process", type=int, default=1, help="clients hosted by each client process")
+    parser.add_argument("--reorder-mib", type=float, default=None, help="transport.limits.reorder_mib")
     parser.add_argument("--rounds", type=int, default=10, help="communication rounds")
     parser.add_argument("--chunk-bytes", type=int, default=wire.DEFAULT_CHUNK_BYTES, help="transport.chunk_bytes")
     parser.add_argument(
@@ -52,10 +54,13 @@ def main() -> None:
         "output": {"plot": False},
         "transport": {"chunk_bytes": args.chunk_bytes, "limits": {"receive_window_mib": args.receive_window_mib}},
     }
+    if args.reorder_mib is not None:
+        config["transport"]["limits"]["reorder_mib"] = args.reorder_mib  # type: ignore[index]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "memory.yaml"
         path.write_text(yaml.safe_dump(config))
         command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(path), "--out", tmp, "--quiet-clients"]
+        command += ["--clients-per-process", str(args.per_process)]
         local = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         peaks: dict[int, int] = {}
         roles: dict[int, str] = {local.pid: "coordinator"}
