@@ -256,7 +256,7 @@ class Limits(_Model):
         "the coordinator's memory, per client)",
     )
     reorder_mib: float = Field(
-        16.0,
+        0.0,
         ge=0,
         description="answers that came before their turn in client-index order, held until it comes: beyond "
         "this, the streams of clients whose turn has not come are not read (flow control holds them back); "

@@ -297,6 +297,7 @@ class Coordination:
     ) -> None:
         self.registry = Registry(num_clients)
         self.welcome = pb.Instruction(welcome=welcome).SerializeToString()
+        self.chunk_bytes = welcome.chunk_bytes
         self.min_piece = wire.min_piece(welcome.chunk_bytes)
         self.limits = limits or Limits()
         self.round_timeout_s, self.rejoin_timeout_s = round_timeout_s, rejoin_timeout_s
@@ -520,6 +521,7 @@ class Coordination:
                 min_clients=self.min_clients,
                 fold=fold,
                 hold_bytes=hold,
+                inline_bytes=self.chunk_bytes,
             )
             self._round, self.phase = round_, Phase.COLLECTING
             # max(64 MiB by default, 3 rounds' tasks) may wait undelivered: more means a session stopped reading.

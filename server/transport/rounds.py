@@ -161,6 +161,7 @@ class Collecting(Barrier):
     # The reorder buffer's bound: bytes of answers the sessions whose turn has not come may be reading or
     # have sent (None: no bound). The session that holds the fold's next client is always read.
     hold_bytes: int | None = None
+    inline_bytes: int = 0  # answers up to this size travel in one message (the federation's chunk size)
     admitted: dict[int, int] = field(default_factory=dict)  # session key -> bytes of its answer, while held
     admitted_bytes: int = 0
     peak_admitted_bytes: int = 0
@@ -182,6 +183,8 @@ class Collecting(Barrier):
         if expected is None:
             return True
         size = 8 * len(expected.indices) * expected.entries
+        if size <= self.inline_bytes:
+            return True  # (its answer is one message, read before this is asked: nothing to hold back)
         if fold.next_client not in expected.indices and self.admitted_bytes + size > bound:
             return False  # (HTTP/2 flow control holds the rest of its answer back on the client)
         self.admitted[session.key] = size
