@@ -26,6 +26,7 @@ vectors waiting for their turn; tests read them.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class OrderedFold:
         self.clients = list(clients)
         self.weights = weights
         self._next = 0  # position in `clients` of the next client to add
+        self._range = not self.clients or self.clients[-1] == len(self.clients) - 1  # (increasing: 0..n-1)
+        self._blocks: dict[int, Answer] = {}  # position of its first client -> an answer not yet added
         self._waiting: dict[int, tuple[Answer, int]] = {}  # client -> (its answer, its row) not yet added
         self._rows_left: dict[int, int] = {}  # id(answer) -> its rows still waiting
         self._skipped: set[int] = set()  # clients known not to be added (diverged)
@@ -156,29 +159,55 @@ class OrderedFold:
 
     def waits_on(self, clients: Sequence[int]) -> bool:
         """Whether any of these clients' vectors came and wait for their turn."""
-        return any(client in self._waiting for client in clients)
+        position = self._position(clients[0]) if clients else None
+        return (position is not None and position in self._blocks) or any(c in self._waiting for c in clients)
+
+    def _position(self, client: int) -> int | None:
+        """Where a client stands in the order of the sum (None: not among its clients)."""
+        if self._range:
+            return client if 0 <= client < len(self.clients) else None
+        position = bisect.bisect_left(self.clients, client)
+        return position if position < len(self.clients) and self.clients[position] == client else None
 
     def offer(self, answer: Answer) -> None:
         """Take a checked answer (one process's, for one or more clients) and add what is due."""
+        indices = answer.indices
         if answer.diverged:
-            self.diverged.extend(answer.indices)
-            self._skipped.update(answer.indices)
-        else:
-            if answer.objective is not None:
-                self._objective[list(answer.indices)] = answer.objective
-            for row, client in enumerate(answer.indices):
+            self.diverged.extend(indices)
+            self._skipped.update(indices)
+            self._advance(stop_at_missing=True)
+            return
+        if answer.objective is not None:
+            self._objective[np.asarray(indices)] = answer.objective
+        self.held_bytes += answer.vectors.nbytes
+        position = self._position(indices[0])
+        last = None if position is None else position + len(indices) - 1
+        if last is not None and last < len(self.clients) and self.clients[last] == indices[-1]:
+            # Its clients follow one another in the sum's order (the usual case): added as one block.
+            self._blocks[position] = answer  # type: ignore[index]
+            early = position != self._next
+        else:  # clients of other processes come between them: each row waits for its own turn
+            for row, client in enumerate(indices):
                 self._waiting[client] = (answer, row)
-            self._rows_left[id(answer)] = len(answer.indices)
-            self.held_bytes += answer.vectors.nbytes
+            self._rows_left[id(answer)] = len(indices)
+            early = True
         self._advance(stop_at_missing=True)
-        if id(answer) in self._rows_left:  # some of its rows wait for an earlier client's
-            self.early += 1
+        if early and (position in self._blocks or id(answer) in self._rows_left):
+            self.early += 1  # some of its rows wait for an earlier client's
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def _advance(self, stop_at_missing: bool) -> None:
         """Add the rows that are due, in order; past a client not heard from only when not `stop_at_missing`."""
         due: list[tuple[int, Array]] = []
         while self._next < len(self.clients):
+            block = self._blocks.pop(self._next, None)
+            if block is not None:
+                self._add(due)
+                due = []
+                self._add_block(block)
+                self.held_bytes -= block.vectors.nbytes
+                self._next += len(block.indices)
+                continue
             client = self.clients[self._next]
             if client in self._waiting:
                 answer, row = self._waiting.pop(client)
@@ -198,6 +227,19 @@ class OrderedFold:
         if self._rows_left[key] == 0:
             del self._rows_left[key]
             self.held_bytes -= answer.vectors.nbytes
+
+    def _add_block(self, answer: Answer) -> None:
+        """Add an answer's rows, which are next in order, as `aggregate` adds them: short ones by one
+        cumulative sum (the same additions, in order), long ones one after another."""
+        vectors = answer.vectors
+        self.added += len(answer.indices)
+        if vectors.shape[1] > SUMMED_BY_LOOP_ABOVE:
+            self._add(list(zip(answer.indices, vectors, strict=True)))
+            self.added -= len(answer.indices)  # (counted once)
+            return
+        rows = vectors if self.weights is None else self.weights[np.asarray(answer.indices)][:, None] * vectors
+        stacked = rows if self.total is None else np.concatenate([self.total[None], rows])
+        self.total = np.cumsum(stacked, axis=0)[-1]
 
     def _add(self, due: list[tuple[int, Array]]) -> None:
         if not due:
