@@ -114,6 +114,9 @@ class GrpcPool(ClientPool):
     ) -> None:
         self.chunk_bytes = wire.check_chunk_bytes(chunk_bytes)
         self.last_fold: OrderedFold | None = None  # the last round's running sum (its counters: bench, tests)
+        # Add the answers up as they come (server/fold.py); False keeps every client's vector until the round
+        # closes, as a coordinator that inspects them would (tests/test_privacy_grpc.py's curious one).
+        self.fold_answers = True
         super().__init__()
         tune_malloc()
         self.federation_size = num_clients
@@ -290,7 +293,7 @@ class GrpcPool(ClientPool):
         run = self.run
         assert run is not None
         # Central differential privacy clips each client's row: those rounds keep the rows, not their sum.
-        fold = not masked and run.dp is None
+        fold = not masked and run.dp is None and self.fold_answers
         request = round_request(run, round_id, task, self.chunk_bytes, participants, masked, fold, self.weights)
         try:
             result = self._operate(lambda now: self.protocol.open_round(request, now))
