@@ -16,11 +16,13 @@ import time
 import numpy as np
 import pytest
 from conftest import config, stop_processes
+from federation import Federation, MemoryPool
 
 from fedsaddle.common import wire
 from fedsaddle.common.numeric import sha256
 from fedsaddle.common.tasks import Answer, GradientTask, LocalStepsTask
 from fedsaddle.launch import start_clients
+from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.algorithms.base import aggregate, aggregate_rows
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.local_pool import LocalPool
@@ -98,8 +100,50 @@ def test_an_answer_added_chunk_by_chunk_has_the_rules_bits_and_a_refused_one_cha
     assert sha256(fold.mean(range(n), weights)) == sha256(_rule(rows, weights))
 
 
+def test_an_answer_refused_half_added_is_taken_out_and_its_good_one_counts_once() -> None:
+    # In memory, through the coordinator's protocol: answers of 1600 bytes in chunks of 1024. Client 1
+    # answers first (early, held); client 0's answer is added chunk by chunk, its second chunk carries an
+    # inf and is refused, then its good answer comes: the mean is the in-process one, bit for bit.
+    federation = Federation(2, chunk_bytes=1024)
+    hand = federation.join((0,), honest=False)
+    federation.join((1,))
+    pool = MemoryPool(federation)
+    pool.fold = True
+    problem = config(problem={"name": "paper_regression", "num_clients": 2, "dim": 100}, algorithms=[MD])
+    info = RunInfo("r", problem.problem, 0, 0.0)
+    federation.honest.add(hand)
+    pool.start_run(info)
+    federation.honest.discard(hand)
+    refusals: list[str] = []
+
+    def meanwhile() -> None:
+        good = [pb.ClientMessage.FromString(r) for r in federation.answer(hand, federation.take(hand))]
+        assert [len(m.chunk.data) for m in good[1:]] == [1024, 576]
+        data = bytearray(good[2].chunk.data)
+        data[8 * 10 : 8 * 11] = np.array([np.inf]).tobytes()  # entry 128 + 10 of client 0's row
+        bad = pb.ClientMessage(chunk=pb.Chunk(offset=good[2].chunk.offset, data=bytes(data)))
+        for message in (good[0], good[1], bad):
+            federation.send(hand, message)
+        fold = pool.federation.protocol.collecting.fold  # type: ignore[union-attr]
+        assert fold is not None and fold.early == 1 and not fold.streaming  # 1 held; 0's first chunk taken out
+        refusals.extend(r.details for r in federation.rejected(hand))
+        for message in good:
+            federation.send(hand, message)
+
+    pool.meanwhile = meanwhile
+    z = np.linspace(-1.0, 1.0, 200)
+    remote = pool.gradients(z)
+    local = LocalPool()
+    local.start_run(info)
+    assert sha256(remote.mean()) == sha256(local.gradients(z).mean())
+    assert refusals == ["client 0: entry 138 is inf (non-finite values are refused)"]
+    fold = pool.last_fold
+    assert fold is not None and fold.streamed == 1 and fold.added == 2 and fold.held_bytes == 0
+
+
 # -- over real processes ---------------------------------------------------------------------
 
+MD = {"name": "minibatch_md", "gamma": 0.1}
 GROUPS = ["0", "1-3", "4-6", "7-9", "10-11"]  # 12 clients in 5 processes; client 0's alone
 DIM = 200  # x and y in R^200: 3200 bytes per client, in chunks of 1028 (not a whole number of entries)
 CHUNK = 1028
