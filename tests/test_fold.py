@@ -71,6 +71,16 @@ def test_a_round_closed_without_some_clients_sums_the_others_in_order() -> None:
     assert sha256(fold.mean(answered, None)) == sha256(_rule(rows[answered], None))
 
 
+def test_clients_that_sit_the_round_out_let_the_sum_go_past_them() -> None:
+    rows = np.random.default_rng(5).standard_normal((5, 30))
+    fold = OrderedFold(range(5), None, 5)
+    fold.offer(Answer((2, 3, 4), rows[[2, 3, 4]]))
+    assert fold.added == 0 and fold.next_client == 0
+    fold.skip((0, 1))  # their process rejoined too late to answer this round
+    assert fold.added == 3 and fold.held_bytes == 0 and fold.next_client is None
+    assert sha256(fold.mean([2, 3, 4], None)) == sha256(_rule(rows[[2, 3, 4]], None))
+
+
 @pytest.mark.parametrize("chunk", [1028, 4096, 777])
 def test_an_answer_added_chunk_by_chunk_has_the_rules_bits_and_a_refused_one_changes_nothing(chunk: int) -> None:
     rng = np.random.default_rng(chunk)
