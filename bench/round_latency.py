@@ -63,7 +63,10 @@ def main() -> None:
     )
     parser.add_argument("--chunk-bytes", type=int, default=wire.DEFAULT_CHUNK_BYTES, help="transport.chunk_bytes")
     parser.add_argument(
-        "--receive-window-mib", type=float, default=0.0, help="transport.limits.receive_window_mib (0: gRPC's own)"
+        "--receive-window-mib",
+        type=float,
+        default=Limits().receive_window_mib,
+        help="transport.limits.receive_window_mib (0: gRPC's own)",
     )
     args = parser.parse_args()
     try:  # before any process starts

@@ -6,7 +6,8 @@ not change the answer: the mean gradient equals the in-process one bit for bit,
 and every client's counts are exact (one message and d floats each way per
 round). Prints a table; `--plot FILE` draws latency against n.
 
-    python bench/scale.py                                  # n = 10, 100, 1000 (10 processes), 10 000 (20)
+    python bench/scale.py                                  # n = 10, 100, 1000 (10 processes), 10 000, 100 000 (20)
+    python bench/scale.py --min-clients 100000 --rounds 10 # only the largest
     python bench/scale.py --plot docs/figures/scale.png
 """
 
@@ -26,7 +27,7 @@ from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
-SETUPS = ((10, 10), (100, 10), (1000, 10), (10_000, 20))  # (clients, processes)
+SETUPS = ((10, 10), (100, 10), (1000, 10), (10_000, 20), (100_000, 20))  # (clients, processes)
 
 
 def measure(n: int, processes: int, dim: int, rounds: int) -> tuple[float, float, float]:
@@ -65,14 +66,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=50, help="timed rounds per n (median over them)")
     parser.add_argument("--dim", type=int, default=10, help="d: x and y each in R^d")
-    parser.add_argument("--max-clients", type=int, default=10_000, help="skip larger federations")
+    parser.add_argument("--max-clients", type=int, default=100_000, help="skip larger federations")
+    parser.add_argument("--min-clients", type=int, default=0, help="skip smaller federations")
     parser.add_argument("--plot", type=Path, help="draw round latency against n into this file")
     args = parser.parse_args()
     rows = []
     print(f"one gradient round at d = {args.dim}, clients grouped into processes on 127.0.0.1; ms")
     print(f"{'clients':>8} {'processes':>10} {'median':>9} {'q1':>9} {'q3':>9} {'per client (us)':>16}  checks")
     for n, processes in SETUPS:
-        if n > args.max_clients:
+        if not args.min_clients <= n <= args.max_clients:
             continue
         median, q1, q3 = measure(n, processes, args.dim, args.rounds)
         rows.append((n, processes, median))

@@ -271,12 +271,20 @@ class Limits(_Model):
         description="a session whose unread instructions exceed the larger of this and 3 rounds' tasks is dropped",
     )
     receive_window_mib: float = Field(
-        0.0,
+        1.0,
         ge=0,
         le=1024,
-        description="what the coordinator takes in of one client's stream before reading it: 0, gRPC's own "
-        "window, which grows with the link; a fixed one (at least 0.0625) bounds the coordinator's memory for "
-        "answers of large vectors, and caps each client's upload at this window per round trip",
+        description="what the coordinator takes in of one client's stream before reading it: a fixed window "
+        "(at least 0.0625) bounds the coordinator's memory for answers of large vectors, and caps each client's "
+        "upload at this window per round trip; 0, gRPC's own window, which grows with the link (and with it "
+        "the coordinator's memory, per client)",
+    )
+    reorder_mib: float = Field(
+        0.0,
+        ge=0,
+        description="answers that came before their turn in client-index order, held until it comes: beyond "
+        "this, the streams of clients whose turn has not come are not read (flow control holds them back); "
+        "the client the sum waits on is always read",
     )
 
     @model_validator(mode="after")
@@ -290,6 +298,10 @@ class Limits(_Model):
     @property
     def max_undelivered_bytes(self) -> int:
         return int(self.max_undelivered_mib * (1 << 20))
+
+    @property
+    def reorder_bytes(self) -> int:
+        return int(self.reorder_mib * (1 << 20))
 
     @property
     def receive_window_bytes(self) -> int:

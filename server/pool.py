@@ -38,6 +38,7 @@ from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, GradientTask, Task
 from fedsaddle.server.algorithms.base import RoundAnswers
 from fedsaddle.server.config import Weighting
+from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.secure import SecureRounds
 from fedsaddle.server.settlement import RoundTally, round_traffic, settle
 
@@ -240,13 +241,18 @@ class ClientPool(abc.ABC):
         if self.secure is not None:
             return self._secure_exchange(task, category, participants)
         replies = self._exchange(task, self.round_id, category, participants)
-        settlement = settle(task, run.num_clients, run.dimension, participants, replies, self.weights)
+        folded = self._folded()
+        settlement = settle(task, run.num_clients, run.dimension, participants, replies, self.weights, folded=folded)
         self.traffic[category].add(settlement.tally)
         if settlement.answers is None:
             raise Diverged(self.round_id, settlement.diverged)
         if run.dp is not None and category == "algorithm":
             return self._central_dp(run.dp, task, replies, settlement.answers.indices)
         return settlement.answers
+
+    def _folded(self) -> OrderedFold | None:
+        """The last exchange's answers added up as they came (server/fold.py), when the transport did so."""
+        return None
 
     def _central_dp(
         self, settings: DpSettings, task: Task, replies: list[Answer], indices: tuple[int, ...] | None

@@ -24,6 +24,7 @@ import numpy as np
 from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE, Array
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.server.algorithms.base import RoundAnswers, aggregate_rows
+from fedsaddle.server.fold import OrderedFold
 
 
 class RoundTally(NamedTuple):
@@ -70,13 +71,16 @@ def settle(
     replies: Sequence[Answer],
     weights: Array | None = None,
     aggregated: tuple[Array, float | None] | None = None,
+    folded: OrderedFold | None = None,
 ) -> Settlement:
     """Settle one round of `task` among `num_clients` clients.
 
     participants: the clients the task was sent to (None: all of them);
     replies: what came back, one `Answer` per replying process, each for one or more clients;
     weights: the run's weight per client (sample counts), None for the paper's uniform 1/n;
-    aggregated: the round's (mean, mean objective), when the caller computed them by the same rule.
+    aggregated: the round's (mean, mean objective), when the caller computed them by the same rule;
+    folded: the replies' vectors added up as they came, in index order (server/fold.py); the replies
+        then carry who answered, their objectives and divergence, and no vectors.
 
     The answering clients are the ones the replies speak for: fewer than were asked
     when a straggler deadline closed the round. Evaluation rounds weigh each client's
@@ -101,6 +105,12 @@ def settle(
     indices = None if everyone else tuple(answered)
     tally = round_traffic(task, num_clients, dimension, participants, indices)
     run_weights = weights if everyone or weights is None else weights[list(answered)]
+    if folded is not None and not evaluation:
+        if folded.diverged:
+            return Settlement(tally, None, tuple(sorted(folded.diverged)))
+        mean = folded.mean(answered, run_weights)
+        objective = folded.objective(answered) if want_objective else None
+        return Settlement(tally, RoundAnswers(None, objective, run_weights, indices, aggregated=(mean, None)))
     large = aggregated is None and not evaluation and dimension > SUMMED_BY_LOOP_ABOVE
     if large and not any(reply.diverged for reply in replies):
         # Large vectors are not stacked into one (clients, D) array: the mean is added up

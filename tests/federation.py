@@ -17,6 +17,7 @@ from fedsaddle.client.session import ClientSession
 from fedsaddle.common import wire
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import Category, ClientPool, RunInfo
 from fedsaddle.server.transport.protocol import (
     Action,
@@ -154,6 +155,11 @@ class MemoryPool(ClientPool):
         super().__init__()
         self.federation = federation
         self.meanwhile: Callable[[], None] | None = None
+        self.fold = False  # add the answers up as they come (server/fold.py), as GrpcPool does
+        self.last_fold: OrderedFold | None = None
+
+    def _folded(self) -> OrderedFold | None:
+        return self.last_fold
 
     def _announce(self, run: RunInfo) -> list[int] | None:
         counts = self.federation.operate(lambda now: self.federation.protocol.start_run(run, run_spec(run), now))
@@ -163,10 +169,12 @@ class MemoryPool(ClientPool):
         self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
     ) -> list[Answer]:
         assert self.run is not None
-        request = round_request(self.run, round_id, task, self.federation.chunk_bytes, participants)
+        chunk = self.federation.chunk_bytes
+        request = round_request(self.run, round_id, task, chunk, participants, fold=self.fold, weights=self.weights)
         protocol = self.federation.protocol
         result = self.federation.operate(lambda now: protocol.open_round(request, now), self.meanwhile)
         assert isinstance(result, RoundResult)
         self.traffic[category].bytes_down += result.bytes_down
         self.traffic[category].bytes_up += result.bytes_up
+        self.last_fold = result.fold
         return result.answers

@@ -163,7 +163,8 @@ def test_the_receive_window_is_gRPCs_own_or_at_least_64_kib() -> None:
     from fedsaddle.server.config import ConfigError
 
     fields: dict[str, Any] = dict(problem=PAPER, algorithms=[FIVE[0]])
-    assert config(**fields).transport.limits.receive_window_mib == 0  # gRPC's own
+    assert config(**fields).transport.limits.receive_window_mib == 1  # fixed: memory flat in the clients
+    assert config(**fields, transport={"limits": {"receive_window_mib": 0}})  # gRPC's own
     assert config(**fields, transport={"limits": {"receive_window_mib": 0.0625}})
     with pytest.raises(ConfigError, match=r"receive_window_mib must be 0 \(gRPC's own\) or at least 0.0625"):
         config(**fields, transport={"limits": {"receive_window_mib": 0.01}})

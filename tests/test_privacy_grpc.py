@@ -162,6 +162,7 @@ class Curious(GrpcPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.fold_answers = False  # it keeps each client's vector, not only their running sum
         self.plain: list[tuple[Task, list[Answer]]] = []
         self.masked: list[tuple[Task, list[MaskedAnswer]]] = []
 

@@ -36,6 +36,7 @@ from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import Category, ClientPool, PoolError, RunInfo
 from fedsaddle.server.settlement import RoundTally
 from fedsaddle.server.transport.auth import Authenticator
@@ -112,6 +113,10 @@ class GrpcPool(ClientPool):
         token_credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self.chunk_bytes = wire.check_chunk_bytes(chunk_bytes)
+        self.last_fold: OrderedFold | None = None  # the last round's running sum (its counters: bench, tests)
+        # Add the answers up as they come (server/fold.py); False keeps every client's vector until the round
+        # closes, as a coordinator that inspects them would (tests/test_privacy_grpc.py's curious one).
+        self.fold_answers = True
         super().__init__()
         tune_malloc()
         self.federation_size = num_clients
@@ -287,7 +292,9 @@ class GrpcPool(ClientPool):
     ) -> list[Answer]:
         run = self.run
         assert run is not None
-        request = round_request(run, round_id, task, self.chunk_bytes, participants, masked)
+        # Central differential privacy clips each client's row: those rounds keep the rows, not their sum.
+        fold = not masked and run.dp is None and self.fold_answers
+        request = round_request(run, round_id, task, self.chunk_bytes, participants, masked, fold, self.weights)
         try:
             result = self._operate(lambda now: self.protocol.open_round(request, now))
         finally:
@@ -296,7 +303,11 @@ class GrpcPool(ClientPool):
         counts = self.traffic[category]
         counts.bytes_down += result.bytes_down
         counts.bytes_up += result.bytes_up
+        self.last_fold = result.fold
         return result.answers
+
+    def _folded(self) -> OrderedFold | None:
+        return self.last_fold
 
     # -- secure aggregation --------------------------------------------------------------------
 

@@ -51,12 +51,14 @@ from google.protobuf.message import DecodeError
 
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
+from fedsaddle.common.numeric import Array
 from fedsaddle.common.secagg import messages
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import row_length
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import ClientLost, PoolError, RunInfo
 from fedsaddle.server.settlement import round_traffic
 from fedsaddle.server.transport import checks
@@ -161,14 +163,18 @@ class RoundRequest(NamedTuple):
     subset: frozenset[int] | None  # the clients taking part (None: all)
     pieces_for: Callable[[tuple[int, ...]], list[bytes]]  # the task for a session with only some of them
     masked: bool = False  # secure aggregation: answers are masked rows of `entries` ring elements
+    fold: bool = False  # add the answers' vectors up as they come (server/fold.py), not keep them
+    weights: Array | None = None  # the run's weight per client, by index (None: uniform), for the fold
 
 
 class RoundResult(NamedTuple):
-    """A collected round: the answers in client-index order, the bytes sent and the bytes received."""
+    """A collected round: the answers in client-index order, the bytes sent and the bytes received.
+    `fold`: the answers' vectors added up (the answers then carry none), when the round asked for it."""
 
     answers: list[Answer]
     bytes_down: int
     bytes_up: int
+    fold: OrderedFold | None = None
 
 
 def run_spec(run: RunInfo) -> bytes:
@@ -199,9 +205,12 @@ def round_request(
     chunk_bytes: int,
     participants: tuple[int, ...] | None,
     masked: bool = False,
+    fold: bool = False,
+    weights: Array | None = None,
 ) -> RoundRequest:
     """A round's task serialized once (and for a session with only some of its clients sampled, on demand).
-    `masked`: secure aggregation's round, whose answers are masked rows naming every client of the round."""
+    `masked`: secure aggregation's round, whose answers are masked rows naming every client of the round;
+    `fold`: the answers' vectors are added up as they come (weighted by `weights`), except an evaluation's."""
     clients = (participants or ()) if masked else ()
 
     def pieces_for(indices: tuple[int, ...]) -> list[bytes]:
@@ -223,6 +232,8 @@ def round_request(
         subset=None if participants is None else frozenset(participants),
         pieces_for=pieces_for,
         masked=masked,
+        fold=fold and not masked and not evaluation,
+        weights=weights,
     )
 
 
@@ -263,6 +274,14 @@ class Resent(NamedTuple):
     size: int
 
 
+def _drop_incoming(session: Session) -> None:
+    """Forget the answer being read from a session; one being added to a round's sum is taken back out."""
+    pending = session.incoming
+    session.incoming = None
+    if pending is not None and pending.fold is not None:
+        pending.fold.abort_stream()
+
+
 class Coordination:
     """The coordinator's protocol state: sessions, the run, the operation under way, and its deadlines."""
 
@@ -279,6 +298,7 @@ class Coordination:
     ) -> None:
         self.registry = Registry(num_clients)
         self.welcome = pb.Instruction(welcome=welcome).SerializeToString()
+        self.chunk_bytes = welcome.chunk_bytes
         self.min_piece = wire.min_piece(welcome.chunk_bytes)
         self.limits = limits or Limits()
         self.round_timeout_s, self.rejoin_timeout_s = round_timeout_s, rejoin_timeout_s
@@ -364,6 +384,30 @@ class Coordination:
         log.warning("ended the session of %s: %s", session.describe(), reason)
         actions: list[Action] = [End(key, grpc.StatusCode.RESOURCE_EXHAUSTED, reason, at_once=True)]
         return self._settle(now, actions)
+
+    def may_read(self, key: int) -> bool:
+        """Whether the shell may read the session's next message now. False only in a folded round whose
+        reorder buffer is full, for a session whose turn has not come: the shell asks again after the
+        next event."""
+        round_, session = self._round, self.sessions.get(key)
+        if round_ is None or session is None or session.state is not State.JOINED:
+            return True
+        pending = session.incoming
+        if round_.fold is not None and pending is not None and pending.fold is None and not pending.refused:
+            self._stream_if_due(session, round_, pending)
+        return round_.may_read(session)
+
+    def _stream_if_due(self, session: Session, round_: Collecting, pending: Incoming) -> None:
+        """An answer whose header came before its clients were next in the sum, and whose chunks have not
+        been read: added chunk by chunk once they are (its header was checked when it came)."""
+        fold, expected = round_.fold, round_.expectation(session)
+        if fold is None or expected is None or pending.assembler.filled or pending.header.round_id != expected.round_id:
+            return
+        if tuple(pending.header.client_indices) == expected.indices and fold.begin_stream(
+            expected.indices, expected.entries
+        ):
+            assembler = wire.Assembler(pending.assembler.total, min_piece=self.min_piece, keep=False)
+            session.incoming = pending._replace(assembler=assembler, fold=fold)
 
     def forget(self, key: int) -> None:
         """The shell is done with the stream (it ended): nothing more is kept about it."""
@@ -453,6 +497,17 @@ class Coordination:
                 )
                 for s, mine in taking_part
             }
+            fold, hold = None, None
+            if request.fold:
+                fold = OrderedFold(round_clients, request.weights, run.num_clients)
+                answers_bytes = 8 * request.entries * len(round_clients)
+                # With a straggler deadline the answering clients are known only when the round closes, and
+                # every answer that comes before it counts: none is held back (the buffer is not bounded).
+                # Beyond the bound, the streams whose turn has not come are not read until the sum reaches
+                # them (HTTP/2 flow control keeps the rest of their answers on the clients).
+                bound = self.limits.reorder_bytes
+                if self.straggler_deadline_s is None and answers_bytes > bound:
+                    hold = bound
             round_ = Collecting(
                 [s for s, _ in taking_part],
                 f"round {request.round_id}",
@@ -465,6 +520,9 @@ class Coordination:
                 floats_per_client=request.floats,
                 straggler_deadline_s=self.straggler_deadline_s,
                 min_clients=self.min_clients,
+                fold=fold,
+                hold_bytes=hold,
+                inline_bytes=self.chunk_bytes,
             )
             self._round, self.phase = round_, Phase.COLLECTING
             # max(64 MiB by default, 3 rounds' tasks) may wait undelivered: more means a session stopped reading.
@@ -590,7 +648,7 @@ class Coordination:
             settled, error = self._round.verdict(now)
             if settled:
                 round_ = self._round
-                result = RoundResult(round_.in_order(), round_.bytes_down, round_.bytes_up)
+                result = RoundResult(round_.in_order(), round_.bytes_down, round_.bytes_up, round_.fold)
                 self._finish(actions, Settled(result) if error is None else Failed(error))
         elif self._unmasking is not None:
             settled, error = self._unmasking.verdict(now)
@@ -788,7 +846,8 @@ class Coordination:
 
     def _close(self, session: Session, reason: str, now: float) -> None:
         """A joined session is over: its indices are free, and the barrier waiting on it is told."""
-        session.state, session.incoming = State.ENDED, None
+        _drop_incoming(session)
+        session.state = State.ENDED
         self.registry.close(session, reason)
         barrier = self._barrier()
         if barrier is not None:
@@ -817,7 +876,7 @@ class Coordination:
             if pending is not None and not pending.refused:
                 before = "a new Answer before the chunks"
                 self._reject(session, pending.header.round_id, checks.INVALID, before, actions)
-            session.incoming = None
+            _drop_incoming(session)
             self._answer(session, message.answer, received.size, actions)
         else:
             self._piece(session, message.chunk, received.size, actions)
@@ -880,6 +939,16 @@ class Coordination:
             return
         payload = header.payload  # (each read of a bytes field is a copy)
         if length and not payload:  # chunks follow
+            fold = round_.fold if round_ is not None else None
+            if (
+                fold is not None
+                and expected is not None
+                and tuple(header.client_indices) == expected.indices
+                and fold.begin_stream(expected.indices, expected.entries)
+            ):  # its clients are next in the sum: added chunk by chunk, never held whole
+                assembler = wire.Assembler(length, min_piece=self.min_piece, keep=False)
+                session.incoming = Incoming(header, assembler, size, fold=fold)
+                return
             session.incoming = Incoming(header, wire.Assembler(length, min_piece=self.min_piece), size)
             return
         assert round_ is not None and expected is not None
@@ -891,18 +960,22 @@ class Coordination:
         if pending is None:
             self._reject(session, 0, checks.INVALID, "a Chunk without an Answer before it", actions)
             return
-        header, assembler, total, refused = pending
+        header, assembler, total, refused, fold = pending
         try:
             assembler.add(chunk)
+            if fold is not None:
+                fold.stream_chunk(chunk.offset, chunk.data)
         except wire.WireError as exc:
-            session.incoming = None
+            _drop_incoming(session)
             self._reject(session, header.round_id, checks.INVALID, str(exc), actions)
             return
         if not assembler.done:
-            session.incoming = Incoming(header, assembler, total + size, refused)
+            session.incoming = pending._replace(size=total + size)
             return
         session.incoming = None
-        if not refused:
+        if fold is not None:
+            self._offer_added(session, header, fold, total + size, actions)
+        elif not refused:
             self._offer(session, header, assembler.payload(), total + size, actions)
 
     def _offer(
@@ -919,6 +992,28 @@ class Coordination:
             return
         assert round_ is not None and expected is not None
         self._accept(session, round_, expected, header, payload, size, actions)
+
+    def _offer_added(
+        self, session: Session, header: pb.Answer, fold: OrderedFold, size: int, actions: list[Action]
+    ) -> None:
+        """An answer added to the sum chunk by chunk is complete: checked again as `_offer` checks (then
+        its objective too); if refused, the sum is put back as it was before it."""
+        round_ = self._round
+        expected = round_.expectation(session) if round_ is not None else None
+        try:
+            answered = round_ is not None and session.key in round_.answers
+            checks.answer_header(header, session.indices, expected, answered)
+            assert round_ is not None and expected is not None
+            if round_.fold is not fold:  # (a round that is over; its header would not have passed)
+                raise Refusal(checks.INVALID, f"an answer to round {header.round_id}, which is over")
+            answer = checks.answer(header, b"", expected._replace(entries=0))  # the vectors were checked as they came
+        except Refusal as refusal:
+            fold.abort_stream()
+            self._reject(session, header.round_id, refusal.code, refusal.details, actions)
+            return
+        fold.end_stream(answer.objective)
+        session.refusals.count = 0
+        round_.accept(session, answer, size, added=True)
 
     def _accept(
         self,

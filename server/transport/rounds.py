@@ -14,15 +14,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fedsaddle.common import wire
 from fedsaddle.common.secagg import messages
 from fedsaddle.common.secagg.party import UnmaskReply
 from fedsaddle.common.tasks import Answer
 from fedsaddle.common.text import printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import ClientLost
 from fedsaddle.server.transport.checks import Expectation
 from fedsaddle.server.transport.sessions import Session
+
+_NO_VECTORS = np.empty((0, 0))  # what a folded answer keeps of its vectors
 
 
 @dataclass(eq=False)
@@ -151,12 +156,54 @@ class Collecting(Barrier):
     min_clients: int | None = None
     round_timeout_s: float = 0.0  # the whole round's (timeout_s is the current stretch's)
     stragglers_waited: bool = False  # the straggler deadline passed short of min_clients
+    # The answers' vectors added up as they come (server/fold.py), or None: every answer kept whole.
+    fold: OrderedFold | None = None
+    # The reorder buffer's bound: bytes of answers the sessions whose turn has not come may be reading or
+    # have sent (None: no bound). The session that holds the fold's next client is always read.
+    hold_bytes: int | None = None
+    inline_bytes: int = 0  # answers up to this size travel in one message (the federation's chunk size)
+    admitted: dict[int, int] = field(default_factory=dict)  # session key -> bytes of its answer, while held
+    admitted_bytes: int = 0
+    peak_admitted_bytes: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.round_timeout_s = self.timeout_s
         if self.straggler_deadline_s is not None and self.min_clients is not None:
             self.timeout_s = min(self.timeout_s, self.straggler_deadline_s)
+
+    def may_read(self, session: Session) -> bool:
+        """Whether the session's stream may be read on: always, unless the reorder buffer is bounded, the
+        session owes this round an answer, and the buffer has no room for it while its turn has not come.
+        A session admitted once keeps being read until its answer is added up."""
+        fold, bound = self.fold, self.hold_bytes
+        if fold is None or bound is None or session.key in self.admitted or session.key in self.answers:
+            return True
+        expected = self.expected.get(session.key)
+        if expected is None:
+            return True
+        size = 8 * len(expected.indices) * expected.entries
+        if size <= self.inline_bytes:
+            return True  # (its answer is one message, read before this is asked: nothing to hold back)
+        if fold.next_client not in expected.indices and self.admitted_bytes + size > bound:
+            return False  # (HTTP/2 flow control holds the rest of its answer back on the client)
+        self.admitted[session.key] = size
+        self.admitted_bytes += size
+        self.peak_admitted_bytes = max(self.peak_admitted_bytes, self.admitted_bytes)
+        return True
+
+    def _release_added(self) -> None:
+        """Free the room of the admitted sessions whose answers are added up."""
+        fold = self.fold
+        assert fold is not None
+        for key in [k for k in self.admitted if k in self.answers]:
+            if not fold.waits_on(self.expected[key].indices):
+                self.admitted_bytes -= self.admitted.pop(key)
+
+    def lose(self, session: Session, reason: str, now: float) -> None:
+        if session.key in self.admitted and session.key not in self.answers:
+            self.admitted_bytes -= self.admitted.pop(session.key)  # (what it was sending is dropped)
+        super().lose(session, reason, now)
 
     def answered_clients(self) -> int:
         return sum(len(self.expected[key].indices) for key in self.answers)
@@ -188,15 +235,25 @@ class Collecting(Barrier):
         old = next(s for s in self.sessions if s.indices == new.indices)
         self.sessions.remove(old)
         self.pending.discard(old.key)
-        self.expected.pop(old.key, None)
+        expected = self.expected.pop(old.key, None)
+        if self.fold is not None and expected is not None:  # the sum goes on past its clients
+            self.admitted_bytes -= self.admitted.pop(old.key, 0)
+            self.fold.skip(expected.indices)
         del self.lost[new.indices]
         if not self.pending:
             self.done = True
 
-    def accept(self, session: Session, answer: Answer, size: int) -> None:
+    def accept(self, session: Session, answer: Answer, size: int, added: bool = False) -> None:
+        """Take a checked answer. `added`: its vectors went into the sum as they came (it carries none)."""
+        fold = self.fold
+        if fold is not None and not added:  # the vectors go into the sum (now, or in their turn); the rest stays
+            fold.offer(answer)
+            answer = answer._replace(vectors=_NO_VECTORS)
         self.answers[session.key] = answer
         self.bytes_up += size
         self._heard(session)
+        if fold is not None and self.admitted:
+            self._release_added()
 
     def in_order(self) -> list[Answer]:
         """The answers in client-index order (only those in hand, if a straggler deadline closed the round)."""

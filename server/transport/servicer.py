@@ -119,6 +119,7 @@ class SessionService:
         self._waiter: asyncio.Future[object] | None = None  # the pool's operation under way
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        self._paused: dict[int, asyncio.Event] = {}  # streams not read until the protocol says they may be
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         session = grpc.stream_stream_rpc_method_handler(
@@ -171,6 +172,15 @@ class SessionService:
             else:
                 self._settle(action)
         self._rearm()
+        if self._paused:
+            self._resume()
+
+    def _resume(self) -> None:
+        """Read on the paused streams the protocol now lets be read (a round's reorder buffer has room)."""
+        for key, event in list(self._paused.items()):
+            if self.protocol.may_read(key):
+                del self._paused[key]
+                event.set()
 
     def _greeted(self, stream: Stream, joined: bool) -> None:
         stream.greeted = True
@@ -286,13 +296,21 @@ class SessionService:
             await _end(context, Refusal(ending.code, ending.details))
 
     async def _read(self, stream: Stream, requests: AsyncIterator[Received]) -> None:
-        """Feed the stream's messages to the protocol until it ends, or the protocol ends it."""
-        async for received in requests:
-            self.act(self.protocol.receive(stream.key, received, self.loop.time()))
-            del received  # not kept until the next message comes: it may be megabytes
-            if stream.ending is not None and stream.ending.code is not None:
-                return
-        self.act(self.protocol.stream_ended(stream.key, self.loop.time()))
+        """Feed the stream's messages to the protocol until it ends, or the protocol ends it. While the
+        protocol says the stream may not be read (its answer's turn has not come), the next message is
+        not asked for: gRPC then stops granting the client flow-control window, and the client waits."""
+        try:
+            async for received in requests:
+                self.act(self.protocol.receive(stream.key, received, self.loop.time()))
+                del received  # not kept until the next message comes: it may be megabytes
+                if stream.ending is not None and stream.ending.code is not None:
+                    return
+                if not self.protocol.may_read(stream.key):
+                    event = self._paused[stream.key] = asyncio.Event()
+                    await event.wait()
+            self.act(self.protocol.stream_ended(stream.key, self.loop.time()))
+        finally:
+            self._paused.pop(stream.key, None)
 
     def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Identity | None:
         if self.authenticator is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
@@ -24,6 +24,9 @@ from fedsaddle.server.config import Limits as Limits  # what one coordinator gra
 from fedsaddle.server.pool import ClientLost
 from fedsaddle.server.transport.auth import Identity
 from fedsaddle.server.transport.refusal import Refusal
+
+if TYPE_CHECKING:
+    from fedsaddle.server.fold import OrderedFold
 
 
 class Admission:
@@ -82,12 +85,14 @@ class State(enum.Enum):
 class Incoming(NamedTuple):
     """A chunked answer being read: its header, the chunks so far and its size on the wire. A refused
     answer's chunks are still read to its end, checked but not kept (`refused`), and not refused
-    one by one."""
+    one by one. An answer whose clients are next in the round's sum is added to it chunk by chunk
+    (`fold`): its chunks are checked by the assembler and not kept."""
 
     header: pb.Answer
     assembler: wire.Assembler
     size: int
     refused: bool = False
+    fold: OrderedFold | None = None  # the round's sum its chunks are added to as they come (not kept)
 
 
 @dataclass
