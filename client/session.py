@@ -25,7 +25,7 @@ from fedsaddle.common.secagg import SecAggError, messages
 from fedsaddle.common.secagg.party import Party
 from fedsaddle.common.secagg.rows import mask_answer, row_length
 from fedsaddle.common.secagg.settings import check_bound
-from fedsaddle.common.tasks import ComputeTask, EvaluateTask, Task
+from fedsaddle.common.tasks import COMPUTE_PAYLOAD_LIMIT, ComputeTask, EvaluateTask, Task
 from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.common.worker import ShardCache, UnknownComputation, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
@@ -157,7 +157,7 @@ class ClientSession:
         self._check_run(task.run_id)
         assert self.run is not None
         # z and a control at most; a local computation's z and named arrays
-        limit = (wire.COMPUTE_PAYLOAD_LIMIT if task.kind == pb.COMPUTE else 2) * self._dimension
+        limit = (COMPUTE_PAYLOAD_LIMIT if task.kind == pb.COMPUTE else 2) * self._dimension
         if task.payload_length > limit:
             raise ClientError(
                 f"the coordinator sent a task of {task.payload_length} float64 entries; "

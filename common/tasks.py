@@ -59,6 +59,12 @@ class EvaluateTask(NamedTuple):
         return [self.z]
 
 
+# A COMPUTE task carries at most this many times z's length in all (z and its named arrays): a bound the
+# client checks on the wire, and the pool before it sends one, so an algorithm that asks for more fails at
+# once, in-process and over gRPC alike.
+COMPUTE_PAYLOAD_LIMIT = 4
+
+
 class ComputeTask(NamedTuple):
     """Run the local computation called `name` (common/computations.py) from z on each client.
 
@@ -75,6 +81,14 @@ class ComputeTask(NamedTuple):
 
     def payload(self) -> list[Array]:
         return [self.z, *(array for _, array in self.arrays)]
+
+    def oversized(self) -> str | None:
+        """Why this task is more than a client takes (COMPUTE_PAYLOAD_LIMIT), or None."""
+        dimension = int(np.size(self.z))
+        total = sum(int(np.size(array)) for array in self.payload())
+        if total <= COMPUTE_PAYLOAD_LIMIT * dimension:
+            return None
+        return f"compute task {self.name!r}: {total} payload entries, at most {COMPUTE_PAYLOAD_LIMIT} x {dimension}"
 
 
 Task = GradientTask | LocalStepsTask | EvaluateTask | ComputeTask

@@ -20,7 +20,16 @@ import numpy as np
 from google.protobuf.message import Message
 
 from fedsaddle.common.numeric import Array, all_finite
-from fedsaddle.common.tasks import Answer, ComputeTask, Decay, EvaluateTask, GradientTask, LocalStepsTask, Task
+from fedsaddle.common.tasks import (
+    COMPUTE_PAYLOAD_LIMIT,
+    Answer,
+    ComputeTask,
+    Decay,
+    EvaluateTask,
+    GradientTask,
+    LocalStepsTask,
+    Task,
+)
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 # The gRPC names both sides use, as the generated descriptor spells them.
@@ -347,8 +356,7 @@ def task_message(run_id: str, round_id: int, task: Task, payload_length: int) ->
     return message
 
 
-# A compute task's payload: z, then its named arrays, at most this many z-lengths in all.
-COMPUTE_PAYLOAD_LIMIT = 4
+# A compute task's payload: z, then its named arrays, at most COMPUTE_PAYLOAD_LIMIT z-lengths in all.
 _NAME_LIMIT = 64
 
 

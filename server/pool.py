@@ -35,7 +35,7 @@ from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.secagg import SecAggError, SecAggSettings
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
-from fedsaddle.common.tasks import Answer, GradientTask, Task
+from fedsaddle.common.tasks import Answer, ComputeTask, GradientTask, Task
 from fedsaddle.server.algorithms.base import RoundAnswers
 from fedsaddle.server.config import Weighting
 from fedsaddle.server.fold import OrderedFold
@@ -236,6 +236,8 @@ class ClientPool(abc.ABC):
         clients they come from.
         """
         run = self._require_run()
+        if isinstance(task, ComputeTask) and (too_large := task.oversized()) is not None:
+            raise PoolError(f"the algorithm asked for more than a client takes: {too_large}")
         self.round_id += 1
         participants = self.participants(self.round_id, category)
         if self.secure is not None:

@@ -123,3 +123,28 @@ def test_a_client_whose_plugin_fails_to_load_says_why_in_its_refusal(tmp_path: P
     assert "client 1" in log and "this client has no local computation 'fedprox_gda_steps'" in log, log
     assert "installed plug-ins that failed to load here: {'fedprox_gda': " in log
     assert "fedsaddle_fedprox_gda_gone:FEDPROX_GDA: ModuleNotFoundError" in log
+
+
+def test_a_compute_task_larger_than_clients_take_fails_before_its_round_in_process_too() -> None:
+    # A client refuses a COMPUTE task whose payload passes 4 x len(z) (the wire's bound); the pool checks
+    # the same bound before it sends one, so simulate fails as the federation would, naming the task,
+    # and the refused task is not a round.
+    import numpy as np
+    from conftest import config
+
+    from fedsaddle.common.tasks import ComputeTask
+    from fedsaddle.server.local_pool import LocalPool
+    from fedsaddle.server.pool import PoolError, RunInfo
+
+    run = config(
+        problem={"name": "paper_regression", "num_clients": 2, "dim": 3},
+        algorithms=[{"name": "minibatch_md", "gamma": 0.1}],
+    )
+    pool = LocalPool()
+    pool.start_run(RunInfo("large", run.problem, 0, 0.0))
+    z = np.zeros(6)
+    padded = ComputeTask("some_steps", z, arrays=(("a", np.zeros(6)), ("b", np.zeros(6)), ("c", np.zeros(7))))
+    with pytest.raises(PoolError, match=r"compute task 'some_steps': 25 payload entries, at most 4 x 6"):
+        pool.exchange(padded)
+    assert pool.round_id == 0
+    assert ComputeTask("some_steps", z, arrays=(("a", np.zeros(18)),)).oversized() is None  # exactly 4 x 6
