@@ -397,7 +397,8 @@ class ShardCache:
             missing = [i for i in indices if i not in self.data]
             if missing:
                 raise DataError(
-                    f"problem {spec.name} needs each client's own data file; none was given for clients {some(missing)}"
+                    f"problem {spec.name} needs each client's own data file; none was given for clients "
+                    f"{some(missing)} (give --data 'DIR/client-{{i:03d}}.npz'; `fedsaddle data split` makes such files)"
                 )
             datas = []
             for i in indices:
