@@ -492,7 +492,7 @@ def scope(setup: Setup, command: str) -> str:
         f"Made by `{command}`.\n\n"
         f"**Scope.** Algorithms: {', '.join(f'`{a}`' for a in setup.algorithms)}, each with its spec's defaults "
         f"but for its step ({', '.join(f'`{a}`: `{setup.step_fields[a]}`' for a in setup.algorithms)}; "
-        "gamma_global = gamma_local where an algorithm has both). "
+        "a built-in algorithm's gamma_global defaults to its gamma_local, as in the paper). "
         f"Problems: {', '.join(f'`{p}`' for p in setup.problems)}; s = {s_text} (the paper problem's "
         f"heterogeneity; the others have none). {len(seeds)} {seed_text}, 10 clients, tau = {setup.tau} local steps "
         f"per sync, a budget of {setup.rounds} rounds, {setup.convention.words}. "
@@ -574,7 +574,8 @@ def figure(path: Path, cells: Sequence[Cell], setup: Setup) -> None:
             )
             if not xs:
                 continue
-            q1, median, q3 = np.percentile(ys, [25, 50, 75], axis=0, method="median_unbiased")
+            with np.errstate(invalid="ignore"):  # a column of diverged runs (inf) has no quartiles: not drawn
+                q1, median, q3 = np.percentile(ys, [25, 50, 75], axis=0, method="median_unbiased")
             shown = np.isfinite(median)
             label = f"{cell.algorithm} (step {cell.runs[0].step:.3g})"
             (line,) = ax.semilogy(np.array(xs)[shown], np.maximum(median[shown], PLOT_FLOOR), label=label)

@@ -444,7 +444,8 @@ def _compare(args: argparse.Namespace, out: Path, command: str, progress: Progre
     compare.report(out, setup, results, command)
     (out / "placement.csv").write_text(compare.placement_csv(setup, results))
     print(f"{setup.size} runs in {elapsed:.1f} s on {len(nodes)} node(s)", file=sys.stderr)
-    print(f"report: {out / 'compare.md'} (runs.csv, summary.csv, placement.csv, figure_PROBLEM.png)")
+    figures = ", ".join(f"figure_{problem}.png" for problem in setup.problems)
+    print(f"report: {out / 'compare.md'} (runs.csv, summary.csv, placement.csv, {figures})")
     return EXIT_OK
 
 
@@ -915,7 +916,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedsaddle",
         description="Federated minimax (saddle-point) optimization over gRPC: the five algorithms of "
-        "'Efficient Algorithms for Federated Saddle Point Optimization'.",
+        "'Efficient Algorithms for Federated Saddle Point Optimization', newer baselines and plug-ins.",
         epilog="Run `fedsaddle COMMAND --help` for a command's options. Exit codes: 0 done, 1 the run failed, "
         "2 bad usage or config, 130 interrupted.",
         formatter_class=_HelpFormatter,
@@ -1024,7 +1025,10 @@ def build_parser() -> argparse.ArgumentParser:
         "check them bit for bit",
     )
     p.add_argument(
-        "--algorithms", nargs="+", metavar="NAME", help="compare: algorithms as a config names them (default: the five)"
+        "--algorithms",
+        nargs="+",
+        metavar="NAME",
+        help="compare: algorithms as a config names them (default: the paper's five)",
     )
     p.add_argument(
         "--problems",
