@@ -138,11 +138,16 @@ got, want = json.loads(summary.read_text()), json.loads(reference.read_text())
 for a, b in zip(got["algorithms"], want["algorithms"], strict=True):
     counts = {k: v for k, v in a["traffic"]["algorithm"].items() if not k.startswith("bytes")}
     expected = {k: v for k, v in b["traffic"]["algorithm"].items() if not k.startswith("bytes")}
+    if "privacy" in b["traffic"]:  # secure aggregation: its rounds and messages are counted alike too
+        counts["privacy"] = {k: v for k, v in a["traffic"].get("privacy", {}).items() if not k.startswith("bytes")}
+        expected["privacy"] = {k: v for k, v in b["traffic"]["privacy"].items() if not k.startswith("bytes")}
     if a["z_sha256"] != b["z_sha256"] or counts != expected:
         sys.exit(f"compose-test: {label}: {a['name']} differs from simulate: {a['z_sha256'][:12]} vs {b['z_sha256'][:12]}")
 if killed and restarts < 1:
     sys.exit(f"compose-test: {label}: {killed} was not restarted")
 again = f"; {killed} restarted {restarts} time(s) and rejoined" if killed else ""
+if "privacy" in want["algorithms"][0]["traffic"]:
+    again += f"; secure aggregation: {got['algorithms'][0]['traffic']['privacy']['rounds']} privacy rounds, as simulate's"
 print(f"compose-test: {label}: {len(got['algorithms'])} algorithms, z_sha256 and counts equal to simulate{again}")
 EOF
 }
@@ -164,5 +169,5 @@ rm -rf "$WORK/certs"
 bash scripts/dev-certs.sh "$WORK/certs" site-a site-b >/dev/null
 chmod 644 "$WORK/certs"/*.key
 export FEDSADDLE_CERTS=$WORK/certs
-federation tls examples/compose/tls.yml examples/compose-run.yaml ""
+federation tls-secure examples/compose/tls.yml examples/compose/tls-run.yaml ""
 say "done in $(( $(date +%s) - started )) s; containers, networks, volumes and the socket are removed"
