@@ -19,9 +19,8 @@ from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import Category, ClientPool, RunInfo
-from fedsaddle.server.transport.protocol import (
+from fedsaddle.server.transport.events import (
     Action,
-    Coordination,
     End,
     Failed,
     Greeted,
@@ -31,6 +30,9 @@ from fedsaddle.server.transport.protocol import (
     parse,
     round_request,
     run_spec,
+)
+from fedsaddle.server.transport.protocol import (
+    Coordination,
 )
 
 CHUNK_BYTES = 1 << 20

@@ -22,7 +22,8 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.driver import AlgorithmResult, RunStopped, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientLost, ClientPool, PoolError, RunInfo
-from fedsaddle.server.transport.protocol import MAX_REFUSED_IN_A_ROUND, MissingClients, Phase, RoundResult, run_spec
+from fedsaddle.server.transport.events import MissingClients, RoundResult, run_spec
+from fedsaddle.server.transport.protocol import MAX_REFUSED_IN_A_ROUND, Phase
 from fedsaddle.server.transport.sessions import Limits, State
 
 RUN = config(

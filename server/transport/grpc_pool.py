@@ -40,16 +40,18 @@ from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import Category, ClientPool, PoolError, RunInfo
 from fedsaddle.server.settlement import RoundTally
 from fedsaddle.server.transport.auth import Authenticator
-from fedsaddle.server.transport.gate import ConnectionGate, GatedHealth
-from fedsaddle.server.transport.loop import LoopRunner
-from fedsaddle.server.transport.protocol import (
+from fedsaddle.server.transport.events import (
     Action,
-    Coordination,
     MissingClients,
     RoundResult,
     UnmaskResult,
     round_request,
     run_spec,
+)
+from fedsaddle.server.transport.gate import ConnectionGate, GatedHealth
+from fedsaddle.server.transport.loop import LoopRunner
+from fedsaddle.server.transport.protocol import (
+    Coordination,
 )
 from fedsaddle.server.transport.servicer import SERVICE, SessionService
 from fedsaddle.server.transport.sessions import Limits

@@ -24,18 +24,20 @@ import numpy as np
 
 from fedsaddle.common import wire
 from fedsaddle.server.transport.auth import Authenticator, Identity
-from fedsaddle.server.transport.gate import ConnectionGate
-from fedsaddle.server.transport.protocol import (
+from fedsaddle.server.transport.events import (
     Action,
-    Coordination,
     End,
     Failed,
     Greeted,
-    Phase,
     Received,
     Send,
     Settled,
     parse,
+)
+from fedsaddle.server.transport.gate import ConnectionGate
+from fedsaddle.server.transport.protocol import (
+    Coordination,
+    Phase,
 )
 from fedsaddle.server.transport.refusal import Refusal
 from fedsaddle.server.transport.sessions import Admission, Limits
