@@ -66,3 +66,17 @@ def test_the_shell_blocks_of_a_guide_run_as_written(page: Path, tmp_path: Path) 
             timeout=900,  # (a loaded 2-core machine: own-data runs two federations of 1000 rounds)
         )
         assert done.returncode == 0, f"{page.name}: block failed:\n{text}\n--- stderr:\n{done.stderr[-3000:]}"
+
+
+def test_the_algorithms_table_has_a_row_for_each_built_in_algorithm_and_no_other() -> None:
+    from fedsaddle.server.algorithms.builtin import PAPER
+    from fedsaddle.server.algorithms.registry import BUILT_IN, definition
+
+    table = (REPO / "docs" / "reference" / "algorithms.md").read_text()
+    found = re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", table, re.M)
+    rows = {m.group(1): m.group(2) for m in found if m.group(1) != "name"}  # not the header
+    assert sorted(rows) == sorted(BUILT_IN)
+    for name, paper in rows.items():
+        cited = definition(name).paper
+        # The paper's own algorithms point to its sections; each newer baseline cites its paper as registered.
+        assert paper.startswith("the paper") if cited == PAPER else paper.startswith(cited), (name, paper, cited)
