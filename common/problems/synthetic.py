@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import Field
 
 from fedsaddle.common import seeding
-from fedsaddle.common.numeric import Array, blocks
+from fedsaddle.common.numeric import Array, blocks, ordered_sum
 from fedsaddle.common.problems.base import ProblemSpec, SyntheticProblem
 
 # --------------------------------------------------------------------------------------
@@ -127,10 +127,13 @@ class PaperRegressionShards:
         return out
 
     def objective(self, z: Array) -> Array:
+        # Each sum over the d entries runs strictly in entry order (ordered_sum): np.sum over axis 0 of a
+        # (d, k) block adds pairwise when k = 1 and in order when k > 1, so a client hosted alone got another
+        # f_i, in its last bits, than the same client hosted with others.
         d = self.dim
         x, y = z[:d], z[d:]
-        inner = np.sum(y * y, axis=0) - np.sum(self.b * y, axis=0) + np.sum(y * self.a * x, axis=0)
-        result: Array = -0.5 * inner + 0.5 * self.lam * np.sum(x * x, axis=0)
+        inner = ordered_sum(y * y) - ordered_sum(self.b * y) + ordered_sum(y * self.a * x)
+        result: Array = -0.5 * inner + 0.5 * self.lam * ordered_sum(x * x)
         return result
 
 
