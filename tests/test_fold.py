@@ -26,7 +26,7 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.algorithms.base import aggregate, aggregate_rows
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.local_pool import LocalPool
-from fedsaddle.server.pool import RunInfo
+from fedsaddle.server.pool import ClientLost, RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 from fedsaddle.server.transport.rounds import Collecting
 from fedsaddle.server.transport.sessions import Limits
@@ -225,3 +225,24 @@ def test_a_first_client_that_answers_last_changes_no_bit_and_the_buffer_stays_bo
                 process.send_signal(signal.SIGCONT)
         pool.close()
         stop_processes(processes)
+
+
+def test_a_round_out_of_time_names_the_client_the_sum_waits_on_not_the_streams_it_held_back() -> None:
+    # In memory: neither client answers round 1. Client 1's stream is one the shell would not read while
+    # the sum waits on client 0 (its answer is longer than a chunk and the reorder buffer has no room), so
+    # the timeout names client 0 alone, and says one more session was held back.
+    federation = Federation(2, chunk_bytes=1024, limits=Limits(reorder_mib=0), round_timeout_s=5.0)
+    first, second = federation.join((0,), honest=False), federation.join((1,), honest=False)
+    pool = MemoryPool(federation)
+    pool.fold = True
+    problem = config(problem={"name": "paper_regression", "num_clients": 2, "dim": 100}, algorithms=[MD])
+    info = RunInfo("r", problem.problem, 0, 0.0)
+    federation.honest.update((first, second))
+    pool.start_run(info)
+    federation.honest.difference_update((first, second))
+    pool.meanwhile = lambda: federation.advance(5.0)
+    with pytest.raises(ClientLost) as lost:
+        pool.gradients(np.zeros(200))
+    assert lost.value.client_indices == (0,)
+    assert str(lost.value).startswith("round 1: no answer within 5 s from client 0 (")
+    assert str(lost.value).endswith("; 1 more sessions were not being read while the sum waited on these")

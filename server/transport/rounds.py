@@ -109,14 +109,25 @@ class Barrier:
             indices, how = gone[0]
             return True, ClientLost(f"{how}, and did not rejoin within {self.rejoin_timeout_s:g} s", indices)
         if now >= self._until():
-            silent = [s for s in self.sessions if s.key in self.pending and s.indices not in self.lost]
+            owing = [s for s in self.sessions if s.key in self.pending and s.indices not in self.lost]
+            held = [s for s in owing if self.held_back(s)]
+            silent = [s for s in owing if not self.held_back(s)] or held
             names = "; ".join(s.describe() for s in silent[:5])
             more = f" and {len(silent) - 5} more sessions" if len(silent) > 5 else ""
+            waiting = (
+                f"; {len(held)} more sessions were not being read while the sum waited on these"
+                if held and silent is not held
+                else ""
+            )
             return True, ClientLost(
-                f"{self.what}: no answer within {self.timeout_s:g} s from {names}{more}",
+                f"{self.what}: no answer within {self.timeout_s:g} s from {names}{more}{waiting}",
                 tuple(i for s in silent for i in s.indices),
             )
         return False, None
+
+    def held_back(self, session: Session) -> bool:
+        """Whether the session's stream is not read on for now (its answer then waits on others)."""
+        return False
 
 
 @dataclass(eq=False)
@@ -185,12 +196,27 @@ class Collecting(Barrier):
         size = 8 * len(expected.indices) * expected.entries
         if size <= self.inline_bytes:
             return True  # (its answer is one message, read before this is asked: nothing to hold back)
-        if fold.next_client not in expected.indices and self.admitted_bytes + size > bound:
+        if self.held_back(session):
             return False  # (HTTP/2 flow control holds the rest of its answer back on the client)
         self.admitted[session.key] = size
         self.admitted_bytes += size
         self.peak_admitted_bytes = max(self.peak_admitted_bytes, self.admitted_bytes)
         return True
+
+    def held_back(self, session: Session) -> bool:
+        """Whether may_read would refuse the session now (without admitting it, as may_read does)."""
+        fold, bound = self.fold, self.hold_bytes
+        if fold is None or bound is None or session.key in self.admitted or session.key in self.answers:
+            return False
+        expected = self.expected.get(session.key)
+        if expected is None:
+            return False
+        size = 8 * len(expected.indices) * expected.entries
+        return (
+            size > self.inline_bytes
+            and fold.next_client not in expected.indices
+            and (self.admitted_bytes + size > bound)
+        )
 
     def _release_added(self) -> None:
         """Free the room of the admitted sessions whose answers are added up."""
