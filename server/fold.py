@@ -238,6 +238,9 @@ class OrderedFold:
             self.added -= len(answer.indices)  # (counted once)
             return
         rows = vectors if self.weights is None else self.weights[np.asarray(answer.indices)][:, None] * vectors
+        if len(rows) == 1:  # one client per process (the usual case): the cumulative sum's one addition, or a copy
+            self.total = rows[0].copy() if self.total is None else self.total + rows[0]
+            return
         stacked = rows if self.total is None else np.concatenate([self.total[None], rows])
         self.total = np.cumsum(stacked, axis=0)[-1]
 
