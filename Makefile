@@ -50,7 +50,7 @@ unit: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# About 11-14 minutes on a quiet 2-core machine; tests/README.md has the measured figures.
+# About 13-16 minutes on a quiet 2-core machine; tests/README.md has the measured figures.
 test: lint typecheck docs unit
 
 proto: $(STAMP)
