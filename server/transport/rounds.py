@@ -187,36 +187,35 @@ class Collecting(Barrier):
         """Whether the session's stream may be read on: always, unless the reorder buffer is bounded, the
         session owes this round an answer, and the buffer has no room for it while its turn has not come.
         A session admitted once keeps being read until its answer is added up."""
-        fold, bound = self.fold, self.hold_bytes
-        if fold is None or bound is None or session.key in self.admitted or session.key in self.answers:
-            return True
-        expected = self.expected.get(session.key)
-        if expected is None:
-            return True
-        size = 8 * len(expected.indices) * expected.entries
-        if size <= self.inline_bytes:
-            return True  # (its answer is one message, read before this is asked: nothing to hold back)
-        if self.held_back(session):
+        held, size = self._room_for(session)
+        if held:
             return False  # (HTTP/2 flow control holds the rest of its answer back on the client)
-        self.admitted[session.key] = size
-        self.admitted_bytes += size
-        self.peak_admitted_bytes = max(self.peak_admitted_bytes, self.admitted_bytes)
+        if size:
+            self.admitted[session.key] = size
+            self.admitted_bytes += size
+            self.peak_admitted_bytes = max(self.peak_admitted_bytes, self.admitted_bytes)
         return True
 
     def held_back(self, session: Session) -> bool:
         """Whether may_read would refuse the session now (without admitting it, as may_read does)."""
+        return self._room_for(session)[0]
+
+    def _room_for(self, session: Session) -> tuple[bool, int]:
+        """(whether the session is held back, the bytes to admit it with if not: 0 when it is read whatever
+        the buffer holds: no bounded fold, admitted or answered already, owing nothing, or an answer of one
+        message, read before this is asked)."""
         fold, bound = self.fold, self.hold_bytes
         if fold is None or bound is None or session.key in self.admitted or session.key in self.answers:
-            return False
+            return False, 0
         expected = self.expected.get(session.key)
         if expected is None:
-            return False
+            return False, 0
         size = 8 * len(expected.indices) * expected.entries
-        return (
-            size > self.inline_bytes
-            and fold.next_client not in expected.indices
-            and (self.admitted_bytes + size > bound)
-        )
+        if size <= self.inline_bytes:
+            return False, 0
+        if fold.next_client not in expected.indices and self.admitted_bytes + size > bound:
+            return True, 0
+        return False, size
 
     def _release_added(self) -> None:
         """Free the room of the admitted sessions whose answers are added up."""
