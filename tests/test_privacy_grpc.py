@@ -27,7 +27,7 @@ from fedsaddle.experiments.datasets import split
 from fedsaddle.launch import index_groups, start_clients
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.config import parse_config
-from fedsaddle.server.driver import run_algorithm
+from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import Category
 from fedsaddle.server.transport import checks
@@ -370,11 +370,19 @@ class Restarting(GrpcPool):
 RESTART_ROUND = 4
 
 
-def test_a_killed_client_process_that_rejoins_gets_new_keys_and_the_run_equals_simulate(diabetes: Path) -> None:
+Traffic = dict[str, dict[str, Any]]
+
+
+def rejoined(
+    diabetes: Path, reference: type[LocalPool], federation: type[Restarting]
+) -> tuple[AlgorithmResult, Traffic, Traffic]:
+    """Run 8 rounds of Minibatch MD with secure aggregation in-process (`reference`) and over gRPC with
+    VICTIM's process killed and started again (`federation`); check both ended alike, bit for bit, and
+    return the federated result and both runs' traffic without byte counts."""
     config = parse_config(regression(8, True, {"name": "minibatch_md", "gamma": 0.5}))
     data = {i: str(diabetes / f"client-{i:03d}.npz") for i in range(CLIENTS)}
-    alone = run_algorithm(config.algorithms[0], config, LocalPool(data=data), run_id="rejoin")
-    pool = Restarting(CLIENTS, "127.0.0.1:0", rejoin_timeout_s=60)
+    alone = run_algorithm(config.algorithms[0], config, reference(data=data), run_id="rejoin")
+    pool = federation(CLIENTS, "127.0.0.1:0", rejoin_timeout_s=60)
     processes = start_clients(pool.address, [str(i) for i in range(CLIENTS)], data=data)
     pool.victim, pool.data, pool.restarted = processes[VICTIM], data, []
     try:
@@ -385,8 +393,12 @@ def test_a_killed_client_process_that_rejoins_gets_new_keys_and_the_run_equals_s
         codes = stop_processes(processes + pool.restarted)
     assert codes[VICTIM] == -signal.SIGKILL and len(pool.restarted) == 1
     assert federated.status == alone.status == "ok", federated.detail
-    assert federated.z_sha256 == alone.z_sha256  # no round lost the client: the same sums, bit for bit
-    theirs, ours = without_bytes(federated.traffic), without_bytes(alone.traffic)
+    assert federated.z_sha256 == alone.z_sha256
+    return federated, without_bytes(federated.traffic), without_bytes(alone.traffic)
+
+
+def test_a_killed_client_process_that_rejoins_gets_new_keys_and_the_run_equals_simulate(diabetes: Path) -> None:
+    federated, theirs, ours = rejoined(diabetes, LocalPool, Restarting)  # no round lost the client
     assert theirs["algorithm"] == ours["algorithm"]
     # One key agreement more, counted as privacy traffic: the new key up, the directory of epoch 1 down to all.
     assert theirs["privacy"]["rounds"] == ours["privacy"]["rounds"] + 1
@@ -428,22 +440,7 @@ class KillingMidRound(Restarting):
 def test_a_client_killed_mid_round_that_rejoins_sits_that_round_out_and_the_run_equals_simulate(
     diabetes: Path,
 ) -> None:
-    config = parse_config(regression(8, True, {"name": "minibatch_md", "gamma": 0.5}))
-    data = {i: str(diabetes / f"client-{i:03d}.npz") for i in range(CLIENTS)}
-    alone = run_algorithm(config.algorithms[0], config, DroppingIn(data=data), run_id="rejoin")
-    pool = KillingMidRound(CLIENTS, "127.0.0.1:0", rejoin_timeout_s=60)
-    processes = start_clients(pool.address, [str(i) for i in range(CLIENTS)], data=data)
-    pool.victim, pool.data, pool.restarted = processes[VICTIM], data, []
-    try:
-        pool.wait_for_clients(60)
-        federated = run_algorithm(config.algorithms[0], config, pool, run_id="rejoin")
-    finally:
-        pool.close()
-        codes = stop_processes(processes + pool.restarted)
-    assert codes[VICTIM] == -signal.SIGKILL and len(pool.restarted) == 1
-    assert federated.status == alone.status == "ok", federated.detail
-    assert federated.z_sha256 == alone.z_sha256
-    theirs, ours = without_bytes(federated.traffic), without_bytes(alone.traffic)
+    _, theirs, ours = rejoined(diabetes, DroppingIn, KillingMidRound)
     assert theirs["algorithm"] == ours["algorithm"]  # round RESTART_ROUND closed without the victim in both
     assert theirs["algorithm"]["messages_up"] == CLIENTS * 8 - 1
     assert theirs["privacy"]["rounds"] == ours["privacy"]["rounds"] + 1  # the key agreement anew
