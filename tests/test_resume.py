@@ -58,14 +58,18 @@ def without_time(path: Path) -> list[dict[str, Any]]:
     return lines
 
 
+def simulated(folder: Path, config: dict[str, Any]) -> tuple[Path, tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """`fedsaddle simulate` of `config` in `folder`: its run directory, and its summary and metrics lines."""
+    path = write_config(folder / "simulated.yaml", **config)
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(folder / "simulated"), timeout=300)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (folder / "simulated").iterdir()
+    return run_dir, (json.loads((run_dir / "summary.json").read_text()), without_time(run_dir / "metrics.jsonl"))
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    path = write_config(folder / "run.yaml", **CONFIG)
-    done = fedsaddle("simulate", "--config", str(path), "--out", str(folder / "runs"), timeout=300)
-    assert done.returncode == 0, done.stderr
-    (run_dir,) = (folder / "runs").iterdir()
-    return json.loads((run_dir / "summary.json").read_text()), without_time(run_dir / "metrics.jsonl")
+    return simulated(tmp_path_factory.mktemp("uninterrupted"), CONFIG)[1]
 
 
 def resume_coordinator(run_dir: Path, address: str) -> subprocess.Popen[str]:
@@ -132,11 +136,7 @@ def test_a_coordinator_killed_between_checkpoints_resumes_bit_identical(
 def test_a_secure_federation_killed_between_checkpoints_resumes_bit_identical_with_new_keys(tmp_path: Path) -> None:
     config = {**CONFIG, "name": "resumed-secure", "algorithms": CONFIG["algorithms"][:1]}
     config["privacy"] = {"secure_aggregation": True}
-    path = write_config(tmp_path / "whole.yaml", **config)
-    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "whole"), timeout=300)
-    assert done.returncode == 0, done.stderr
-    (whole,) = (tmp_path / "whole").iterdir()
-    expected = json.loads((whole / "summary.json").read_text()), without_time(whole / "metrics.jsonl")
+    _, expected = simulated(tmp_path, config)
     run_dir, code, log, codes = killed_and_resumed(tmp_path, r"fedavg_s\s+round\s+2\d\d/401", config=config)
     assert code == 0, log
     assert codes == [0, 0, 0]
@@ -156,11 +156,7 @@ COMPUTING: dict[str, Any] = {
 def test_an_algorithm_of_compute_tasks_killed_between_checkpoints_resumes_bit_identical(tmp_path: Path) -> None:
     # Local SGDA+ runs its own client computation (COMPUTE tasks) and keeps a snapshot x~ in its
     # state: the framework's checkpoint carries it, and the resumed run ends as the uninterrupted one.
-    path = write_config(tmp_path / "straight.yaml", **COMPUTING)
-    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "straight"), timeout=300)
-    assert done.returncode == 0, done.stderr
-    (straight,) = (tmp_path / "straight").iterdir()
-    expected = json.loads((straight / "summary.json").read_text()), without_time(straight / "metrics.jsonl")
+    _, expected = simulated(tmp_path, COMPUTING)
     run_dir, code, log, codes = killed_and_resumed(tmp_path, r"local_sgda_plus\s+round\s+2\d\d/401", config=COMPUTING)
     assert code == 0, log
     assert re.search(r"resuming .* from its checkpoint: local_sgda_plus at step \d+", log), log
@@ -430,12 +426,9 @@ def test_a_coordinator_killed_in_each_of_five_algorithms_redoes_at_most_checkpoi
 ) -> None:
     names = [a["name"] for a in FIVE["algorithms"]]
     path = write_config(tmp_path / "run.yaml", **FIVE)
-    done = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "simulated"), timeout=300)
-    assert done.returncode == 0, done.stderr
-    (simulated,) = (tmp_path / "simulated").iterdir()
-    with np.load(simulated / "checkpoint.npz") as archive:  # simulate checkpoints the last algorithm too
+    run_dir, expected = simulated(tmp_path, FIVE)
+    with np.load(run_dir / "checkpoint.npz") as archive:  # simulate checkpoints the last algorithm too
         assert json.loads(str(archive["__meta__"]))["algorithm_index"] == len(names) - 1
-    expected = json.loads((simulated / "summary.json").read_text()), without_time(simulated / "metrics.jsonl")
 
     address = free_address()
     coordinator = Coordinator(path, tmp_path / "runs", listen=address)
