@@ -77,36 +77,45 @@ def main() -> None:
         if not args.min_clients <= n <= args.max_clients:
             continue
         median, q1, q3 = measure(n, processes, args.dim, args.rounds)
-        rows.append((n, processes, median))
+        rows.append((n, processes, median, q1, q3))
         print(
             f"{n:>8} {processes:>10} {1e3 * median:>9.2f} {1e3 * q1:>9.2f} {1e3 * q3:>9.2f} {1e6 * median / n:>16.1f}"
             "  mean bit-identical, counts exact",
             flush=True,
         )
     base = rows[0][2]
-    for n, processes, median in rows[1:]:
+    for n, processes, median, _, _ in rows[1:]:
         print(f"{n} clients in {processes} processes: {median / base:.2f}x the {rows[0][0]}-client round")
     if args.plot:
         _plot(rows, args.dim, args.plot)
         print(f"plot: {args.plot}")
 
 
-def _plot(rows: list[tuple[int, int, float]], dim: int, path: Path) -> None:
+def _plot(rows: list[tuple[int, int, float, float, float]], dim: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    ns = [n for n, _, _ in rows]
-    ax.loglog(ns, [1e3 * m for _, _, m in rows], "o-", label="fedsaddle, gradient round")
-    for n, processes, median in rows:
-        ax.annotate(f"{processes} proc.", (n, 1e3 * median), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ns = [row[0] for row in rows]
+    medians = [1e3 * row[2] for row in rows]
+    spread = [[1e3 * (row[2] - row[3]) for row in rows], [1e3 * (row[4] - row[2]) for row in rows]]
+    ax.errorbar(ns, medians, yerr=spread, fmt="o-", capsize=3, label="fedsaddle, gradient round (median, IQR)")
+    for n, processes, median, _, _ in rows:
+        ax.annotate(f"{processes} proc.", (n, 1e3 * median), textcoords="offset points", xytext=(-14, 8), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
+    ax.tick_params(axis="y", which="both", labelsize=8)
+    ax.set_xlim(min(ns) / 2, max(ns) * 2)
     ax.set_xlabel("clients $n$")
-    ax.set_ylabel("round latency (ms, median)")
+    ax.set_ylabel("round latency (ms)")
     ax.set_title(f"Round latency against $n$ ($d = {dim}$, 2-core machine, loopback)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
