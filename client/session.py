@@ -273,7 +273,8 @@ class ClientSession:
     def _execute(self, message: pb.Task, payload: bytes | memoryview, own: bool = False) -> Iterable[bytes]:
         """Run a task; `own`: its payload is this session's buffer, which the worker may write over."""
         run_id = message.run_id
-        self._check_run(run_id)
+        if run_id != self._run_id or self.worker is None:  # (_check_run's test, without a call per task)
+            self._check_run(run_id)
         assert self.worker is not None
         task = wire.decode_task(message, payload, self._dimension, writable=own)
         if isinstance(task, ComputeTask) and find_computation(task.name) is None:

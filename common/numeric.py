@@ -63,9 +63,9 @@ def all_finite(values: Array) -> bool:
     are tested entry by entry: BLAS would split their sum over threads that then spin,
     taking the cores the other processes need (the d = 1e6 round took 1.6x as long).
     """
-    flags = values.flags
-    if values.size <= _SMALL and (flags.c_contiguous or flags.f_contiguous):
-        flat = values.ravel(order="K")  # a view in memory order
+    if values.size <= _SMALL:
+        # (one row as it is, else a view in memory order, or a copy of a few entries for a strided layout)
+        flat = values if values.ndim == 1 else values.ravel(order="K")
         if math.isfinite(np.dot(flat, flat)):
             return True
     return bool(np.logical_and.reduce(np.isfinite(values), axis=None))

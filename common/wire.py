@@ -572,24 +572,26 @@ def decode_answer(
         indices = tuple(header.client_indices)
     if header.diverged:
         return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
-    values = from_bytes(payload, len(indices) * dimension).reshape(len(indices), dimension)
-    if not all_finite(values):
+    clients = len(indices)
+    flat = from_bytes(payload, clients * dimension)
+    if not all_finite(flat):  # (tested flat: one row of a d = 10 answer is the usual case)
+        values = flat.reshape(clients, dimension)
         row, col = (int(v) for v in np.argwhere(~np.isfinite(values))[0])
         raise WireError(f"client {indices[row]}: entry {col} is {values[row, col]} (non-finite values are refused)")
     objective = None
     if want_objective:
-        if len(header.objective) != 8 * len(indices):
-            raise WireError(f"objective has {len(header.objective)} bytes, expected {8 * len(indices)}")
-        objective = from_bytes(header.objective, len(indices))
+        if len(header.objective) != 8 * clients:
+            raise WireError(f"objective has {len(header.objective)} bytes, expected {8 * clients}")
+        objective = from_bytes(header.objective, clients)
         if not all_finite(objective):
             raise WireError("objective values must be finite")
     elif header.objective:
         raise WireError("objective values sent but not asked for")
     counts = None
     if want_counts:
-        if len(header.sample_counts) != len(indices):
-            raise WireError(f"{len(header.sample_counts)} held-out row counts for {len(indices)} clients")
+        if len(header.sample_counts) != clients:
+            raise WireError(f"{len(header.sample_counts)} held-out row counts for {clients} clients")
         counts = np.array(header.sample_counts, dtype=np.float64)
     elif header.sample_counts:
         raise WireError("row counts sent but not asked for")
-    return Answer(indices, values, objective, counts=counts)
+    return Answer(indices, flat.reshape(clients, dimension), objective, False, counts)

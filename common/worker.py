@@ -120,10 +120,10 @@ class Worker:
         A run that diverges overflows: numpy's float warnings are the caller's to
         silence (the driver, batch runs and client processes do), once, not per task.
         """
-        if isinstance(task, EvaluateTask):
-            return self._evaluate(task)
         if isinstance(task, GradientTask):
             vectors, objective = self._gradient(task, round_id)
+        elif isinstance(task, EvaluateTask):
+            return self._evaluate(task)
         elif isinstance(task, ComputeTask):
             vectors, objective = self._compute(task, round_id), None
         else:
@@ -181,7 +181,11 @@ class Worker:
         return result
 
     def _gradient(self, task: GradientTask, round_id: int) -> tuple[Array, Array | None]:
-        z = np.ascontiguousarray(self._per_client(task.z))
+        z = task.z
+        if z.ndim == 1 and len(self.shards.indices) == 1:  # one client's column (D, 1): a view if z is contiguous
+            z = np.ascontiguousarray(z[:, None])
+        else:
+            z = np.ascontiguousarray(self._per_client(z))
         g = self.shards.gradient(z, out=self._answer_buffer(z.shape))
         if self.noise_scale > 0 and not task.exact:
             g += self._noise(self._streams(round_id), task.batch)

@@ -179,8 +179,16 @@ class OrderedFold:
             return
         if answer.objective is not None:
             self._objective[np.asarray(indices)] = answer.objective
-        self.held_bytes += answer.vectors.nbytes
         position = self._position(indices[0])
+        end = self._next + len(indices)
+        if position == self._next and end <= len(self.clients) and self.clients[end - 1] == indices[-1]:
+            # Its clients are the next ones in the sum's order (the usual case): added now, as _advance would.
+            self._add_block(answer)
+            self._next = end
+            if self._blocks or self._waiting or self._skipped:  # what waited on it, or clients it may pass
+                self._advance(stop_at_missing=True)
+            return
+        self.held_bytes += answer.vectors.nbytes
         last = None if position is None else position + len(indices) - 1
         if last is not None and last < len(self.clients) and self.clients[last] == indices[-1]:
             # Its clients follow one another in the sum's order (the usual case): added as one block.
@@ -239,7 +247,10 @@ class OrderedFold:
             return
         rows = vectors if self.weights is None else self.weights[np.asarray(answer.indices)][:, None] * vectors
         if len(rows) == 1:  # one client per process (the usual case): the cumulative sum's one addition, or a copy
-            self.total = rows[0].copy() if self.total is None else self.total + rows[0]
+            if self.total is None:
+                self.total = rows[0].copy()
+            else:
+                self.total += rows[0]  # (the sum is the fold's own array: added in place, the same bits)
             return
         stacked = rows if self.total is None else np.concatenate([self.total[None], rows])
         self.total = np.cumsum(stacked, axis=0)[-1]

@@ -220,13 +220,16 @@ class Coordination:
         """Whether the shell may read the session's next message now. False only in a folded round whose
         reorder buffer is full, for a session whose turn has not come: the shell asks again after the
         next event."""
-        round_, session = self._round, self.sessions.get(key)
-        if round_ is None or session is None or session.state is not State.JOINED:
+        round_ = self._round
+        if round_ is None:
+            return True
+        session = self.sessions.get(key)
+        if session is None or session.state is not State.JOINED:
             return True
         pending = session.incoming
-        if round_.fold is not None and pending is not None and pending.fold is None and not pending.refused:
+        if pending is not None and round_.fold is not None and pending.fold is None and not pending.refused:
             self._stream_if_due(session, round_, pending)
-        return round_.may_read(session)
+        return round_.hold_bytes is None or round_.may_read(session)  # (no bound: every stream is read)
 
     def _stream_if_due(self, session: Session, round_: Collecting, pending: Incoming) -> None:
         """An answer whose header came before its clients were next in the sum, and whose chunks have not
@@ -262,17 +265,18 @@ class Coordination:
 
     def next_deadline(self) -> float | None:
         """When to call `tick` if nothing happens before."""
-        deadlines = []
-        if self._greeting:
-            deadlines.append(next(iter(self._greeting.values())))
-        if self._joining_until is not None:
-            deadlines.append(self._joining_until[0])
-        if self._presence is not None:
-            deadlines.append(self._presence.deadline)
         barrier = self._barrier()
-        if barrier is not None and (deadline := barrier.deadline()) is not None:
-            deadlines.append(deadline)
-        return min(deadlines) if deadlines else None
+        soonest = None if barrier is None else barrier.deadline()
+        if self._greeting or self._joining_until is not None or self._presence is not None:
+            deadlines = [] if soonest is None else [soonest]
+            if self._greeting:
+                deadlines.append(next(iter(self._greeting.values())))
+            if self._joining_until is not None:
+                deadlines.append(self._joining_until[0])
+            if self._presence is not None:
+                deadlines.append(self._presence.deadline)
+            soonest = min(deadlines)
+        return soonest
 
     # -- the pool's operations --------------------------------------------------------------
 
@@ -693,6 +697,15 @@ class Coordination:
             return
         message = received.message
         kind = message.WhichOneof("body") if message is not None else None
+        if kind == "answer" and message is not None:  # (the usual message first)
+            if session.incoming is not None:
+                pending = session.incoming
+                if not pending.refused:
+                    before = "a new Answer before the chunks"
+                    self._reject(session, pending.header.round_id, checks.INVALID, before, actions)
+                _drop_incoming(session)
+            self._answer(session, message.answer, received.size, actions)
+            return
         if message is None or kind is None or kind == "hello":
             what = "bytes that are not a ClientMessage" if message is None else f"an unexpected {kind}"
             raise Refusal(checks.INVALID, f"{what} ({received.size} bytes)")
@@ -702,13 +715,6 @@ class Coordination:
             unmasking = self._unmasking
             if unmasking is None or not unmasking.accept(session, message.unmasked, received.size):
                 self._count_refusal(session, f"an unmasking for round {message.unmasked.round_id}, not asked")
-        elif kind == "answer":
-            pending = session.incoming
-            if pending is not None and not pending.refused:
-                before = "a new Answer before the chunks"
-                self._reject(session, pending.header.round_id, checks.INVALID, before, actions)
-            _drop_incoming(session)
-            self._answer(session, message.answer, received.size, actions)
         else:
             self._piece(session, message.chunk, received.size, actions)
 

@@ -90,24 +90,30 @@ class Barrier:
         return old
 
     def _until(self) -> float:
-        # A rejoin in progress may outlast the timeout; a rejoined session gets a full one.
-        renewed = self.renewed + self.timeout_s if self.renewed else 0.0
-        return max(self.opened + self.timeout_s, renewed, *(d for d, _ in self.lost.values()))
+        until = self.opened + self.timeout_s
+        if self.renewed or self.lost:  # (asked after every message: the usual round has neither)
+            # A rejoin in progress may outlast the timeout; a rejoined session gets a full one.
+            renewed = self.renewed + self.timeout_s if self.renewed else 0.0
+            until = max(until, renewed, *(d for d, _ in self.lost.values()))
+        return until
 
     def deadline(self) -> float | None:
         """When the verdict may change with no event: a lost session's rejoin deadline, or the timeout."""
         if self.done:
             return None
+        if not self.lost:
+            return self._until()
         return min([self._until(), *(d for d, _ in self.lost.values())])
 
     def verdict(self, now: float) -> tuple[bool, BaseException | None]:
         """(settled, the error if it failed): complete, failed, or out of time at `now`."""
         if self.done:
             return True, self.error
-        gone = [(indices, how) for indices, (d, how) in self.lost.items() if d <= now]
-        if gone:
-            indices, how = gone[0]
-            return True, ClientLost(f"{how}, and did not rejoin within {self.rejoin_timeout_s:g} s", indices)
+        if self.lost:
+            gone = [(indices, how) for indices, (d, how) in self.lost.items() if d <= now]
+            if gone:
+                indices, how = gone[0]
+                return True, ClientLost(f"{how}, and did not rejoin within {self.rejoin_timeout_s:g} s", indices)
         if now >= self._until():
             owing = [s for s in self.sessions if s.key in self.pending and s.indices not in self.lost]
             held = [s for s in owing if self.held_back(s)]
@@ -273,7 +279,8 @@ class Collecting(Barrier):
         fold = self.fold
         if fold is not None and not added:  # the vectors go into the sum (now, or in their turn); the rest stays
             fold.offer(answer)
-            answer = answer._replace(vectors=_NO_VECTORS)
+            indices, _, objective, diverged, counts, shares, reason = answer
+            answer = Answer(indices, _NO_VECTORS, objective, diverged, counts, shares, reason)
         self.answers[session.key] = answer
         self.bytes_up += size
         self._heard(session)

@@ -151,7 +151,7 @@ class SessionService:
     # -- carrying out the protocol's actions ------------------------------------------------
 
     def act(self, actions: Iterable[Action]) -> None:
-        todo = deque(actions)
+        todo = deque(actions) if actions else None  # (most messages, a round's answers, call for none)
         while todo:
             action = todo.popleft()
             if isinstance(action, Send):
