@@ -66,7 +66,7 @@ def all_finite(values: Array) -> bool:
     if values.size <= _SMALL:
         # (one row as it is, else a view in memory order, or a copy of a few entries for a strided layout)
         flat = values if values.ndim == 1 else values.ravel(order="K")
-        if math.isfinite(np.dot(flat, flat)):
+        if math.isfinite(flat.dot(flat)):  # (the method: np.dot adds a Python-level dispatch)
             return True
     return bool(np.logical_and.reduce(np.isfinite(values), axis=None))
 
