@@ -279,8 +279,7 @@ class Collecting(Barrier):
         fold = self.fold
         if fold is not None and not added:  # the vectors go into the sum (now, or in their turn); the rest stays
             fold.offer(answer)
-            indices, _, objective, diverged, counts, shares, reason = answer
-            answer = Answer(indices, _NO_VECTORS, objective, diverged, counts, shares, reason)
+            answer = answer._replace(vectors=_NO_VECTORS)
         self.answers[session.key] = answer
         self.bytes_up += size
         self._heard(session)
