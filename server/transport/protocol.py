@@ -340,8 +340,11 @@ class Coordination:
                 # every answer that comes before it counts: none is held back (the buffer is not bounded).
                 # Beyond the bound, the streams whose turn has not come are not read until the sum reaches
                 # them (HTTP/2 flow control keeps the rest of their answers on the clients).
+                # An answer of one message is read whatever the buffer holds (Collecting._room_for): a round
+                # whose answers all are has no bound to keep, and its streams are never asked about it.
                 bound = self.limits.reorder_bytes
-                if self.straggler_deadline_s is None and answers_bytes > bound:
+                largest = 8 * request.entries * max((len(mine) for _, mine in taking_part), default=0)
+                if self.straggler_deadline_s is None and answers_bytes > bound and largest > self.chunk_bytes:
                     hold = bound
             round_ = Collecting(
                 [s for s, _ in taking_part],
