@@ -147,27 +147,29 @@ def test_masks_are_deterministic_per_seed_and_uniform_looking() -> None:
 
 
 def test_blockwise_masks_equal_whole_keystreams_added() -> None:
-    """add_masks works block by block; the result is each seed's whole AES-256-CTR keystream (taken here
-    straight from `cryptography`, in one call) added or subtracted mod 2^64."""
+    """add_masks works block by block; the result is each seed's whole AES-CTR keystream (AES-128 under the
+    seed's first 16 bytes, counter blocks from 0^96 || 2; taken here straight from `cryptography`'s CTR mode,
+    in one call) added or subtracted mod 2^64."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+    def keystream(seed: bytes, length: int) -> np.ndarray:
+        counter = bytes(12) + (2).to_bytes(4, "big")
+        stream = Cipher(algorithms.AES(seed[:16]), modes.CTR(counter)).encryptor().update(bytes(8 * length))
+        return np.frombuffer(stream, dtype="<u8").astype(np.uint64)
+
     length = 2 * crypto.MASK_BLOCK + 123  # two whole blocks and a tail
-    seeds = [(bytes([k]) * 32, sign) for k, sign in ((1, 1), (2, -1), (3, 1))]
+    seeds = [(bytes([k]) * 16 + bytes([k + 7]) * 16, sign) for k, sign in ((1, 1), (2, -1), (3, 1))]
     start = np.arange(length, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     expected = start.copy()
     for seed, sign in seeds:
-        stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update(bytes(8 * length))
-        keystream = np.frombuffer(stream, dtype="<u8").astype(np.uint64)
-        expected = expected + keystream if sign > 0 else expected - keystream
+        expected = expected + keystream(seed, length) if sign > 0 else expected - keystream(seed, length)
     total = start.copy()
     crypto.add_masks(total, seeds)
     assert np.array_equal(total, expected)
-    assert np.array_equal(
-        crypto.expand(seeds[0][0], 10),
-        np.frombuffer(
-            Cipher(algorithms.AES(seeds[0][0]), modes.CTR(bytes(16))).encryptor().update(bytes(80)), dtype="<u8"
-        ),
-    )
+    assert np.array_equal(crypto.expand(seeds[0][0], 10), keystream(seeds[0][0], 10))
+    # A mask depends on the seed's first 16 bytes (the AES-128 key) only, and on each of them.
+    assert np.array_equal(crypto.expand(bytes(16) + b"a" * 16, 10), crypto.expand(bytes(16) + b"b" * 16, 10))
+    assert not np.array_equal(crypto.expand(bytes(16) + b"a" * 16, 10), crypto.expand(bytes(15) + b"\1" * 17, 10))
 
 
 def test_sealed_shares_open_only_in_their_own_context() -> None:

@@ -67,6 +67,7 @@ class MaskedRound:
         self.shares: dict[int, dict[int, bytes]] = {}  # sender -> holder -> its sealed share
         self.total = np.zeros(length, dtype=np.uint64)  # the masked rows, added as they come
         self._requests: dict[int, UnmaskRequest] | None = None
+        self._finished = False
         self._graph: dict[int, tuple[int, ...]] = {}  # client -> its neighbours, as they are asked for
 
     def neighbours_of(self, client: int) -> tuple[int, ...]:
@@ -135,8 +136,8 @@ class MaskedRound:
         """sum_{i in A} x_i mod 2^64 from the replies to `close`'s requests (enough of each answering client's
         neighbourhood to rebuild its self mask; every answering neighbour of a dropped client, whose masks
         with it only that neighbour can remove)."""
-        if self._requests is None:
-            raise RuntimeError("close() the round before finishing it")
+        if self._requests is None or self._finished:
+            raise RuntimeError("close() the round before finishing it, and finish it once (it unmasks in place)")
         where = f"round {self.round_id}"
         answered = tuple(sorted(self.shares))
         dropped = self._requests[answered[0]].dropped
@@ -160,8 +161,7 @@ class MaskedRound:
                 f"{where}: clients {silent[:5]} answered but gave no unmasking, and only they can remove their "
                 f"masks with the clients that dropped ({list(dropped[:5])})"
             )
-        total = self.total.copy()
-        masks: list[tuple[bytes, int]] = []  # removed in one pass at the end
+        masks: list[tuple[bytes, int]] = []  # removed in one pass at the end, in place (once all is checked)
         weights: dict[tuple[int, ...], dict[int, int]] = {}  # Lagrange coefficients per set of holders
         for i in answered:
             neighbourhood = [j for j in (*self.neighbours_of(i), i) if j in replies]
@@ -186,5 +186,6 @@ class MaskedRound:
         for j in sorted(replies):
             for i in sorted(replies[j].seeds):
                 masks.append((replies[j].seeds[i], -1 if i > j else 1))
+        total, self._finished = self.total, True
         crypto.add_masks(total, masks)
         return total

@@ -21,7 +21,7 @@ from fedsaddle.common.numeric import Array
 from fedsaddle.common.secagg.settings import SecAggError
 
 Ring = NDArray[np.uint64]
-_BLOCK = 32_768  # entries converted at a time: no second 8 MB array at d = 1e6 (fresh pages cost more than the work)
+_BLOCK = 131_072  # entries encoded at a time: the block stays in the CPU's cache from scaling to adding
 
 
 class FixedPointOverflow(SecAggError):
@@ -37,24 +37,39 @@ class FixedPointOverflow(SecAggError):
 
 
 def encode(values: Array, scale_bits: int, bound: float, round_id: int) -> Ring:
-    """round(values * 2^scale_bits) in Z/2^64, after checking every |value| <= bound.
-
-    One new array, converted in place: the scaling (exact, by a power of two, so |v| <= B exactly when
-    |v 2^s| <= B 2^s) is checked through its minimum and maximum (NaN fails both), rounded in place,
-    and converted to integers."""
+    """round(values * 2^scale_bits) in Z/2^64, after checking every |value| <= bound."""
     values = np.asarray(values, dtype=np.float64)
-    scaled = np.ldexp(values, scale_bits)
-    limit = np.ldexp(bound, scale_bits)
-    if scaled.size and not (scaled.min() >= -limit and scaled.max() <= limit):
-        outside = ~(np.abs(values) <= bound)  # only on the way to the error: which entry
-        entry = int(np.argmax(outside))
-        raise FixedPointOverflow(round_id, entry, float(values[entry]), bound)
-    np.rint(scaled, out=scaled)
-    as_integers = scaled.view(np.int64)
-    for start in range(0, len(scaled), _BLOCK):  # to int64 in place, a cache-sized block at a time
-        as_integers[start : start + _BLOCK] = scaled[start : start + _BLOCK]
-    encoded: Ring = as_integers.view(np.uint64)
+    encoded: Ring = np.zeros(len(values), dtype=np.uint64)
+    add_encoded(encoded, values, scale_bits, bound, round_id)
     return encoded
+
+
+def add_encoded(total: Ring, values: Array, scale_bits: int, bound: float, round_id: int, offset: int = 0) -> None:
+    """total[offset:offset + len(values)] += encode(values) (mod 2^64), in place.
+
+    A cache-sized block at a time: each block is scaled (exact, by a power of two, so |v| <= B exactly when
+    |v 2^s| <= B 2^s), checked through its minimum and maximum (NaN fails both), rounded, converted to
+    integers and added while it is in cache, so that a client's row and its masks meet in one pass over
+    memory. FixedPointOverflow names the first value outside the bound (entries counted from `offset`);
+    `total` may then hold the blocks before it, and the caller drops it."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 1 or offset < 0 or offset + len(values) > len(total):
+        raise ValueError(f"{values.shape} values do not fit a row of {len(total)} entries from entry {offset}")
+    limit = np.ldexp(bound, scale_bits)
+    size = min(_BLOCK, len(values))
+    scaled, integers = np.empty(size), np.empty(size, dtype=np.int64)
+    for start in range(0, len(values), _BLOCK):
+        part = values[start : start + _BLOCK]
+        block, as_integers = scaled[: len(part)], integers[: len(part)]
+        np.ldexp(part, scale_bits, out=block)
+        if not (block.min() >= -limit and block.max() <= limit):
+            outside = ~(np.abs(part) <= bound)  # only on the way to the error: which entry
+            entry = start + int(np.argmax(outside))
+            raise FixedPointOverflow(round_id, offset + entry, float(values[entry]), bound)
+        np.rint(block, out=block)
+        as_integers[...] = block  # exact: integers within +-2^62
+        target = total[offset + start : offset + start + len(part)]
+        np.add(target, as_integers.view(np.uint64), out=target)
 
 
 def decode(total: Ring, scale_bits: int) -> Array:

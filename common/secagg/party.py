@@ -160,16 +160,24 @@ class Party:
 
     # -- a round -------------------------------------------------------------------------
 
-    def mask(self, round_id: int, attempt: int, participants: Sequence[int], row: Array) -> MaskedRow:
-        """y_i for a round among `participants` (increasing client indices, this one among them)."""
+    def mask(self, round_id: int, attempt: int, participants: Sequence[int], row: Array | Sequence[Array]) -> MaskedRow:
+        """y_i for a round among `participants` (increasing client indices, this one among them). `row` may come
+        in pieces (the answer, its objective, its weight), encoded one after another without joining them."""
         clients = self._check_round(round_id, attempt, participants)
-        bound = self.settings.bound
-        masked = fixedpoint.encode(row, self.settings.scale_bits, bound, round_id)
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared[:4] == (round_id, attempt, clients, len(row)):
-            np.add(masked, prepared.pad, out=masked)
-        else:  # made now, straight into the row
-            prepared = self._make_masks(round_id, attempt, clients, len(row), into=masked)
+        pieces = [row] if isinstance(row, np.ndarray) else list(row)
+        length = sum(len(piece) for piece in pieces)
+        prepared = self._prepared
+        if prepared is not None and prepared[:4] == (round_id, attempt, clients, length):
+            # The masks are ready: the row is encoded onto them, block by block, in one pass. (A value outside
+            # the bound leaves them half-changed: they are dropped, as a prepared pad is in any case.)
+            self._prepared = None
+            masked = prepared.pad
+            self._encode(pieces, round_id, masked)
+        else:  # made now, straight into the encoded row
+            masked = np.zeros(length, dtype=np.uint64)
+            self._encode(pieces, round_id, masked)
+            self._prepared = None
+            prepared = self._make_masks(round_id, attempt, clients, length, into=masked)
         # Only the latest round can still be unmasked: older ones are forgotten (the pool finishes a round
         # before it starts the next, so a request for one of them is stale).
         self._answered = {
@@ -178,6 +186,12 @@ class Party:
             )
         }
         return MaskedRow(self.index, masked, prepared.sealed)
+
+    def _encode(self, pieces: Sequence[Array], round_id: int, into: Ring) -> None:
+        offset = 0
+        for piece in pieces:
+            fixedpoint.add_encoded(into, piece, self.settings.scale_bits, self.settings.bound, round_id, offset)
+            offset += len(piece)
 
     def prepare(self, round_id: int, attempt: int, participants: Sequence[int], length: int) -> bool:
         """Make a coming round's masks ahead of its task (while the client would wait for it), so that `mask`

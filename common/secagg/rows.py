@@ -10,6 +10,7 @@ total weight of the round), never any w_i.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -18,7 +19,6 @@ import numpy as np
 from fedsaddle.common import dp
 from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.secagg import fixedpoint
 from fedsaddle.common.secagg.fixedpoint import FixedPointOverflow, Ring
 from fedsaddle.common.secagg.party import MaskedRow, Party
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
@@ -40,13 +40,19 @@ def row_length(task: Task, dimension: int) -> int:
     return dimension + (2 if isinstance(task, GradientTask) and task.want_objective else 1)
 
 
-def build_row(vector: Array, weight: float, objective: float | None = None) -> Array:
-    """[w v, (w f), w]."""
-    parts = [weight * vector] if weight != 1.0 else [vector]
+def row_pieces(vector: Array, weight: float, objective: float | None = None) -> tuple[Array, ...]:
+    """[w v, (w f), w] in pieces, as Party.mask encodes them (one after another, never joined: at d = 1e6 a
+    joined row would be one more 16 MB copy per client and round)."""
+    pieces = [weight * vector] if weight != 1.0 else [vector]
     if objective is not None:
-        parts.append(np.array([weight * objective]))
-    parts.append(np.array([weight]))
-    return np.concatenate(parts)
+        pieces.append(np.array([weight * objective]))
+    pieces.append(np.array([weight]))
+    return tuple(pieces)
+
+
+def build_row(vector: Array, weight: float, objective: float | None = None) -> Array:
+    """[w v, (w f), w] in one array."""
+    return np.concatenate(row_pieces(vector, weight, objective))
 
 
 def mask_answer(
@@ -78,7 +84,7 @@ def mask_answer(
             values = vector if objective is None else np.append(vector, objective)
             values = dp.client_share(values, private, len(participants), dp.private_rng())
             vector, objective = values[: len(vector)], None if objective is None else float(values[-1])
-        row = build_row(vector, weight, objective)
+        row = row_pieces(vector, weight, objective)
         try:
             rows.append(parties[index].mask(round_id, attempt, participants, row))
         except FixedPointOverflow as exc:
@@ -95,13 +101,18 @@ class Aggregate(NamedTuple):
 
 
 def read_sum(total: Ring, task: Task, dimension: int, scale_bits: int) -> Aggregate:
-    """The aggregate of a round from the unmasked sum of its rows."""
-    sums = fixedpoint.decode(total, scale_bits)
-    weight = float(sums[-1])
+    """The aggregate of a round from the unmasked sum of its rows.
+
+    The sums are read as signed integers in units of 2^-s, converted to float64 once, and divided in place
+    by the weight's integer: decoding scales by a power of two, exactly, so (x 2^-s) / (w 2^-s) and x / w
+    are the same quotient, rounded once (fixedpoint.decode then a division give the same bits, with two
+    more passes over the row)."""
+    sums = np.asarray(total, dtype=np.uint64).view(np.int64).astype(np.float64)
+    units = float(sums[-1])
+    weight = math.ldexp(units, -scale_bits)
     length = len(task.metric_names) if isinstance(task, EvaluateTask) else dimension
-    with np.errstate(invalid="ignore", divide="ignore"):  # no weight at all (no held-out rows): NaN, as in plain
-        mean = sums[:length] / weight if weight != 0 else np.full(length, np.nan)
-        objective = float(sums[length]) / weight if len(sums) == length + 2 and weight != 0 else None
-    if len(sums) == length + 2 and objective is None:
-        objective = float("nan")
-    return Aggregate(mean, objective, weight)
+    with_objective = len(sums) == length + 2
+    if units == 0:  # no weight at all (no held-out rows): NaN, as in plain
+        return Aggregate(np.full(length, np.nan), float("nan") if with_objective else None, weight)
+    np.divide(sums, units, out=sums)
+    return Aggregate(sums[:length], float(sums[length]) if with_objective else None, weight)
