@@ -172,6 +172,20 @@ def test_blockwise_masks_equal_whole_keystreams_added() -> None:
     assert not np.array_equal(crypto.expand(bytes(16) + b"a" * 16, 10), crypto.expand(bytes(15) + b"\1" * 17, 10))
 
 
+def test_masks_onto_a_fresh_array_equal_masks_added_to_zeros() -> None:
+    """add_masks(fresh=True) overwrites whatever the array held with the masks' sum, whichever sign comes first."""
+    length = crypto.MASK_BLOCK + 5
+    for seeds in ([(b"a" * 32, 1), (b"b" * 32, -1)], [(b"c" * 32, -1), (b"d" * 32, 1), (b"e" * 32, -1)]):
+        expected = np.zeros(length, dtype=np.uint64)
+        crypto.add_masks(expected, seeds)
+        garbage = np.full(length, 12345, dtype=np.uint64)
+        crypto.add_masks(garbage, seeds, fresh=True)
+        assert np.array_equal(garbage, expected)
+    cleared = np.full(3, 7, dtype=np.uint64)
+    crypto.add_masks(cleared, [], fresh=True)
+    assert cleared.tolist() == [0, 0, 0]
+
+
 def test_sealed_shares_open_only_in_their_own_context() -> None:
     key = crypto.envelope(bytes(range(32)))
     sealed = crypto.seal(key, b"share", RUN, 3, 0, 1, 2)

@@ -87,8 +87,8 @@ def round_seed(key: bytes, purpose: str, run_id: str, round_id: int, attempt: in
 
 def expand(seed: bytes, length: int) -> Ring:
     """`length` pseudo-random ring elements: the AES-CTR keystream of the seed."""
-    mask = np.zeros(length, dtype=np.uint64)
-    add_masks(mask, [(seed, 1)])
+    mask = np.empty(length, dtype=np.uint64)
+    add_masks(mask, [(seed, 1)], fresh=True)
     return mask
 
 
@@ -103,14 +103,18 @@ MASK_BLOCK = 32_768  # ring entries (256 KiB) per step of add_masks: the scratch
 _ZEROS = bytes(8 * MASK_BLOCK)  # the plaintext whose encryption is the keystream (read, never written)
 
 
-def add_masks(total: Ring, masks: Sequence[tuple[bytes, int]]) -> None:
-    """total += sum of sign * PRG(seed) over `masks` (mod 2^64, sign +1 or -1), in place.
+def add_masks(total: Ring, masks: Sequence[tuple[bytes, int]], fresh: bool = False) -> None:
+    """total += sum of sign * PRG(seed) over `masks` (mod 2^64, sign +1 or -1), in place; with `fresh`,
+    total = that sum (whatever `total` held: an array from np.empty needs no clearing pass).
 
     Block by block: each seed's stream is carried on from block to block, and every block of every
     mask is written into one small scratch and added while it is still in cache. At d = 1e6 that
     touches `total` once instead of allocating, filling and adding an 8 MB mask per seed (main memory's
     bandwidth, not AES, was most of a mask's cost). The keystream is encrypted from a constant block of
-    zeros straight into the scratch (no pass to clear it). The result is exactly expand(seed) added whole."""
+    zeros straight into the scratch (no pass to clear it), or, for the first mask of a fresh total,
+    straight into the total. The result is exactly expand(seed) added whole."""
+    if fresh and not masks:
+        total.fill(0)
     if not masks or not len(total):
         return
     streams = [(keystream(seed), sign) for seed, sign in masks]
@@ -121,7 +125,14 @@ def add_masks(total: Ring, masks: Sequence[tuple[bytes, int]]) -> None:
         part = total[start : start + MASK_BLOCK]
         block = scratch[: len(part)]
         buffer, source = block.data.cast("B"), zeros[: 8 * len(part)]
-        for stream, sign in streams:
+        for k, (stream, sign) in enumerate(streams):
+            if fresh and k == 0:  # the first mask is the total's first value: written in place
+                stream.update_into(source, part.data.cast("B"))
+                if swap:
+                    part.byteswap(inplace=True)
+                if sign < 0:
+                    np.negative(part, out=part)
+                continue
             stream.update_into(source, buffer)  # the keystream (XOR zeros), straight into the scratch
             if swap:
                 block.byteswap(inplace=True)

@@ -245,10 +245,10 @@ class Party:
             for j, share in shares.items()
             if j != self.index
         }
-        pad = np.zeros(length, dtype=np.uint64) if into is None else into
+        pad = np.empty(length, dtype=np.uint64) if into is None else into
         masks = [(self._self_key(self_seed, round_id, attempt), 1)]
         masks += [(self._round_seed(j, round_id, attempt), 1 if j > self.index else -1) for j in neighbours]
-        crypto.add_masks(pad, masks)  # all of them in one pass
+        crypto.add_masks(pad, masks, fresh=into is None)  # all of them in one pass
         return _Prepared(
             round_id, attempt, clients, length, threshold, neighbours, share_threshold, shares[self.index], sealed, pad
         )
