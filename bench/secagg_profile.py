@@ -36,6 +36,7 @@ from round_latency import time_rounds
 from secagg import graph_name, run_info
 
 from fedsaddle.common import wire
+from fedsaddle.common.memory import tune_malloc
 from fedsaddle.common.secagg import SecAggSettings, crypto, graph, messages, shamir
 from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import Party, self_mask_key
@@ -288,6 +289,7 @@ def main() -> None:
     parser.add_argument("--skip-phases", action="store_true")
     args = parser.parse_args()
     dims = [int(v) for v in args.dims]
+    tune_malloc()  # large buffers reused from the heaps, as the coordinator and the clients have them
     if not args.skip_steps:
         for d in dims:
             for k in args.graphs:
