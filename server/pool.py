@@ -283,7 +283,8 @@ class ClientPool(abc.ABC):
 
     def _agree_keys(self, run: RunInfo, settings: SecAggSettings) -> None:
         """Key agreement, once per run: one round of the privacy category (keys up, the directory down)."""
-        self.secure = SecureRounds(run.run_id, settings, run.num_clients, run.dimension)
+        uniform = run.weighting != "samples"
+        self.secure = SecureRounds(run.run_id, settings, run.num_clients, run.dimension, uniform=uniform)
         try:
             for index, key in sorted(self._public_keys().items()):
                 self.secure.directory.announce(index, key)

@@ -16,8 +16,8 @@ from fedsaddle.common.secagg import SecAggSettings
 from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import Aggregate, MaskedAnswer, read_sum, row_length
-from fedsaddle.common.secagg.settings import round_threshold
-from fedsaddle.common.tasks import Task
+from fedsaddle.common.secagg.settings import SecAggError, round_threshold
+from fedsaddle.common.tasks import EvaluateTask, Task
 
 Unmask = Callable[[dict[int, UnmaskRequest]], dict[int, UnmaskReply]]
 
@@ -35,9 +35,12 @@ class SecureOutcome(NamedTuple):
 class SecureRounds:
     """A run's secure aggregation on the coordinator: its key directory and its rounds."""
 
-    def __init__(self, run_id: str, settings: SecAggSettings, num_clients: int, dimension: int) -> None:
+    def __init__(
+        self, run_id: str, settings: SecAggSettings, num_clients: int, dimension: int, uniform: bool = False
+    ) -> None:
         self.run_id, self.settings = run_id, settings
         self.num_clients, self.dimension = num_clients, dimension
+        self.uniform = uniform  # every algorithm row carries the weight 1: their sum is known (see `aggregate`)
         self.directory = KeyDirectory()
 
     def aggregate(
@@ -66,6 +69,14 @@ class SecureRounds:
             return SecureOutcome(None, answered, (), tuple(sorted(diverged)), reason)
         replies = unmask(masked.close())
         total = masked.finish(replies)
-        return SecureOutcome(
-            read_sum(total, task, self.dimension, self.settings.scale_bits), answered, tuple(sorted(replies))
-        )
+        aggregate = read_sum(total, task, self.dimension, self.settings.scale_bits)
+        summed = len(masked.shares)
+        if self.uniform and not isinstance(task, EvaluateTask) and aggregate.total_weight != summed:
+            # Each row's weight is 1, so the weights must sum to the rows summed, exactly: masks that did not
+            # cancel (a client whose masks differ, e.g. of an older fedsaddle) leave a random sum instead.
+            raise SecAggError(
+                f"round {round_id}: the unmasked weights sum to {aggregate.total_weight:.17g}, not to the {summed} "
+                "clients whose rows were summed: the masks did not cancel (are the clients and the coordinator "
+                "the same fedsaddle version?)"
+            )
+        return SecureOutcome(aggregate, answered, tuple(sorted(replies)))

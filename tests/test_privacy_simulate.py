@@ -280,3 +280,25 @@ def test_a_stopped_secure_run_resumes_bit_identical_with_a_new_key_agreement(tmp
     privacy_a, privacy_b = a["traffic"]["privacy"], b["traffic"]["privacy"]
     assert privacy_b["rounds"] == privacy_a["rounds"] + 1
     assert privacy_b["messages_up"] == privacy_a["messages_up"] + 3
+
+
+def test_masks_that_do_not_cancel_fail_the_round_by_name_instead_of_releasing_a_random_sum() -> None:
+    """Under uniform weights every row carries the weight 1, so the unmasked weights must sum to the rows summed.
+    A client whose self mask is not the one the coordinator removes (here derived for another round, as a
+    client of another fedsaddle version would make its masks otherwise) fails the round, naming it."""
+    from fedsaddle.common.secagg.party import Party
+    from fedsaddle.server.driver import RunStopped
+
+    class OddClient(LocalPool):
+        def _public_keys(self) -> dict[int, bytes]:
+            keys = super()._public_keys()
+            odd: Party = self._parties[3]
+            honest = odd._self_key
+            odd._self_key = lambda seed, round_id, attempt: honest(seed, round_id + 1000, attempt)  # type: ignore[method-assign]
+            return keys
+
+    with pytest.raises(
+        RunStopped, match=r"round 1: the unmasked weights sum to .*, not to the 10 clients .*did not cancel"
+    ):
+        run(paper(5, True), OddClient())
+    assert run(paper(5, True)).status == "ok"  # (the honest federation runs)
