@@ -147,14 +147,12 @@ def test_masks_are_deterministic_per_seed_and_uniform_looking() -> None:
 
 
 def test_blockwise_masks_equal_whole_keystreams_added() -> None:
-    """add_masks works block by block; the result is each seed's whole AES-CTR keystream (AES-128 under the
-    seed's first 16 bytes, counter blocks from 0^96 || 2; taken here straight from `cryptography`'s CTR mode,
-    in one call) added or subtracted mod 2^64."""
+    """add_masks works block by block; the result is each seed's whole AES-256-CTR keystream (counter blocks
+    from zero; taken here straight from `cryptography`, in one call) added or subtracted mod 2^64."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
     def keystream(seed: bytes, length: int) -> np.ndarray:
-        counter = bytes(12) + (2).to_bytes(4, "big")
-        stream = Cipher(algorithms.AES(seed[:16]), modes.CTR(counter)).encryptor().update(bytes(8 * length))
+        stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update(bytes(8 * length))
         return np.frombuffer(stream, dtype="<u8").astype(np.uint64)
 
     length = 2 * crypto.MASK_BLOCK + 123  # two whole blocks and a tail
@@ -167,9 +165,9 @@ def test_blockwise_masks_equal_whole_keystreams_added() -> None:
     crypto.add_masks(total, seeds)
     assert np.array_equal(total, expected)
     assert np.array_equal(crypto.expand(seeds[0][0], 10), keystream(seeds[0][0], 10))
-    # A mask depends on the seed's first 16 bytes (the AES-128 key) only, and on each of them.
-    assert np.array_equal(crypto.expand(bytes(16) + b"a" * 16, 10), crypto.expand(bytes(16) + b"b" * 16, 10))
-    assert not np.array_equal(crypto.expand(bytes(16) + b"a" * 16, 10), crypto.expand(bytes(15) + b"\1" * 17, 10))
+    # A mask depends on every byte of the seed (the AES-256 key).
+    assert not np.array_equal(crypto.expand(bytes(16) + b"a" * 16, 10), crypto.expand(bytes(16) + b"b" * 16, 10))
+    assert not np.array_equal(crypto.expand(bytes(31) + b"a", 10), crypto.expand(b"a" + bytes(31), 10))
 
 
 def test_masks_onto_a_fresh_array_equal_masks_added_to_zeros() -> None:
