@@ -126,6 +126,18 @@ class PaperRegressionShards:
             _gradient_rows(self.lam, z[rows], z[ys], self._half_a[rows], self._half_b[rows], out[rows], out[ys], part)
         return out
 
+    def gradient_pairs(self, xy: Array, rows: slice, out: Array) -> Array:
+        """G_i on some rows of x and the same rows of y alone: entry j of G_i(z) depends only on x_j and
+        y_j (A_i is diagonal), so the worker may run local steps a block of rows at a time
+        (common/worker.py). `xy` and `out` are (2, len(rows), ...): those rows of x, then of y. The
+        operations are `gradient`'s, entry for entry."""
+        scratch = self._scratch.get(xy.shape[2:])
+        if scratch is None:
+            scratch = self._scratch[xy.shape[2:]] = np.empty((min(_ROWS, self.dim), *xy.shape[2:]))
+        part = scratch[: xy.shape[1]]
+        _gradient_rows(self.lam, xy[0], xy[1], self._half_a[rows], self._half_b[rows], out[0], out[1], part)
+        return out
+
     def objective(self, z: Array) -> Array:
         # Each sum over the d entries runs strictly in entry order (ordered_sum): np.sum over axis 0 of a
         # (d, k) block adds pairwise when k = 1 and in order when k > 1, so a client hosted alone got another
