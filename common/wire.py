@@ -276,7 +276,9 @@ class Assembler:
     answer, read to their end.
     """
 
-    def __init__(self, total_bytes: int, into: bytearray | None = None, min_piece: int = 0, keep: bool = True) -> None:
+    def __init__(
+        self, total_bytes: int, into: bytearray | memoryview | None = None, min_piece: int = 0, keep: bool = True
+    ) -> None:
         if into is not None and len(into) < total_bytes:
             raise ValueError(f"a buffer of {len(into)} bytes cannot hold {total_bytes}")
         self.total = total_bytes

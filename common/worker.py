@@ -19,6 +19,7 @@ import numpy as np
 from fedsaddle.common import seeding
 from fedsaddle.common.computations import broken_plugins, find_computation
 from fedsaddle.common.indices import some
+from fedsaddle.common.memory import lasting
 from fedsaddle.common.numeric import BLOCK, Array, all_finite, blocks
 from fedsaddle.common.problems import (
     DataError,
@@ -95,7 +96,7 @@ class Worker:
         fault per 4 KiB every round, more than the arithmetic."""
         buffer = self._buffers.get((name, shape))
         if buffer is None:
-            buffer = self._buffers[name, shape] = np.empty(shape)
+            buffer = self._buffers[name, shape] = lasting(shape)
         return buffer
 
     def _answer_buffer(self, shape: tuple[int, ...]) -> Array | None:
