@@ -109,6 +109,16 @@ def grpc_options(chunk_bytes: int, server: bool = False) -> list[tuple[str, int]
     return options
 
 
+def window_options(window_bytes: int) -> list[tuple[str, int]]:
+    """A fixed HTTP/2 receive window per stream, or none (0: gRPC's own).
+
+    gRPC grows its window with the link's bandwidth-delay product, so that on loopback it takes in
+    whole messages of a million entries (answers on the coordinator, a task's chunks on a client)
+    before the event loop reads them, and holds them in its buffers; a fixed window keeps that to one
+    window per stream, and caps the peer's sending at one window per round trip."""
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes)] if window_bytes else []
+
+
 def to_bytes(vectors: Sequence[Array]) -> bytes:
     return b"".join(_parts(vectors))
 
