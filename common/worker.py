@@ -191,7 +191,12 @@ class Worker:
         if z.ndim == 1 and len(self.shards.indices) == 1:  # one client's column (D, 1): a view if z is contiguous
             z = np.ascontiguousarray(z[:, None])
         else:
-            z = np.ascontiguousarray(self._per_client(z))
+            z = self._per_client(z)
+            if getattr(self.shards, "gradient_pairs", None) is None:
+                # Each hosted client's column of its own (shards may want them contiguous); shards computed
+                # entry by entry (`gradient_pairs`) read every client's column from the one vector instead: at
+                # d = 1e6, a vector less per hosted client.
+                z = np.ascontiguousarray(z)
         g = self.shards.gradient(z, out=self._answer_buffer(z.shape))
         if self.noise_scale > 0 and not task.exact:
             g += self._noise(self._streams(round_id), task.batch)

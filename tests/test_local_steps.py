@@ -9,7 +9,7 @@ import pytest
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import PaperRegressionSpec, make_shards
-from fedsaddle.common.tasks import LocalStepsTask
+from fedsaddle.common.tasks import GradientTask, LocalStepsTask
 from fedsaddle.common.worker import Worker
 
 
@@ -83,3 +83,16 @@ def test_noisy_local_steps_keep_the_whole_vector_order() -> None:
     task = LocalStepsTask(rng.standard_normal(2 * spec.dim), 3, 0.05, 0, "constant", rng.standard_normal(2 * spec.dim))
     noisy = Worker(shards, seed=4, gradient_noise=0.3).execute(task, 2).vectors
     assert np.array_equal(noisy, Worker(WholeVectors(shards), seed=4, gradient_noise=0.3).execute(task, 2).vectors)
+
+
+def test_a_gradient_task_of_several_hosted_clients_reads_one_vector_with_the_same_bits() -> None:
+    # Paired shards compute every hosted client's column from the task's one vector, not from a copy per client.
+    spec = PaperRegressionSpec(num_clients=4, dim=5000, lam=0.1, s=2.0)
+    shards = make_shards(spec, seed=3, indices=[0, 1, 3])
+    task = GradientTask(np.random.default_rng(9).standard_normal(2 * spec.dim), exact=True, want_objective=True)
+    expected = Worker(WholeVectors(shards), seed=0).execute(task, 1)
+    for worker in (Worker(shards, seed=0), Worker(shards, seed=0, reuse_answers=True)):
+        answer = worker.execute(task, 1)
+        assert np.array_equal(answer.vectors, expected.vectors)
+        assert answer.objective is not None and expected.objective is not None
+        assert np.array_equal(answer.objective, expected.objective)
