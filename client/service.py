@@ -70,8 +70,9 @@ class ClientOptions:
     check_statistics: bool = True  # warn when the spec's statistics contradict this process's data
     tls_files: TlsFiles | None = None  # the PEM files of `credentials`, for the probe (probe.py)
     # What gRPC takes in of the coordinator's stream before this process reads it (0: gRPC's own window,
-    # which grows with the link): at d = 1e6 gRPC's own held much of a 30 MiB task in its buffers.
-    receive_window_mib: float = 1.0
+    # which grows with the link): at d = 1e6 gRPC's own held much of a 30 MiB task in its buffers. One
+    # default chunk: 1 MiB held no less, and made the d = 1e6 round about 30 ms longer (bench/README.md).
+    receive_window_mib: float = 2.0
 
 
 def _hung_up(options: ClientOptions) -> str | None:

@@ -981,8 +981,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--receive-window-mib",
         type=window_mib,
-        default=1.0,
-        help="what gRPC takes in of the coordinator's stream before this process reads it (default 1): a fixed "
+        default=2.0,
+        help="what gRPC takes in of the coordinator's stream before this process reads it (default 2): a fixed "
         "window bounds the memory a large task holds in gRPC's buffers, and caps the download at this window "
         "per round trip; 0: gRPC's own window, which grows with the link",
     )
