@@ -12,6 +12,7 @@ if set).
     python bench/round_latency.py --dims 10 --rounds 500
     python bench/round_latency.py --dims 1e6 --rounds 20 --chunk-bytes 4194304
     python bench/round_latency.py --dims 1e6 --rounds 20 --receive-window-mib 1
+    python bench/round_latency.py --dims 1e6 --rounds 20 --client-window-mib 0   # the clients' window: gRPC's own
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ def main() -> None:
         default=Limits().receive_window_mib,
         help="transport.limits.receive_window_mib (0: gRPC's own)",
     )
+    parser.add_argument(
+        "--client-window-mib",
+        type=float,
+        default=None,
+        help="the clients' own receive window (fedsaddle client --receive-window-mib; 0: gRPC's own)",
+    )
     args = parser.parse_args()
     try:  # before any process starts
         wire.check_chunk_bytes(args.chunk_bytes)
@@ -77,7 +84,8 @@ def main() -> None:
     floor = Floor(n)
     window = Limits(receive_window_mib=args.receive_window_mib)
     pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600, chunk_bytes=args.chunk_bytes, limits=window)
-    processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False)
+    client_window = [] if args.client_window_mib is None else ["--receive-window-mib", str(args.client_window_mib)]
+    processes = start_clients(pool.address, [str(i) for i in range(n)], capture=False, extra=client_window)
     local = LocalPool()
     rows = []
     cpu_rows: list[tuple[int, dict[str, list[float]]]] = []

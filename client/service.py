@@ -69,6 +69,10 @@ class ClientOptions:
     client_certificate: bool = False  # credentials include a client certificate (mutual TLS)
     check_statistics: bool = True  # warn when the spec's statistics contradict this process's data
     tls_files: TlsFiles | None = None  # the PEM files of `credentials`, for the probe (probe.py)
+    # What gRPC takes in of the coordinator's stream before this process reads it (0: gRPC's own window,
+    # which grows with the link): at d = 1e6 gRPC's own held much of a 30 MiB task in its buffers. One
+    # default chunk: 1 MiB held no less, and made the d = 1e6 round about 30 ms longer (bench/README.md).
+    receive_window_mib: float = 2.0
 
 
 def _hung_up(options: ClientOptions) -> str | None:
@@ -130,6 +134,7 @@ def diagnose(error: grpc.aio.AioRpcError, options: ClientOptions) -> tuple[type[
 def _channel(options: ClientOptions) -> grpc.aio.Channel:
     # Receive what the largest chunk a coordinator may set needs.
     channel_options: list[tuple[str, int | str]] = [*wire.grpc_options(wire.MAX_CHUNK_BYTES)]
+    channel_options += wire.window_options(int(options.receive_window_mib * (1 << 20)))
     if options.server_name:
         channel_options.append(("grpc.ssl_target_name_override", options.server_name))
     if options.credentials is not None:

@@ -14,12 +14,14 @@ import math
 import time
 from collections.abc import Iterable
 
+import numpy as np
 from pydantic import ValidationError
 
 from fedsaddle.common import blas, wire
 from fedsaddle.common.computations import find_computation
 from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.indices import some
+from fedsaddle.common.memory import lasting, trim
 from fedsaddle.common.problems import DataError, ProblemNotFound, parse_spec, problem_class
 from fedsaddle.common.secagg import SecAggError, messages
 from fedsaddle.common.secagg.party import Party
@@ -68,7 +70,8 @@ class ClientSession:
         self.goodbye: pb.Goodbye | None = None
         self._task: pb.Task | None = None
         self._assembler: wire.Assembler | None = None
-        self._payload = bytearray()  # chunked payloads are assembled here, task after task
+        # Chunked payloads are assembled here, task after task (a buffer of its own: common/memory.py).
+        self._payload: bytearray | memoryview = bytearray()
         self._federation_size = 0  # n, from the Welcome
         # A line in the log every `heartbeat_s` of a run, so that a site's operator sees it work.
         self.heartbeat_s = HEARTBEAT_S
@@ -165,7 +168,7 @@ class ClientSession:
             )
         size = 8 * task.payload_length
         if len(self._payload) < size:
-            self._payload = bytearray(size)
+            self._payload = memoryview(lasting((size,), np.uint8))  # type: ignore[arg-type]  # (a buffer)
         self._task, self._assembler = (
             task,
             wire.Assembler(size, into=self._payload, min_piece=wire.min_piece(self.chunk_bytes)),
@@ -235,6 +238,9 @@ class ClientSession:
         except MemoryError as exc:  # the problem's size is the coordinator's to choose, this machine's memory is not
             return self._cannot(run, f"not enough memory for this process's clients' data: {exc}")
         self.worker = worker
+        # Making the data left its temporaries' pages in the heaps (tens of MiB at d = 1e6): hand them back
+        # before the first task, whose buffers are not placed there (common/memory.py, `lasting`).
+        trim()
         # Tasks are bounded by what the data gives, not by what the RunSpec claims: a coordinator that
         # said a trillion and went on despite this Ready would have this process allocate terabytes.
         self._dimension = shards.dimension

@@ -19,10 +19,18 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import math
+import mmap
 import os
 from collections.abc import Callable
 
+import numpy as np
+from numpy.typing import DTypeLike
+
+from fedsaddle.common.numeric import Array
+
 TRIM_EVERY_S = 15.0
+LASTING_FROM = 1 << 20  # a lasting buffer this large or larger has a mapping of its own
 
 
 def _libc_function(name: str) -> Callable[..., int] | None:
@@ -77,3 +85,18 @@ async def return_freed_memory(every_s: float = TRIM_EVERY_S) -> None:
     while True:
         await asyncio.sleep(every_s)
         trim()
+
+
+def lasting(shape: tuple[int, ...], dtype: DTypeLike = np.float64) -> Array:
+    """An array (uninitialised) that lives as long as its owner, task after task: a client's task buffer, a
+    worker's scratch and answer. From 1 MiB on it has an anonymous mapping of its own instead of a place in
+    the heaps. A heap hands back free pages only where nothing live is above them, so a lasting buffer
+    placed among a task's temporaries (gRPC's messages, a run's data being generated) kept their pages in
+    the process after they were freed; out of the heaps, those are reused by the next temporaries or
+    handed back by `trim`. (A private mapping, so a process forked later gets a copy, not a share.)"""
+    dtype = np.dtype(dtype)
+    count = math.prod(shape)
+    if count * dtype.itemsize < LASTING_FROM:
+        return np.empty(shape, dtype)
+    mapping = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mapping, dtype=dtype, count=count).reshape(shape)  # (the array keeps the mapping)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -109,6 +109,16 @@ def grpc_options(chunk_bytes: int, server: bool = False) -> list[tuple[str, int]
     return options
 
 
+def window_options(window_bytes: int) -> list[tuple[str, int]]:
+    """A fixed HTTP/2 receive window per stream, or none (0: gRPC's own).
+
+    gRPC grows its window with the link's bandwidth-delay product, so that on loopback it takes in
+    whole messages of a million entries (answers on the coordinator, a task's chunks on a client)
+    before the event loop reads them, and holds them in its buffers; a fixed window keeps that to one
+    window per stream, and caps the peer's sending at one window per round trip."""
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes)] if window_bytes else []
+
+
 def to_bytes(vectors: Sequence[Array]) -> bytes:
     return b"".join(_parts(vectors))
 
@@ -121,6 +131,21 @@ def _parts(vectors: Sequence[Array]) -> list[memoryview]:
         values = np.ascontiguousarray(vector, dtype=FLOAT64).reshape(-1)
         views.append(memoryview(values).cast("B"))  # type: ignore[arg-type]  # numpy arrays are buffers
     return views
+
+
+def _pieces(vectors: Array, most: int) -> Iterator[memoryview]:
+    """The entries of `vectors` (in C order) as float64 bytes, in pieces of at most `most` bytes (whole, when
+    contiguous), each made when asked for: the rows of a client process's answer are columns of its
+    worker's buffer, and a contiguous copy of all of them (a vector per hosted client) is never made."""
+    if vectors.dtype == FLOAT64 and vectors.flags.c_contiguous:
+        yield memoryview(vectors.reshape(-1)).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+        return
+    rows = np.reshape(vectors, (-1, vectors.shape[-1])) if vectors.ndim > 1 else vectors[None]
+    step = max(1, most // 8)
+    for row in rows:
+        for start in range(0, len(row), step):
+            piece = np.ascontiguousarray(row[start : start + step], dtype=FLOAT64)
+            yield memoryview(piece).cast("B")  # type: ignore[arg-type]
 
 
 def from_bytes(data: bytes | bytearray | memoryview, length: int, writable: bool = False) -> Array:
@@ -236,7 +261,7 @@ _INSTRUCTION_TASK, _TASK_PAYLOAD = _tag(pb.Instruction, "task"), _tag(pb.Task, "
 _MESSAGE_ANSWER, _ANSWER_PAYLOAD = _tag(pb.ClientMessage, "answer"), _tag(pb.Answer, "payload")
 
 
-def chunks(parts: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
+def chunks(parts: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
     """The payload (the concatenation of `parts`) as serialized Chunk messages of `chunk_bytes` data
     (the last may be shorter), each made when asked for; a chunk may span two parts.
 
@@ -247,7 +272,7 @@ def chunks(parts: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
     return _chunks(parts, chunk_bytes)
 
 
-def _chunks(parts: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
+def _chunks(parts: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
     offset, pending, room = 0, [], chunk_bytes
     for part in parts:
         start = 0
@@ -276,7 +301,9 @@ class Assembler:
     answer, read to their end.
     """
 
-    def __init__(self, total_bytes: int, into: bytearray | None = None, min_piece: int = 0, keep: bool = True) -> None:
+    def __init__(
+        self, total_bytes: int, into: bytearray | memoryview | None = None, min_piece: int = 0, keep: bool = True
+    ) -> None:
         if into is not None and len(into) < total_bytes:
             raise ValueError(f"a buffer of {len(into)} bytes cannot hold {total_bytes}")
         self.total = total_bytes
@@ -536,7 +563,8 @@ class AnswerWriter:
             del header.sample_counts[:]
             header.sample_counts.extend(int(c) for c in answer.counts)
         if 8 * vectors.size > self.chunk_bytes:
-            return itertools.chain([self._message.SerializeToString()], chunks(_parts([vectors]), self.chunk_bytes))
+            pieces = _pieces(vectors, self.chunk_bytes)
+            return itertools.chain([self._message.SerializeToString()], chunks(pieces, self.chunk_bytes))
         if 8 * vectors.size < BY_HAND_ABOVE:
             header.payload = vectors.astype(FLOAT64, copy=False).tobytes()  # C order, contiguous or not
             return iter([self._message.SerializeToString()])

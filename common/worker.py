@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +19,7 @@ import numpy as np
 from fedsaddle.common import seeding
 from fedsaddle.common.computations import broken_plugins, find_computation
 from fedsaddle.common.indices import some
+from fedsaddle.common.memory import lasting
 from fedsaddle.common.numeric import BLOCK, Array, all_finite, blocks
 from fedsaddle.common.problems import (
     DataError,
@@ -42,6 +43,11 @@ from fedsaddle.common.tasks import (
 )
 
 log = logging.getLogger("fedsaddle.data")
+PairedGradient = Callable[[Array, slice, Array], Array]  # a shards' gradient_pairs (common/problems/synthetic.py)
+# Entries per scratch array of paired local steps (512 KiB): fewer, and the Python per block costs more than
+# the arithmetic at d = 1e3 and 10 clients; more, and a block's arrays no longer stay in cache from step to
+# step (at d = 1e6 a round's local steps took 24 ms, against 44 ms on whole vectors).
+PAIRED_BLOCK = 4 * BLOCK
 
 
 class Worker:
@@ -90,7 +96,7 @@ class Worker:
         fault per 4 KiB every round, more than the arithmetic."""
         buffer = self._buffers.get((name, shape))
         if buffer is None:
-            buffer = self._buffers[name, shape] = np.empty(shape)
+            buffer = self._buffers[name, shape] = lasting(shape)
         return buffer
 
     def _answer_buffer(self, shape: tuple[int, ...]) -> Array | None:
@@ -185,7 +191,12 @@ class Worker:
         if z.ndim == 1 and len(self.shards.indices) == 1:  # one client's column (D, 1): a view if z is contiguous
             z = np.ascontiguousarray(z[:, None])
         else:
-            z = np.ascontiguousarray(self._per_client(z))
+            z = self._per_client(z)
+            if getattr(self.shards, "gradient_pairs", None) is None:
+                # Each hosted client's column of its own (shards may want them contiguous); shards computed
+                # entry by entry (`gradient_pairs`) read every client's column from the one vector instead: at
+                # d = 1e6, a vector less per hosted client.
+                z = np.ascontiguousarray(z)
         g = self.shards.gradient(z, out=self._answer_buffer(z.shape))
         if self.noise_scale > 0 and not task.exact:
             g += self._noise(self._streams(round_id), task.batch)
@@ -195,6 +206,9 @@ class Worker:
     def _local_steps(self, task: LocalStepsTask, round_id: int) -> Array:
         if self.domain is not None:
             return self._projected_local_steps(task, round_id, self.domain)
+        gradient_pairs = getattr(self.shards, "gradient_pairs", None)
+        if gradient_pairs is not None and self.noise_scale == 0:
+            return self._paired_local_steps(task, gradient_pairs)
         z_start = self._per_client(task.z_start)
         shape = z_start.shape
         gamma_local, theta = self._per_run(task.gamma_local), self._per_run(task.theta)
@@ -239,6 +253,64 @@ class Worker:
                 else:
                     direction_sum[rows] += np.multiply(weight, g[rows], out=part)
                 z[rows] -= np.multiply(gamma_local * weight, g[rows], out=part)
+        return direction_sum
+
+    def _paired_local_steps(self, task: LocalStepsTask, gradient_pairs: PairedGradient) -> Array:
+        """`_local_steps` for shards whose G_i(z) has entry j depend on x_j and y_j alone (`gradient_pairs`),
+        without gradient noise: every step of one block of rows runs before the next block's first.
+
+        Each entry goes through the operations of `_local_steps`, in its order, so the answer is the same
+        bit for bit; what changes is the memory. z, the step's gradient and G_i(z~) are only needed one block
+        at a time (a block stays in cache from step to step), so of the vectors as long as z only the task's
+        and the answer remain: at d = 1e6 a hosted client needs two vectors less (30.5 MiB).
+        (Noise is drawn as whole vectors, step after step, from each client's stream: noisy runs keep the
+        order of `_local_steps`.)
+        """
+        z_start = self._per_client(task.z_start)
+        shape = z_start.shape
+        gamma_local, theta = self._per_run(task.gamma_local), self._per_run(task.theta)
+        regularized = np.ndim(theta) > 0 or theta != 0
+        direction_sum = self._answer_buffer(shape)
+        if direction_sum is None:
+            direction_sum = np.zeros(shape)
+        else:
+            direction_sum.fill(0.0)
+        # A block of `rows` pairs holds about PAIRED_BLOCK entries per scratch array, whatever the number
+        # of hosted clients and runs (the trailing axes).
+        pairs, rest = shape[0] // 2, shape[1:]
+        rows = min(pairs, max(1, PAIRED_BLOCK // (2 * math.prod(rest))))
+        # In the task's own buffer when it may be written over (see `_local_steps`), else a block's copy.
+        in_place = self.scratch_tasks and not regularized and z_start.flags.writeable
+        g = self._buffer("g_pairs", (2, rows, *rest))
+        part = self._buffer("part_pairs", (2, rows, *rest))
+        z_block = None if in_place else self._buffer("z_pairs", (2, rows, *rest))
+        control = None if task.control is None else _pairs(task.control.T[:, None])
+        grad_start = None if control is None else self._buffer("start_pairs", (2, rows, *rest))
+        z_all, start_all, sum_all = _pairs(z_start), _pairs(z_start), _pairs(direction_sum)
+        for block in blocks(pairs, rows):
+            size = block.stop - block.start
+            g_b, part_b, z_start_b, sum_b = g[:, :size], part[:, :size], start_all[:, block], sum_all[:, block]
+            if z_block is None:
+                z = z_all[:, block]
+            else:
+                z = z_block[:, :size]
+                np.copyto(z, z_start_b)
+            if control is not None and grad_start is not None:
+                start_b, control_b = grad_start[:, :size], control[:, block]
+                gradient_pairs(z_start_b, block, start_b)
+            for step in range(task.steps):
+                weight = step_weight(task.decay, task.step_offset + step)
+                gradient_pairs(z, block, g_b)
+                if control is not None:
+                    g_b -= start_b
+                    if regularized:
+                        g_b += np.multiply(theta, np.subtract(z, z_start_b, out=part_b), out=part_b)
+                    g_b += control_b
+                if weight == 1.0:
+                    sum_b += g_b
+                else:
+                    sum_b += np.multiply(weight, g_b, out=part_b)
+                z -= np.multiply(gamma_local * weight, g_b, out=part_b)
         return direction_sum
 
     def _compute(self, task: ComputeTask, round_id: int) -> Array:
@@ -286,6 +358,11 @@ class Worker:
             direction_sum += (z - z_next) / gamma_local
             z = z_next
         return direction_sum
+
+
+def _pairs(vectors: Array) -> Array:
+    """(2d, ...) -> (2, d, ...): x's rows, then y's, as a view (never a copy: it is written through)."""
+    return np.reshape(vectors, (2, vectors.shape[0] // 2, *vectors.shape[1:]), copy=False)
 
 
 class UnknownComputation(LookupError):

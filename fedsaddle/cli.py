@@ -83,6 +83,16 @@ positive_float = number(0, inclusive=False)
 non_negative_float = number(0, inclusive=True)
 
 
+def window_mib(text: str) -> float:
+    """A receive window in MiB: 0 (gRPC's own) or at least 1/16 (64 KiB), as transport.limits.receive_window_mib."""
+    value = non_negative_float(text)
+    if 0 < value < 0.0625:
+        raise argparse.ArgumentTypeError(f"must be 0 (gRPC's own window) or at least 0.0625 (64 KiB), got {text!r}")
+    if value > 1024:
+        raise argparse.ArgumentTypeError(f"must be at most 1024, got {text!r}")
+    return value
+
+
 def address(allow_port_zero: bool) -> Callable[[str], str]:
     """HOST:PORT with a port in range ([host]:port for IPv6)."""
 
@@ -251,6 +261,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         hosted,
         name=args.name or "",
         connect_timeout_s=args.connect_timeout,
+        receive_window_mib=args.receive_window_mib,
         credentials=_channel_credentials(args),
         metadata=(("authorization", f"Bearer {token}"),) if token else (),
         server_name=args.server_name,
@@ -967,6 +978,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="name shown in the coordinator's logs (default: host:pid)")
     p.add_argument("--connect-timeout", type=positive_float, default=60.0, help="seconds to wait for the coordinator")
     p.add_argument("--token-file", help="file holding this client's token (default: $FEDSADDLE_TOKEN, if set)")
+    p.add_argument(
+        "--receive-window-mib",
+        type=window_mib,
+        default=2.0,
+        help="what gRPC takes in of the coordinator's stream before this process reads it (default 2): a fixed "
+        "window bounds the memory a large task holds in gRPC's buffers, and caps the download at this window "
+        "per round trip; 0: gRPC's own window, which grows with the link",
+    )
     with_data(p, "each hosted client's")
     p.add_argument(
         "--problem",

@@ -247,6 +247,10 @@ def test_global_flags_work_before_and_after_the_command() -> None:
             "must be a finite number > 0, got 'inf'",
         ),
         (["client", "--coordinator", "h:1", "--clients", "0", "--cert", "c.pem"], "--cert and --key need --ca"),
+        (
+            ["client", "--coordinator", "h:1", "--clients", "0", "--receive-window-mib", "0.01"],
+            "must be 0 (gRPC's own window) or at least 0.0625 (64 KiB), got '0.01'",
+        ),
         (["simulate", "--config", "/nonexistent.yaml"], "cannot read config /nonexistent.yaml"),
         (
             ["experiment", "problems", "--tau", "5", "--init", "zeros"],

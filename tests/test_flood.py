@@ -27,7 +27,8 @@ from flooder import PREFACE, SETTINGS, session_headers  # bench/flooder.py
 from fedsaddle.launch import client_command
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
-from fedsaddle.server.transport.gate import MAX_SWEEP_S, SWEEP_S, sweep_interval
+from fedsaddle.server.transport import gate as gate_module
+from fedsaddle.server.transport.gate import MAX_SWEEP_S, OVER_CAP_GRACE_S, SWEEP_S, ConnectionGate, sweep_interval
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 from fedsaddle.server.transport.sessions import Limits
 
@@ -92,6 +93,39 @@ def test_one_address_keeps_at_most_its_cap_of_quiet_connections_and_health_answe
         assert hung_up(held, expected=16, within=20) == 16
         assert pool.gate.closed_over_cap == 16 and pool.gate.closed_silent == 0
         assert health(pool.address) == health_pb2.HealthCheckResponse.SERVING  # from 127.0.0.1: not capped
+
+
+def test_a_sweep_closes_at_most_its_share_of_over_cap_connections_the_oldest_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 20 connections from 127.0.0.2 to a port of this process, 4 allowed quiet: the 16 over the cap are closed
+    # 5 a sweep (the share, lowered for the test), oldest first, not all at once when their grace ends.
+    monkeypatch.setattr(gate_module, "OVER_CAP_PER_SWEEP", 5)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        peers, accepted = [], []
+        try:
+            for _ in range(20):
+                peer = socket.socket()
+                peer.bind((FLOOD_SOURCE, 0))
+                peer.connect(("127.0.0.1", port))
+                peers.append(peer)
+                accepted.append(server.accept()[0])
+            gate = ConnectionGate({port}, handshake_timeout_s=60, max_quiet_per_peer=4)
+            start = time.monotonic()
+            gate.sweep(start)  # all seen now: none over its grace yet
+            ages = {fd: start + i * 0.01 for i, fd in enumerate(sorted(gate._connections))}
+            for fd, seen in ages.items():
+                gate._connections[fd].quiet_since = seen  # (one a hundredth of a second after the other)
+            oldest = sorted(ages, key=ages.__getitem__)
+            later = start + OVER_CAP_GRACE_S + 1
+            assert [gate.sweep(later + i) for i in range(5)] == [5, 5, 5, 1, 0]
+            assert gate.closed_over_cap == 16
+            assert sorted(gate._connections) == sorted(oldest[16:])  # the 4 newest stay
+            assert hung_up(peers, expected=16, within=5) == 16
+        finally:
+            for sock in peers + accepted:
+                sock.close()
 
 
 def test_connections_that_carry_no_hello_are_closed_at_the_handshake_deadline() -> None:

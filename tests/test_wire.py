@@ -134,6 +134,20 @@ def _built_anew(run_id: str, round_id: int, answer: Answer, chunk_bytes: int = 1
     return pb.ClientMessage(answer=header).SerializeToString()
 
 
+@pytest.mark.parametrize("hosted", [1, 3])
+def test_an_answer_of_a_workers_columns_is_chunked_as_its_contiguous_copy(hosted: int) -> None:
+    # A client process's answer is the transpose of its worker's (dimension, clients) buffer: for several
+    # hosted clients its rows are strided, and they are cut into chunks piece by piece, not copied whole.
+    columns = np.random.default_rng(8).standard_normal((2500, hosted))
+    rows = columns.T
+    assert rows.flags.c_contiguous == (hosted == 1)
+    strided = list(wire.AnswerWriter(1024).encode("r", 3, Answer(tuple(range(hosted)), rows)))
+    copied = list(wire.AnswerWriter(1024).encode("r", 3, Answer(tuple(range(hosted)), np.ascontiguousarray(rows))))
+    assert strided == copied and len(strided) == 1 + -(-2500 * 8 * hosted // 1024)
+    data = b"".join(bytes(wire.read_chunk(piece).data) for piece in strided[1:])  # type: ignore[union-attr]
+    assert data == rows.tobytes()
+
+
 def test_an_answer_writer_keeps_nothing_of_one_answer_in_the_next() -> None:
     # One writer, as in a client process: the header it keeps must not carry a field over.
     rng = np.random.default_rng(3)

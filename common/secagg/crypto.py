@@ -21,17 +21,19 @@ import os
 import struct
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from fedsaddle.common.secagg.fixedpoint import Ring
+
+# `cryptography` is imported where a primitive is used, not with this module: every coordinator and
+# client imports this module (its protocol knows secure aggregation's messages), and loading `cryptography`
+# cost each process 9 MiB, which only a run with secure aggregation needs.
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.ciphers import CipherContext
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 PUBLIC_KEY_BYTES = 32
 SEED_BYTES = 32
@@ -45,14 +47,21 @@ class KeyRejected(ValueError):
 
 
 def new_private_key() -> X25519PrivateKey:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
     return X25519PrivateKey.generate()
 
 
 def public_bytes(key: X25519PrivateKey) -> bytes:
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
 def _hkdf(secret: bytes, info: bytes, salt: bytes | None = None) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=salt, info=info).derive(secret)
 
 
@@ -64,6 +73,8 @@ def _field(text: str) -> bytes:
 
 def pairwise_key(own: X25519PrivateKey, own_index: int, peer_public: bytes, peer_index: int, run_id: str) -> bytes:
     """The secret a pair of clients shares for a run: the same from both sides."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+
     if len(peer_public) != PUBLIC_KEY_BYTES:
         raise KeyRejected(f"client {peer_index}'s public key is {len(peer_public)} bytes, not {PUBLIC_KEY_BYTES}")
     try:
@@ -91,6 +102,8 @@ def expand(seed: bytes, length: int) -> Ring:
 def keystream(seed: bytes) -> CipherContext:
     """The PRG of a seed, as a context whose output over zeros is its keystream, block after block
     (AES-256 under the 32-byte seed, CTR mode from counter block zero)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
     return Cipher(algorithms.AES(seed), modes.CTR(_ZERO_COUNTER)).encryptor()
 
 
@@ -143,6 +156,8 @@ def _share_context(run_id: str, round_id: int, attempt: int, sender: int, receiv
 
 def envelope(pairwise: bytes) -> ChaCha20Poly1305:
     """The AEAD a pair seals its shares with, under a key derived from their pairwise key (once per run)."""
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
     return ChaCha20Poly1305(_hkdf(pairwise, b"fedsaddle secagg share key"))
 
 
@@ -158,6 +173,8 @@ def open_sealed(
     aead: ChaCha20Poly1305, sealed: bytes, run_id: str, round_id: int, attempt: int, sender: int, receiver: int
 ) -> bytes:
     """The plaintext of `seal`, or ValueError if it was altered or belongs elsewhere."""
+    from cryptography.exceptions import InvalidTag
+
     if len(sealed) < NONCE_BYTES + TAG_BYTES:
         raise ValueError(f"it is {len(sealed)} bytes, too short to be sealed")
     context = _share_context(run_id, round_id, attempt, sender, receiver)

@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.secagg import crypto, fixedpoint, graph, shamir
 from fedsaddle.common.secagg.fixedpoint import Ring
 from fedsaddle.common.secagg.settings import SecAggError, SecAggSettings, round_threshold
+
+if TYPE_CHECKING:  # (`cryptography` loads when a run uses secure aggregation: crypto.py)
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 SELF_MASK_BYTES = 16  # b_i: a 128-bit seed, an element of the sharing field
 

@@ -13,7 +13,8 @@ accepted on one of the coordinator's ports that carries no call (a session, a st
 admitted to say its Hello, a health check) is *quiet*. A
 connection quiet for longer than the handshake deadline is closed; of one address's
 quiet connections the newest `max_quiet_per_peer` are kept and the others closed once
-quiet for OVER_CAP_GRACE_S. (A stream that never says Hello ends at hello_timeout_s, and
+quiet for OVER_CAP_GRACE_S (at most OVER_CAP_PER_SWEEP in one sweep, the oldest first). (A
+stream that never says Hello ends at hello_timeout_s, and
 an address may have max_quiet_per_peer of those: then its connection is quiet.)
 Closing is `shutdown(2)` on a duplicate of gRPC's descriptor, checked to be the same
 socket first: gRPC sees the end of the stream and releases the connection itself; the
@@ -44,7 +45,9 @@ from fedsaddle.common.text import RefusalLog
 log = logging.getLogger("fedsaddle.coordinator")
 
 FEW = 4  # fewer silent connections than this from one address in one sweep are not worth a warning
-TRIM_AFTER = 256  # connections closed before the heaps' free pages are handed back (at most once a second)
+# Connections closed, or streams refused at once, before the heaps' free pages are handed back (at most once a
+# second): each leaves heap pages that its short-lived allocations touched and that live neighbours keep.
+TRIM_AFTER = 256
 SWEEP_S = 0.25  # how often the gate looks, at most
 # A sweep costs about 8 us per descriptor (listing /proc/self/fd alone is half of it): 16 ms at 2000
 # connections, 60 ms at 8000. The gate waits long enough between sweeps to take at most this share of
@@ -52,6 +55,12 @@ SWEEP_S = 0.25  # how often the gate looks, at most
 SWEEP_SHARE = 0.05
 MAX_SWEEP_S = 1.0
 OVER_CAP_GRACE_S = 3.0  # how long a connection over its address's cap may stay quiet
+# Connections over their addresses' caps closed per sweep, at most (the oldest first). A flood opened at once
+# would otherwise be closed at once, every OVER_CAP_GRACE_S, and its reopened connections (for a flood of
+# streams, each one a call refused) arrive while gRPC still releases the closed ones: at 2000 streams that
+# wave took the coordinator's RSS 30 MiB above where it stayed between waves. Spread over sweeps, the closes
+# come at a steady rate (about 600 a second with 2000 connections).
+OVER_CAP_PER_SWEEP = 256
 _FDS = "/proc/self/fd"
 
 
@@ -98,7 +107,7 @@ class ConnectionGate:
         self.closed_silent = 0  # connections closed for carrying nothing within the deadline
         self.closed_over_cap = 0  # connections closed for being over one address's quiet cap
         self.refusals = RefusalLog(log)
-        self._closed_since_trim, self._trimmed_at = 0, 0.0
+        self._ended_since_trim, self._trimmed_at = 0, 0.0
         self.enabled = os.path.isdir(_FDS)
 
     # -- what the servicer says --------------------------------------------------------------
@@ -108,6 +117,10 @@ class ConnectionGate:
         key = peer_key(peer)
         if key is not None:
             self.in_use[key] += 1
+
+    def refused(self) -> None:
+        """A stream was refused at once (admission: a flood's, most likely): its call's memory is freed."""
+        self._ended_since_trim += 1
 
     def leave(self, peer: str) -> None:
         key = peer_key(peer)
@@ -132,11 +145,12 @@ class ConnectionGate:
 
     def sweep(self, now: float) -> int:
         """Close the connections that carried nothing too long, or are over their address's cap; how many."""
-        if self._closed_since_trim >= TRIM_AFTER and now - self._trimmed_at >= 1.0:
-            # gRPC has released what the last sweeps closed (about 17 KiB each); a flood that reopens them
-            # would otherwise keep the freed pages in the heaps until the next periodic trim.
+        if self._ended_since_trim >= TRIM_AFTER and now - self._trimmed_at >= 1.0:
+            # gRPC has released what the last sweeps closed (about 17 KiB each) and the streams refused since
+            # (a flood's); a flood that reopens them would otherwise keep the freed pages in the heaps until
+            # the next periodic trim. A burst of 2000 refused streams left about 15 MiB of them.
             release_heaps()
-            self._closed_since_trim, self._trimmed_at = 0, now
+            self._ended_since_trim, self._trimmed_at = 0, now
         self._scan(now)
         quiet: dict[str, list[tuple[int, _Connection]]] = {}
         closing: list[tuple[int, _Connection, str]] = []
@@ -150,6 +164,7 @@ class ConnectionGate:
                 closing.append((fd, connection, "silent"))
             else:
                 quiet.setdefault(connection.peer[0], []).append((fd, connection))
+        over_cap: list[tuple[int, _Connection]] = []
         for listed in quiet.values():
             if len(listed) > self.max_quiet_per_peer:
                 # The newest are kept; of the rest, those quiet for OVER_CAP_GRACE_S are closed. A flood that
@@ -157,7 +172,9 @@ class ConnectionGate:
                 # stream a call served in Python) once per grace, not once per sweep.
                 listed.sort(key=lambda item: item[1].quiet_since)
                 excess = listed[: len(listed) - self.max_quiet_per_peer]
-                closing.extend((fd, c, "over") for fd, c in excess if now - c.quiet_since >= OVER_CAP_GRACE_S)
+                over_cap.extend((fd, c) for fd, c in excess if now - c.quiet_since >= OVER_CAP_GRACE_S)
+        over_cap.sort(key=lambda item: item[1].quiet_since)
+        closing.extend((fd, c, "over") for fd, c in over_cap[:OVER_CAP_PER_SWEEP])
         silent: Counter[str] = Counter()
         over: Counter[str] = Counter()
         for fd, connection, why in closing:
@@ -167,7 +184,7 @@ class ConnectionGate:
             self._other[fd] = connection.inode  # (gRPC closes its descriptor soon: not counted twice meanwhile)
         self.closed_silent += silent.total()
         self.closed_over_cap += over.total()
-        self._closed_since_trim += silent.total() + over.total()
+        self._ended_since_trim += silent.total() + over.total()
         for host in silent.keys() | over.keys():
             if not over[host] and silent[host] < FEW:  # a client waiting to retry leaves one quiet connection
                 log.debug("closed %d quiet connections from %s", silent[host], host)

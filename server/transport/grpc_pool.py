@@ -64,13 +64,6 @@ DESCRIPTOR_RESERVE = 256  # descriptors kept for files, the event loop and gRPC'
 __all__ = ["GrpcPool", "MissingClients"]
 
 
-def _window_options(window: int) -> list[tuple[str, int]]:
-    """A fixed HTTP/2 receive window per stream, or none (0). gRPC grows its window with the link's
-    bandwidth-delay product, so that on loopback it takes in whole answers of a million entries from
-    every client before the loop reads them; a fixed one keeps that to one window per client."""
-    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)] if window else []
-
-
 def _within_descriptors(connections: int) -> int:
     """`connections`, or fewer if the process may not open that many descriptors. The soft limit is raised
     towards the hard one first: a connection over the limit would fail gRPC's accept(2), again and again,
@@ -180,7 +173,7 @@ class GrpcPool(ClientPool):
             # this long is closed by gRPC; one that completes them and then carries nothing, by the gate.
             ("grpc.server_handshake_timeout_ms", int(1000 * limits.handshake_timeout_s)),
             ("grpc.max_metadata_size", 16 << 10),
-            *_window_options(limits.receive_window_bytes),
+            *wire.window_options(limits.receive_window_bytes),
         ]
         # Calls beyond this many in all are refused with RESOURCE_EXHAUSTED by gRPC itself: a session per
         # client at most, the streams waiting for a Hello, and room for health checks. (Not connections times

@@ -247,6 +247,8 @@ class SessionService:
             self.protocol.refusals.warn("refused a stream from %s: %s", peer, refusal.details)
             context.set_code(refusal.code)
             context.set_details(refusal.details)
+            if self.gate is not None:
+                self.gate.refused()
             return
         # Answers are checked for non-finite entries and refused by name (checks.py); numpy need
         # not warn about them as well. Set for this stream's tasks alone (numpy's error state is a
