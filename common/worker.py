@@ -362,7 +362,10 @@ class Worker:
 
 def _pairs(vectors: Array) -> Array:
     """(2d, ...) -> (2, d, ...): x's rows, then y's, as a view (never a copy: it is written through)."""
-    return np.reshape(vectors, (2, vectors.shape[0] // 2, *vectors.shape[1:]), copy=False)
+    paired = vectors.reshape(2, vectors.shape[0] // 2, *vectors.shape[1:])
+    if not np.may_share_memory(paired, vectors):  # (reshape(copy=False) needs numpy 2.1; 1.26 is supported)
+        raise ValueError("these vectors cannot be paired without a copy")
+    return paired
 
 
 class UnknownComputation(LookupError):
