@@ -5,8 +5,9 @@ Each connection sends the HTTP/2 client preface and an empty SETTINGS frame (and
 connection the coordinator closes is opened again at once, so that the flood holds
 `--connections` for as long as the coordinator lets it, until `--seconds` have passed.
 
-Prints "holding N" the first time N connections are open at once, and at the end how
-many were opened and how many the coordinator closed. Used by bench/flood.py and
+Prints "holding N" the first time N connections are open at once (or, if a connection
+cannot be opened first, how many are), and at the end how many were opened and how many
+the coordinator closed. Used by bench/flood.py and
 tests/test_flood.py.
 
     python bench/flooder.py 127.0.0.1:PORT --connections 2000 --seconds 20 [--source 127.0.0.2] [--stream]
@@ -87,7 +88,8 @@ def flood(address: str, connections: int, seconds: float, source: str, stream: b
                 opened += 1
                 held[sock.fileno()] = sock
                 poller.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-            if len(held) >= connections and not said_holding:
+            if (len(held) >= connections or failed) and not said_holding:
+                # (all of them, or as many as the coordinator let it open before refusing one)
                 print(f"holding {len(held)}", flush=True)
                 said_holding = True
             # Only hang-ups are watched: nothing the coordinator sends is ever read.

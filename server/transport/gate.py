@@ -20,6 +20,12 @@ Closing is `shutdown(2)` on a duplicate of gRPC's descriptor, checked to be the 
 socket first: gRPC sees the end of the stream and releases the connection itself; the
 gate never closes gRPC's descriptor.
 
+An address over its cap (a stream of it refused for its quiet cap, or more quiet
+connections than the cap at a sweep) is also *held off*: a socket filter on the
+listening sockets drops its new connections' SYN (synfilter.py), so that gRPC never
+accepts, and allocates for, the thousands a flooder would open; it is lifted once the
+address has been over nothing for HOLD_OFF_S and holds no more than its cap.
+
 Where /proc is absent (not Linux) the gate does nothing and gRPC's own limits remain.
 """
 
@@ -41,6 +47,7 @@ from grpc_health.v1 import health_pb2
 
 from fedsaddle.common.memory import release_heaps
 from fedsaddle.common.text import RefusalLog
+from fedsaddle.server.transport import synfilter
 
 log = logging.getLogger("fedsaddle.coordinator")
 
@@ -61,6 +68,9 @@ OVER_CAP_GRACE_S = 3.0  # how long a connection over its address's cap may stay 
 # wave took the coordinator's RSS 30 MiB above where it stayed between waves. Spread over sweeps, the closes
 # come at a steady rate (about 600 a second with 2000 connections).
 OVER_CAP_PER_SWEEP = 256
+# An address whose streams were refused for its quiet cap has its new connections dropped in the kernel
+# (synfilter.py) until it has been refused nothing for this long and holds no more than its cap.
+HOLD_OFF_S = OVER_CAP_GRACE_S
 _FDS = "/proc/self/fd"
 
 
@@ -109,6 +119,11 @@ class ConnectionGate:
         self.refusals = RefusalLog(log)
         self._ended_since_trim, self._trimmed_at = 0, 0.0
         self.enabled = os.path.isdir(_FDS)
+        self._listeners: dict[int, int] = {}  # the coordinator's listening sockets: fd -> inode
+        self._held_off: dict[str, float] = {}  # addresses whose new connections are dropped: when last refused
+        self._filtered: frozenset[str] = frozenset()  # the addresses the listeners' filter drops now
+        self.filter_usable = self.enabled  # False once attaching a filter failed (not Linux, or refused)
+        self.held_off = 0  # addresses held off so far
 
     # -- what the servicer says --------------------------------------------------------------
 
@@ -121,6 +136,56 @@ class ConnectionGate:
     def refused(self) -> None:
         """A stream was refused at once (admission: a flood's, most likely): its call's memory is freed."""
         self._ended_since_trim += 1
+
+    def hold_off(self, peer: str) -> None:
+        """`peer`'s address floods (a stream of it was refused for its quiet cap): drop its new connections in
+        the kernel until it is quiet again (synfilter.py). Its connections are closed by the sweeps as before."""
+        key = peer_key(peer)
+        if key is not None:
+            self._hold(key[0], time.monotonic())
+
+    def _hold(self, host: str, now: float) -> None:
+        if not self.filter_usable:
+            return
+        fresh = host not in self._held_off
+        self._held_off[host] = now
+        if fresh:
+            self.held_off += 1
+            if not self._listeners:
+                self._scan(now)
+            self._refilter()
+            self.refusals.warn(
+                "new connections from %s are dropped for now: it holds more than %d connections that have not "
+                "said Hello (a flood?)",
+                host,
+                self.max_quiet_per_peer,
+            )
+
+    def _refilter(self) -> None:
+        """Give the listening sockets the filter for the addresses held off now (or none)."""
+        wanted = frozenset(self._held_off)
+        if wanted == self._filtered:
+            return
+        ops = synfilter.program(sorted(wanted)) if wanted else None
+        for fd, inode in list(self._listeners.items()):
+            try:
+                duplicate = os.dup(fd)
+            except OSError:
+                continue
+            with socket.socket(fileno=duplicate) as sock:
+                try:
+                    if os.fstat(duplicate).st_ino != inode:
+                        continue
+                    if ops is None:
+                        synfilter.detach(sock)
+                    else:
+                        synfilter.attach(sock, ops)
+                except OSError as error:
+                    log.debug("cannot filter the listening socket: %s; floods are met by the sweeps alone", error)
+                    self.filter_usable = False
+                    self._held_off.clear()
+                    return
+        self._filtered = wanted
 
     def leave(self, peer: str) -> None:
         key = peer_key(peer)
@@ -164,9 +229,15 @@ class ConnectionGate:
                 closing.append((fd, connection, "silent"))
             else:
                 quiet.setdefault(connection.peer[0], []).append((fd, connection))
+        if self._held_off:
+            for host, refused_at in list(self._held_off.items()):
+                if now - refused_at >= HOLD_OFF_S and len(quiet.get(host, ())) <= self.max_quiet_per_peer:
+                    del self._held_off[host]
+            self._refilter()
         over_cap: list[tuple[int, _Connection]] = []
-        for listed in quiet.values():
+        for host, listed in quiet.items():
             if len(listed) > self.max_quiet_per_peer:
+                self._hold(host, now)
                 # The newest are kept; of the rest, those quiet for OVER_CAP_GRACE_S are closed. A flood that
                 # reopens every connection closed costs the coordinator (an accept, a handshake, and for a
                 # stream a call served in Python) once per grace, not once per sweep.
@@ -232,6 +303,8 @@ class ConnectionGate:
             del self._connections[fd]
         for fd in [fd for fd in self._other if fd not in present]:
             del self._other[fd]
+        for fd in [fd for fd in self._listeners if fd not in present]:
+            del self._listeners[fd]
 
     def _peer_of(self, fd: int, status: os.stat_result) -> tuple[str, int] | None:
         """The peer of a TCP connection accepted on one of our ports, or None for any other descriptor."""
@@ -244,9 +317,13 @@ class ConnectionGate:
                 return None
             if duplicate.getsockname()[1] not in self.ports:
                 return None
-            host, port = duplicate.getpeername()[:2]
+            try:
+                host, port = duplicate.getpeername()[:2]
+            except OSError:  # a listening socket has no peer
+                self._listeners[fd] = status.st_ino
+                return None
             return _plain(host), port
-        except OSError:  # a listening socket has no peer
+        except OSError:
             return None
         finally:
             duplicate.close()

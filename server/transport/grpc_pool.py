@@ -274,8 +274,10 @@ class GrpcPool(ClientPool):
         return self.protocol.numeric_stacks()
 
     def connections_closed(self) -> dict[str, int]:
-        """Connections the gate closed (gate.py): quiet past the handshake deadline, or over an address's cap."""
-        return {"silent": self.gate.closed_silent, "over_peer_cap": self.gate.closed_over_cap}
+        """Connections the gate closed (gate.py): quiet past the handshake deadline, or over an address's cap;
+        and how many times an address's new connections were dropped in the kernel (synfilter.py)."""
+        gate = self.gate
+        return {"silent": gate.closed_silent, "over_peer_cap": gate.closed_over_cap, "held_off": gate.held_off}
 
     def _exchange(
         self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None

@@ -249,6 +249,8 @@ class SessionService:
             context.set_details(refusal.details)
             if self.gate is not None:
                 self.gate.refused()
+                if self.admission.floods(host):
+                    self.gate.hold_off(peer)
             return
         # Answers are checked for non-finite entries and refused by name (checks.py); numpy need
         # not warn about them as well. Set for this stream's tasks alone (numpy's error state is a

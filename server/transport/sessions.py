@@ -56,6 +56,10 @@ class Admission:
         self.pending_per_peer[host] = self.pending_per_peer.get(host, 0) + 1
         self.pending += 1
 
+    def floods(self, host: str) -> bool:
+        """Whether `host` holds as many streams waiting for their Hello as one address may."""
+        return self.pending_per_peer.get(host, 0) >= self.max_pending_per_peer
+
     def greeted(self, host: str) -> None:
         """The stream said Hello, or was refused: it no longer waits."""
         self.pending -= 1
