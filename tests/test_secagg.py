@@ -45,6 +45,27 @@ def test_fixed_point_sums_are_exact_in_any_order() -> None:
     assert fixedpoint.decode(forward, 40).tolist() == [float(x) * 2.0**-40 for x in exact]
 
 
+def test_encoding_is_the_rounded_scaled_value_exactly_across_blocks() -> None:
+    """Every entry of a row longer than several encoding blocks is round(v * 2^s) mod 2^64, computed here
+    in exact rationals, for ordinary, tiny (subnormal), half-way and bound-sized values."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(7)
+    special = [5e-324, -5e-324, 2.0**-41, -(2.0**-41), 3 * 2.0**-42, 1e-300, 8.0, -8.0, 0.0, -0.0]
+    values = np.concatenate([rng.normal(size=3 * 32_768 + 11), special])
+    total = np.arange(len(values), dtype=np.uint64)  # added onto, mod 2^64
+    fixedpoint.add_encoded(total, values, 40, 8.0, 1)
+
+    def rounded(v: float) -> int:  # round half to even, as np.rint
+        exact = Fraction(v) * 2**40
+        low = exact.numerator // exact.denominator
+        rest = exact - low
+        return low + (rest > Fraction(1, 2) or (rest == Fraction(1, 2) and low % 2 == 1))
+
+    expected = [(k + rounded(float(v))) % 2**64 for k, v in enumerate(values)]
+    assert [int(x) for x in total] == expected
+
+
 def test_negative_sums_decode_as_negative() -> None:
     encoded = fixedpoint.encode(np.array([-3.0, 1.0]), 40, 4, 1)
     total = np.array([encoded[0] + encoded[1]], dtype=np.uint64)

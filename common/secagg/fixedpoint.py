@@ -21,7 +21,7 @@ from fedsaddle.common.numeric import Array
 from fedsaddle.common.secagg.settings import SecAggError
 
 Ring = NDArray[np.uint64]
-_BLOCK = 131_072  # entries encoded at a time: the block stays in the CPU's cache from scaling to adding
+_BLOCK = 32_768  # entries encoded at a time (256 KiB): the block stays in the CPU's cache from scaling to adding
 
 
 class FixedPointOverflow(SecAggError):
@@ -55,13 +55,13 @@ def add_encoded(total: Ring, values: Array, scale_bits: int, bound: float, round
     values = np.asarray(values, dtype=np.float64)
     if values.ndim != 1 or offset < 0 or offset + len(values) > len(total):
         raise ValueError(f"{values.shape} values do not fit a row of {len(total)} entries from entry {offset}")
-    limit = np.ldexp(bound, scale_bits)
+    limit, factor = np.ldexp(bound, scale_bits), np.ldexp(1.0, scale_bits)
     size = min(_BLOCK, len(values))
     scaled, integers = np.empty(size), np.empty(size, dtype=np.int64)
     for start in range(0, len(values), _BLOCK):
         part = values[start : start + _BLOCK]
         block, as_integers = scaled[: len(part)], integers[: len(part)]
-        np.ldexp(part, scale_bits, out=block)
+        np.multiply(part, factor, out=block)  # as ldexp's, bit for bit (a power of two), and faster
         if not (block.min() >= -limit and block.max() <= limit):
             outside = ~(np.abs(part) <= bound)  # only on the way to the error: which entry
             entry = start + int(np.argmax(outside))
