@@ -88,8 +88,10 @@ def _hkdf(secret: bytes, info: bytes, salt: bytes | None = None) -> bytes:
     return lib.hkdf(algorithm=lib.sha256, length=SEED_BYTES, salt=salt, info=info).derive(secret)  # type: ignore[no-any-return]
 
 
+@functools.lru_cache(maxsize=256)
 def _field(text: str) -> bytes:
-    """A length-prefixed string, so that concatenated fields cannot be confused."""
+    """A length-prefixed string, so that concatenated fields cannot be confused. (Kept: the same run id and
+    purpose are written into every seed's and envelope's context, tens of times a round.)"""
     data = text.encode()
     return struct.pack("<I", len(data)) + data
 
