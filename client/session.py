@@ -364,8 +364,7 @@ class ClientSession:
         task comes (the coordinator is unmasking and computing): the task then only adds them. A round that
         comes otherwise is masked as usual, and the masks made here are dropped."""
         upcoming, self._upcoming = self._upcoming, None
-        import os
-        if upcoming is None or os.environ.get("NOPREP"):
+        if upcoming is None:
             return
         round_id, clients, length = upcoming
         for index, party in self._parties.items():
