@@ -64,9 +64,9 @@ class _PerRound(NamedTuple):
 
     hkdf: Callable[..., Any]  # cryptography's HKDF
     sha256: Any  # an instance of its SHA256 (stateless: shared by every derivation)
-    cipher: Callable[..., Any]  # Cipher, AES and CTR: a mask's keystream
+    cipher: Callable[..., Any]  # Cipher and AES: a mask's keystream
     aes: Callable[[bytes], Any]
-    ctr: Callable[[bytes], Any]
+    ctr_from_zero: Any  # CTR mode from counter block zero, for every seed (the mode keeps only its nonce)
     invalid_tag: type[Exception]
 
 
@@ -80,7 +80,7 @@ def _per_round() -> _PerRound:
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    return _PerRound(HKDF, hashes.SHA256(), Cipher, algorithms.AES, modes.CTR, InvalidTag)
+    return _PerRound(HKDF, hashes.SHA256(), Cipher, algorithms.AES, modes.CTR(_ZERO_COUNTER), InvalidTag)
 
 
 def _hkdf(secret: bytes, info: bytes, salt: bytes | None = None) -> bytes:
@@ -128,7 +128,7 @@ def keystream(seed: bytes) -> CipherContext:
     """The PRG of a seed, as a context whose output over zeros is its keystream, block after block
     (AES-256 under the 32-byte seed, CTR mode from counter block zero)."""
     lib = _per_round()
-    return lib.cipher(lib.aes(seed), lib.ctr(_ZERO_COUNTER)).encryptor()  # type: ignore[no-any-return]
+    return lib.cipher(lib.aes(seed), lib.ctr_from_zero).encryptor()  # type: ignore[no-any-return]
 
 
 MASK_BLOCK = 32_768  # ring entries (256 KiB) per step of add_masks: the scratch stays in the CPU's cache
