@@ -187,6 +187,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+varint = _varint  # (for the messages other modules write by hand: common/secagg/messages.py)
 _UINT64 = (1 << 64) - 1
 
 

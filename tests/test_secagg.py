@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from fedsaddle.common.secagg import crypto, fixedpoint, graph, shamir
+from fedsaddle.common.secagg import crypto, fixedpoint, graph, messages, shamir
 from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound
 from fedsaddle.common.secagg.fixedpoint import FixedPointOverflow
 from fedsaddle.common.secagg.party import Party, UnmaskRequest
@@ -21,6 +21,7 @@ from fedsaddle.common.secagg.settings import (
     default_threshold,
     round_threshold,
 )
+from fedsaddle.proto import fedsaddle_pb2 as pb
 
 RUN = "run-secagg"
 
@@ -549,3 +550,24 @@ def test_a_client_does_not_mask_a_round_twice() -> None:
     with pytest.raises(SecAggError, match="round 1: this client already answered it"):
         parties[0].mask(1, 0, (0, 1, 2), np.ones(2))
     parties[0].mask(1, 1, (0, 1, 2), np.ones(2))  # a new attempt (the round sent again) is a new masking
+
+
+@pytest.mark.parametrize(
+    ("round_id", "answered", "dropped"), [(0, (0, 1, 2), ()), (7, (1, 2, 300), (0, 5)), (1 << 40, (0,), (128,))]
+)
+def test_unmask_requests_written_by_hand_are_the_bytes_protobuf_writes(
+    round_id: int, answered: tuple[int, ...], dropped: tuple[int, ...]
+) -> None:
+    shares = {j: tuple((i, bytes([i % 256]) * 45) for i in answered if i != j) for j in answered}
+    requests = {j: UnmaskRequest(round_id, 0, answered, dropped, shares[j]) for j in answered}
+    for client, data in messages.unmask_requests("run-é", requests).items():
+        expected = pb.UnmaskRequest(
+            run_id="run-é",
+            round_id=round_id,
+            client=client,
+            answered=answered,
+            dropped=dropped,
+            shares=[pb.ClientValue(client=i, value=sealed) for i, sealed in shares[client]],
+        )
+        assert data == pb.Instruction(unmask=expected).SerializeToString()
+        assert pb.Instruction.FromString(data).unmask == expected

@@ -17,11 +17,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -58,15 +59,39 @@ def public_bytes(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def _hkdf(secret: bytes, info: bytes, salt: bytes | None = None) -> bytes:
+class _PerRound(NamedTuple):
+    """What a round's derivations, masks and envelopes call, ten to a hundred times per round and process."""
+
+    hkdf: Callable[..., Any]  # cryptography's HKDF
+    sha256: Any  # an instance of its SHA256 (stateless: shared by every derivation)
+    cipher: Callable[..., Any]  # Cipher and AES: a mask's keystream
+    aes: Callable[[bytes], Any]
+    ctr_from_zero: Any  # CTR mode from counter block zero, for every seed (the mode keeps only its nonce)
+    invalid_tag: type[Exception]
+
+
+@functools.cache
+def _per_round() -> _PerRound:
+    """The primitives a round uses, imported on first use and kept: an import statement in the function
+    that uses a primitive cost about as much as the primitive itself at d = 10 (a keystream's cipher 7 us,
+    the import around it 7 more), and each client derives ten seeds and expands ten masks a round."""
+    from cryptography.exceptions import InvalidTag
     from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=salt, info=info).derive(secret)
+    return _PerRound(HKDF, hashes.SHA256(), Cipher, algorithms.AES, modes.CTR(_ZERO_COUNTER), InvalidTag)
 
 
+def _hkdf(secret: bytes, info: bytes, salt: bytes | None = None) -> bytes:
+    lib = _per_round()
+    return lib.hkdf(algorithm=lib.sha256, length=SEED_BYTES, salt=salt, info=info).derive(secret)  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=256)
 def _field(text: str) -> bytes:
-    """A length-prefixed string, so that concatenated fields cannot be confused."""
+    """A length-prefixed string, so that concatenated fields cannot be confused. (Kept: the same run id and
+    purpose are written into every seed's and envelope's context, tens of times a round.)"""
     data = text.encode()
     return struct.pack("<I", len(data)) + data
 
@@ -102,9 +127,8 @@ def expand(seed: bytes, length: int) -> Ring:
 def keystream(seed: bytes) -> CipherContext:
     """The PRG of a seed, as a context whose output over zeros is its keystream, block after block
     (AES-256 under the 32-byte seed, CTR mode from counter block zero)."""
-    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-
-    return Cipher(algorithms.AES(seed), modes.CTR(_ZERO_COUNTER)).encryptor()
+    lib = _per_round()
+    return lib.cipher(lib.aes(seed), lib.ctr_from_zero).encryptor()  # type: ignore[no-any-return]
 
 
 MASK_BLOCK = 32_768  # ring entries (256 KiB) per step of add_masks: the scratch stays in the CPU's cache
@@ -173,12 +197,10 @@ def open_sealed(
     aead: ChaCha20Poly1305, sealed: bytes, run_id: str, round_id: int, attempt: int, sender: int, receiver: int
 ) -> bytes:
     """The plaintext of `seal`, or ValueError if it was altered or belongs elsewhere."""
-    from cryptography.exceptions import InvalidTag
-
     if len(sealed) < NONCE_BYTES + TAG_BYTES:
         raise ValueError(f"it is {len(sealed)} bytes, too short to be sealed")
     context = _share_context(run_id, round_id, attempt, sender, receiver)
     try:
         return aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], context)
-    except InvalidTag:
+    except _per_round().invalid_tag:
         raise ValueError("it fails authentication") from None

@@ -393,9 +393,10 @@ class Coordination:
         )
         self._unmasking, self.phase = barrier, Phase.UNMASKING
         actions: list[Action] = []
+        serialized = messages.unmask_requests(run.run_id, requests)
         for session, clients in asked:
             for client in clients:
-                data = messages.unmask_request(run.run_id, client, requests[client])
+                data = serialized[client]
                 actions.append(Send(session.key, data))
                 barrier.bytes_down += len(data)
         return self._settle(now, actions)
