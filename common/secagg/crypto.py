@@ -153,30 +153,19 @@ MASK_BLOCK = 32_768  # ring entries (256 KiB) per step of add_masks: the scratch
 _ZEROS = bytes(8 * MASK_BLOCK)  # the plaintext whose encryption is the keystream (read, never written)
 
 
-def add_masks(
-    total: Ring, masks: Sequence[tuple[bytes, int]], fresh: bool = False, rows: Sequence[Ring] = ()
-) -> None:
+def add_masks(total: Ring, masks: Sequence[tuple[bytes, int]], fresh: bool = False) -> None:
     """total += sum of sign * PRG(seed) over `masks` (mod 2^64, sign +1 or -1), in place; with `fresh`,
-    total = that sum (whatever `total` held: an array from np.empty needs no clearing pass); with `rows`
-    (each as long as `total`), total = sum of the rows + the masks, whatever `total` held.
+    total = that sum (whatever `total` held: an array from np.empty needs no clearing pass).
 
     Block by block: each seed's stream is carried on from block to block, and every block of every
     mask is written into one small scratch and added while it is still in cache. At d = 1e6 that
     touches `total` once instead of allocating, filling and adding an 8 MB mask per seed (main memory's
     bandwidth, not AES, was most of a mask's cost). The keystream is encrypted from a constant block of
     zeros straight into the scratch (no pass to clear it), or, for the first mask of a fresh total,
-    straight into the total. The result is exactly expand(seed) added whole.
-
-    The rows are added in the same pass, each block of each row while that block of the total is in cache:
-    the coordinator's sum of n masked rows touches the total once instead of n + 1 times (once to clear it,
-    once per row), and addition mod 2^64 gives the same bits in any order."""
-    if any(len(row) != len(total) for row in rows):
-        raise ValueError(f"rows of {sorted({len(row) for row in rows})} entries for a total of {len(total)}")
-    if rows:
-        fresh = False  # the first row is the total's first value
+    straight into the total. The result is exactly expand(seed) added whole."""
     if fresh and not masks:
         total.fill(0)
-    if (not masks and not rows) or not len(total):
+    if not masks or not len(total):
         return
     streams = [(keystream(seed, 8 * len(total)), sign) for seed, sign in masks]
     scratch = np.empty(min(MASK_BLOCK, len(total)), dtype=np.uint64)
@@ -186,11 +175,6 @@ def add_masks(
         part = total[start : start + MASK_BLOCK]
         block = scratch[: len(part)]
         buffer, source = block.data.cast("B"), zeros[: 8 * len(part)]
-        if rows:
-            span = slice(start, start + len(part))
-            np.copyto(part, rows[0][span])
-            for row in rows[1:]:
-                np.add(part, row[span], out=part)
         for k, (stream, sign) in enumerate(streams):
             if fresh and k == 0:  # the first mask is the total's first value: written in place
                 stream.update_into(source, part.data.cast("B"))
