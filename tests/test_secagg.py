@@ -571,3 +571,31 @@ def test_unmask_requests_written_by_hand_are_the_bytes_protobuf_writes(
         )
         assert data == pb.Instruction(unmask=expected).SerializeToString()
         assert pb.Instruction.FromString(data).unmask == expected
+
+
+def test_masks_of_every_short_length_and_block_boundary_are_the_ctr_keystream() -> None:
+    """The keystream is computed through AES-GCM from its third counter block on (crypto.Keystream): every
+    length around the 32 bytes taken from CTR mode, and around a block of add_masks, gives AES-256-CTR's
+    keystream from counter block zero, fresh or added, and so does a stream read in pieces of any size."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    seed = bytes(range(32))
+    whole = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update(bytes(8 * (crypto.MASK_BLOCK + 9)))
+    reference = np.frombuffer(whole, dtype="<u8").astype(np.uint64)
+    for length in (
+        *range(1, 10),
+        *(crypto.Keystream.GCM_FROM // 8 + k for k in (-1, 0, 1)),  # CTR alone below, GCM from there
+        crypto.MASK_BLOCK - 1,
+        crypto.MASK_BLOCK,
+        crypto.MASK_BLOCK + 1,
+        crypto.MASK_BLOCK + 9,
+    ):
+        assert np.array_equal(crypto.expand(seed, length), reference[:length]), length
+        total = np.arange(length, dtype=np.uint64)
+        crypto.add_masks(total, [(seed, -1)])
+        assert np.array_equal(total, np.arange(length, dtype=np.uint64) - reference[:length]), length
+    stream, out, at = crypto.keystream(seed, 8000), bytearray(8000), 0
+    for piece in (1, 7, 8, 16, 3, 100, 865, 7000):  # across the 32 bytes from CTR mode and GCM's 16-byte blocks
+        stream.update_into(memoryview(bytes(piece)), memoryview(out)[at : at + piece])
+        at += piece
+    assert bytes(out) == whole[:8000]

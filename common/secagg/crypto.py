@@ -7,9 +7,9 @@
 * mask expansion: the AES-256-CTR keystream of a seed (counter blocks from zero), read
   as little-endian uint64 (AES-CTR rather than ChaCha20: with AES instructions, as on
   every x86-64 and ARMv8 server, it expands a mask about 1.7x faster, and masks are most
-  of the cost). OpenSSL's AES-128-GCM runs the same kind of keystream about a third
-  faster here, but a mask is a few milliseconds of a round of hundreds at d = 1e6, and a
-  different generator would make clients of earlier builds mask differently: kept;
+  of the cost). The same keystream is computed through OpenSSL's AES-GCM code path, which
+  is about twice as fast as its CTR path where the CPU has vector AES (see `Keystream`):
+  the bits are those of AES-256-CTR, so the generator is unchanged;
 * share envelopes: ChaCha20-Poly1305 under a key derived from the pairwise key, the
   run, round, attempt, sender and receiver as associated data (a share moved to
   another round or another pair fails authentication).
@@ -41,6 +41,7 @@ SEED_BYTES = 32
 NONCE_BYTES = 12
 TAG_BYTES = 16
 _ZERO_COUNTER = bytes(16)  # AES-CTR's initial counter block: each seed expands one stream only
+_ZERO_IV = bytes(12)  # GCM's IV for the same stream: its counter blocks 0^96 || 2, 3, ... (Keystream)
 
 
 class KeyRejected(ValueError):
@@ -67,6 +68,7 @@ class _PerRound(NamedTuple):
     cipher: Callable[..., Any]  # Cipher and AES: a mask's keystream
     aes: Callable[[bytes], Any]
     ctr_from_zero: Any  # CTR mode from counter block zero, for every seed (the mode keeps only its nonce)
+    gcm_zero_iv: Any  # GCM under a zero 96-bit IV: the same stream from counter block 2 (Keystream)
     invalid_tag: type[Exception]
 
 
@@ -80,7 +82,9 @@ def _per_round() -> _PerRound:
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    return _PerRound(HKDF, hashes.SHA256(), Cipher, algorithms.AES, modes.CTR(_ZERO_COUNTER), InvalidTag)
+    return _PerRound(
+        HKDF, hashes.SHA256(), Cipher, algorithms.AES, modes.CTR(_ZERO_COUNTER), modes.GCM(_ZERO_IV), InvalidTag
+    )
 
 
 def _hkdf(secret: bytes, info: bytes, salt: bytes | None = None) -> bytes:
@@ -124,11 +128,54 @@ def expand(seed: bytes, length: int) -> Ring:
     return mask
 
 
-def keystream(seed: bytes) -> CipherContext:
-    """The PRG of a seed, as a context whose output over zeros is its keystream, block after block
-    (AES-256 under the 32-byte seed, CTR mode from counter block zero)."""
-    lib = _per_round()
-    return lib.cipher(lib.aes(seed), lib.ctr_from_zero).encryptor()  # type: ignore[no-any-return]
+class Keystream:
+    """The PRG of a seed: AES-256 under the 32-byte seed in CTR mode from counter block zero, read over
+    zeros (`update_into(zeros, buffer)` writes the next len(buffer) bytes of the keystream), block after
+    block.
+
+    Computed through OpenSSL's AES-GCM, whose code path is about twice as fast as its CTR path on CPUs
+    with vector AES (16 MB: 1.7 ms against 3.3 ms here, 2026-11-26), with the same bits: GCM under a
+    96-bit IV of zeros encrypts with the counter blocks 0^96 || c for c = 2, 3, ... (its 32-bit counter
+    starts at 2), and these are CTR's counter blocks 2, 3, ... as long as c does not wrap, i.e. for the
+    first 2^32 - 2 blocks (64 GiB). The keystream's first two blocks (32 bytes) come from a CTR context,
+    and a stream shorter than GCM_FROM or longer than GCM's counter covers is CTR throughout. GCM's tag is
+    never computed, and no message is encrypted: only the keystream over zeros is read, as from CTR mode."""
+
+    HEAD = 32  # bytes of the first two counter blocks, which GCM under a zero IV does not produce
+    GCM_FROM = 4096  # bytes: a shorter stream is CTR throughout (a second context costs more than it saves)
+    GCM_LIMIT = 16 * ((1 << 32) - 2)  # bytes from HEAD on that GCM's 32-bit counter covers without wrapping
+
+    __slots__ = ("_at", "_body", "_head")
+
+    def __init__(self, seed: bytes, length: int) -> None:
+        """A stream of which at most `length` bytes will be read."""
+        lib = _per_round()
+        key = lib.aes(seed)
+        self._head: CipherContext = lib.cipher(key, lib.ctr_from_zero).encryptor()
+        self._at = 0
+        self._body: CipherContext | None = None
+        if length >= self.GCM_FROM and length - self.HEAD <= self.GCM_LIMIT:
+            self._body = lib.cipher(key, lib.gcm_zero_iv).encryptor()
+
+    def update_into(self, zeros: memoryview, buffer: memoryview) -> None:
+        """The keystream's next len(buffer) bytes into `buffer` (`zeros`: as many zero bytes)."""
+        body, at, size = self._body, self._at, len(buffer)
+        self._at = at + size
+        if body is None:
+            self._head.update_into(zeros, buffer)
+            return
+        if at < self.HEAD:
+            first = min(self.HEAD - at, size)
+            self._head.update_into(zeros[:first], buffer[:first])
+            if first == size:
+                return
+            zeros, buffer = zeros[first:], buffer[first:]
+        body.update_into(zeros, buffer)
+
+
+def keystream(seed: bytes, length: int) -> Keystream:
+    """The PRG of a seed (AES-256-CTR from counter block zero) for reading up to `length` bytes."""
+    return Keystream(seed, length)
 
 
 MASK_BLOCK = 32_768  # ring entries (256 KiB) per step of add_masks: the scratch stays in the CPU's cache
@@ -149,7 +196,7 @@ def add_masks(total: Ring, masks: Sequence[tuple[bytes, int]], fresh: bool = Fal
         total.fill(0)
     if not masks or not len(total):
         return
-    streams = [(keystream(seed), sign) for seed, sign in masks]
+    streams = [(keystream(seed, 8 * len(total)), sign) for seed, sign in masks]
     scratch = np.empty(min(MASK_BLOCK, len(total)), dtype=np.uint64)
     zeros = memoryview(_ZEROS)
     swap = sys.byteorder == "big"  # the masks, like the wire, are little-endian everywhere
