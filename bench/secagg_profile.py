@@ -140,10 +140,10 @@ def steps(n: int, d: int, k: int, repeats: int) -> list[tuple[str, float]]:
     figures.append(
         (
             f"coordinator: build {n} unmask requests",
-            best(lambda: [messages.unmask_request("profile", j, q) for j, q in requests.items()], repeats),
+            best(lambda: messages.unmask_requests("profile", requests), repeats),
         )
     )
-    request_bytes = messages.unmask_request("profile", 0, requests[0])
+    request_bytes = messages.unmask_requests("profile", requests)[0]
     figures.append(
         (
             "client: parse the unmask request",

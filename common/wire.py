@@ -178,7 +178,8 @@ class RawChunk(NamedTuple):
     data: memoryview
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """`value` (>= 0) as protobuf's varint (also for the messages common/secagg/messages.py writes by hand)."""
     out = bytearray()
     while value > 0x7F:
         out.append(0x80 | (value & 0x7F))
@@ -187,7 +188,6 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-varint = _varint  # (for the messages other modules write by hand: common/secagg/messages.py)
 _UINT64 = (1 << 64) - 1
 
 
@@ -210,16 +210,16 @@ def with_payload(outer: bytes, front: bytes, payload_tag: bytes, parts: Sequence
     bytes field, then `back`: each part serialized, in field-number order, so the bytes are
     protobuf's own. The payload is copied once."""
     size = sum(len(part) for part in parts)
-    field = payload_tag + _varint(size)
+    field = payload_tag + varint(size)
     inner = len(front) + len(field) + size + len(back)
-    return b"".join((outer, _varint(inner), front, field, *parts, back))
+    return b"".join((outer, varint(inner), front, field, *parts, back))
 
 
 def chunk_message(offset: int, data: memoryview | Sequence[memoryview]) -> bytes:
     """A serialized Instruction (or ClientMessage) holding one Chunk whose data is `data` (or its
     pieces, one after the other): what protobuf writes, with one copy."""
     pieces = [data] if isinstance(data, memoryview) else data
-    front = bytes((_OFFSET_TAG,)) + _varint(offset) if offset else b""  # proto3 leaves a 0 offset out
+    front = bytes((_OFFSET_TAG,)) + varint(offset) if offset else b""  # proto3 leaves a 0 offset out
     return with_payload(bytes((CHUNK_TAG,)), front, bytes((_DATA_TAG,)), pieces, b"")
 
 

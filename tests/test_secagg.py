@@ -594,7 +594,7 @@ def test_masks_of_every_short_length_and_block_boundary_are_the_ctr_keystream() 
         total = np.arange(length, dtype=np.uint64)
         crypto.add_masks(total, [(seed, -1)])
         assert np.array_equal(total, np.arange(length, dtype=np.uint64) - reference[:length]), length
-    stream, out, at = crypto.keystream(seed, 8000), bytearray(8000), 0
+    stream, out, at = crypto.Keystream(seed, 8000), bytearray(8000), 0
     for piece in (1, 7, 8, 16, 3, 100, 865, 7000):  # across the 32 bytes from CTR mode and GCM's 16-byte blocks
         stream.update_into(memoryview(bytes(piece)), memoryview(out)[at : at + piece])
         at += piece

@@ -173,11 +173,6 @@ class Keystream:
         body.update_into(zeros, buffer)
 
 
-def keystream(seed: bytes, length: int) -> Keystream:
-    """The PRG of a seed (AES-256-CTR from counter block zero) for reading up to `length` bytes."""
-    return Keystream(seed, length)
-
-
 MASK_BLOCK = 32_768  # ring entries (256 KiB) per step of add_masks: the scratch stays in the CPU's cache
 _ZEROS = bytes(8 * MASK_BLOCK)  # the plaintext whose encryption is the keystream (read, never written)
 
@@ -196,7 +191,7 @@ def add_masks(total: Ring, masks: Sequence[tuple[bytes, int]], fresh: bool = Fal
         total.fill(0)
     if not masks or not len(total):
         return
-    streams = [(keystream(seed, 8 * len(total)), sign) for seed, sign in masks]
+    streams = [(Keystream(seed, 8 * len(total)), sign) for seed, sign in masks]
     scratch = np.empty(min(MASK_BLOCK, len(total)), dtype=np.uint64)
     zeros = memoryview(_ZEROS)
     swap = sys.byteorder == "big"  # the masks, like the wire, are little-endian everywhere

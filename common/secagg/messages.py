@@ -137,11 +137,6 @@ _CLIENT_TAG, _SHARE_TAG = b"\x18", b"\x32"  # UnmaskRequest.client (3, varint), 
 _VALUE_CLIENT_TAG, _VALUE_TAG = b"\x08", b"\x12"  # ClientValue.client (1, varint), .value (2, length-delimited)
 
 
-def unmask_request(run_id: str, client: int, request: UnmaskRequest) -> bytes:
-    """The serialized UnmaskRequest instruction for `client`."""
-    return unmask_requests(run_id, {client: request})[client]
-
-
 def unmask_requests(run_id: str, requests: Mapping[int, UnmaskRequest]) -> dict[int, bytes]:
     """The serialized UnmaskRequest instruction for each client, byte for byte what protobuf writes
     (tests/test_secagg.py).
@@ -170,7 +165,7 @@ def unmask_requests(run_id: str, requests: Mapping[int, UnmaskRequest]) -> dict[
                 front = senders[sender] = _VALUE_CLIENT_TAG + varint(sender) if sender else b""
             size = len(sealed)
             if size:
-                value = _VALUE_TAG + (bytes((size,)) if size < 0x80 else varint(size))
+                value = _VALUE_TAG + varint(size)
                 parts += (_SHARE_TAG, varint(len(front) + len(value) + size), front, value, sealed)
             else:
                 parts += (_SHARE_TAG, varint(len(front)), front)
