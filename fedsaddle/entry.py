@@ -4,10 +4,17 @@ fedsaddle.cli handles Ctrl-C while a command runs; this module covers the moment
 around it, where a KeyboardInterrupt would otherwise print a traceback and end the
 process by the signal: while the command line's modules load (half a second of
 imports), and once the command has ended, while the interpreter shuts down (ignored).
+
+An interrupted command leaves by os._exit(130), its outputs flushed: CPython marks a
+KeyboardInterrupt raised inside source run by exec() (dataclasses and namedtuple build
+their methods so, while modules load) as unhandled, whatever caught it since, and then
+ends the process by SIGINT at exit instead of with the code sys.exit gave it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 
@@ -27,6 +34,11 @@ def main() -> int:
         # The command has ended and said how: a Ctrl-C while the interpreter shuts down (its handler is
         # gone by then, and the signal would kill the process) is not news.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if code == EXIT_INTERRUPTED:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

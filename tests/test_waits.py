@@ -7,6 +7,7 @@ TLS as the client does."""
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import signal
 import subprocess
@@ -132,6 +133,29 @@ def test_ctrl_c_at_any_moment_of_fedsaddle_local_exits_130_with_one_line(tmp_pat
     assert err.count("fedsaddle: interrupted") == 1
     assert err.rstrip().splitlines()[-1].startswith("fedsaddle: interrupted")
     assert not [line for line in err.splitlines() if " WARNING " in line or " ERROR " in line], err
+
+
+def test_an_interrupt_raised_inside_exec_source_still_exits_130(tmp_path: Path) -> None:
+    # CPython flags a KeyboardInterrupt raised in exec()'d source (dataclasses build their methods so,
+    # while modules load) as unhandled even once caught, and `python -m` then ends by SIGINT (-2).
+    (tmp_path / "interrupted.py").write_text(
+        "import sys, fedsaddle.cli as cli\n"
+        "def interrupted(argv=None):\n"
+        "    try:\n"
+        "        exec('raise KeyboardInterrupt')\n"
+        "    except KeyboardInterrupt:\n"
+        "        cli._say_interrupted()\n"
+        "        return 130\n"
+        "cli.main = interrupted\n"
+        "from fedsaddle.entry import main\n"
+        "sys.exit(main())\n"
+    )
+    env = {**CLIENT_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), CLIENT_ENV.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "interrupted"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "fedsaddle: interrupted\n"
 
 
 @pytest.fixture(scope="module")
