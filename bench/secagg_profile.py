@@ -6,9 +6,10 @@
    client: PRG expansion of its masks, seeds/Shamir split/sealed shares, fixed-point
    encoding onto the masks, building its masked answer; parsing an unmask request,
    opening its shares, building the reply;
-   coordinator: parsing the n masked answers and adding the rows (modular adds),
+   coordinator: parsing the n masked answers (the rows kept as they came),
    closing the round and building the n unmask requests, parsing the n replies,
-   Shamir reconstruction of the n self-mask seeds, PRG expansion of their masks,
+   Shamir reconstruction of the n self-mask seeds, PRG expansion of their masks
+   (alone, and with the rows summed in the same pass, as the unmasking does it),
    reading the mean from the sum (decoding).
 2. Gradient rounds over gRPC, one client process per client: the median time of each
    phase of a secure round beside a plain round in the same run (alternating in blocks):
@@ -53,7 +54,7 @@ PHASES = (
     "plain: the round trip",
     "secure: first trip (task, masked answers)",
     "secure: unmask trip (requests, replies)",
-    "secure: unmasking (Shamir, self masks)",
+    "secure: unmasking (Shamir, rows and self masks)",
     "secure: read the mean (decode)",
 )
 
@@ -133,7 +134,7 @@ def steps(n: int, d: int, k: int, repeats: int) -> list[tuple[str, float]]:
         return MaskedRound("profile", round_id, 0, clients, threshold, length, k)
 
     figures.append(
-        (f"coordinator: parse {n} masked answers, add the rows", best(lambda: parse_and_add(new_round()), repeats))
+        (f"coordinator: parse {n} masked answers, keep the rows", best(lambda: parse_and_add(new_round()), repeats))
     )
     masked = parse_and_add(new_round())
     requests = masked.close()
@@ -190,9 +191,16 @@ def steps(n: int, d: int, k: int, repeats: int) -> list[tuple[str, float]]:
 
     figures.append((f"coordinator: Shamir reconstruction of {n} self-mask seeds", best(reconstruct, repeats)))
     self_seeds = [(seed, -1) for seed in reconstruct()]
-    total = masked.total.copy()
+    total = masked.total
     figures.append(
         (f"coordinator: PRG expansion of {n} self masks", best(lambda: crypto.add_masks(total, self_seeds), repeats))
+    )
+    kept = list(masked.rows.values())
+    figures.append(
+        (
+            f"coordinator: sum the {n} rows, remove the self masks",
+            best(lambda: crypto.add_masks(total, self_seeds, fresh=True, rows=kept), repeats),
+        )
     )
     task = GradientTask(np.zeros(2 * d))
     figures.append(("coordinator: read the mean (decode)", best(lambda: read_sum(total, task, 2 * d, 40), repeats)))

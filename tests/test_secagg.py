@@ -206,6 +206,31 @@ def test_masks_onto_a_fresh_array_equal_masks_added_to_zeros() -> None:
     assert cleared.tolist() == [0, 0, 0]
 
 
+def test_rows_summed_with_the_masks_equal_rows_added_one_by_one_then_the_masks() -> None:
+    """add_masks(rows=...) adds the rows block by block with the masks (the coordinator's one pass): the same
+    bits as adding each row whole and then the masks, fresh or onto a total, for one row or several, with or
+    without masks; a row of another length is refused."""
+    length = 2 * crypto.MASK_BLOCK + 77
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(0, 2**64, length, dtype=np.uint64, endpoint=False) for _ in range(4)]
+    start = rng.integers(0, 2**64, length, dtype=np.uint64, endpoint=False)
+    for count, seeds in itertools.product((1, 2, 4), ([], [(b"f" * 32, -1), (b"g" * 32, 1)])):
+        fresh_sum = np.zeros(length, dtype=np.uint64)
+        for row in rows[:count]:
+            np.add(fresh_sum, row, out=fresh_sum)
+        onto = start + fresh_sum
+        crypto.add_masks(fresh_sum, seeds)
+        crypto.add_masks(onto, seeds)
+        garbage = np.full(length, 99, dtype=np.uint64)
+        crypto.add_masks(garbage, seeds, fresh=True, rows=rows[:count])
+        assert np.array_equal(garbage, fresh_sum)
+        total = start.copy()
+        crypto.add_masks(total, seeds, rows=rows[:count])
+        assert np.array_equal(total, onto)
+    with pytest.raises(ValueError, match="do not fit a total"):
+        crypto.add_masks(np.zeros(length, dtype=np.uint64), [], rows=[rows[0][:-1]])
+
+
 def test_sealed_shares_open_only_in_their_own_context() -> None:
     key = crypto.envelope(bytes(range(32)))
     sealed = crypto.seal(key, b"share", RUN, 3, 0, 1, 2)

@@ -49,7 +49,8 @@ class KeyDirectory:
 
 
 class MaskedRound:
-    """One round's masked rows, and its unmasking."""
+    """One round's masked rows, and its unmasking. The rows are kept as the caller gave them (views of the
+    received payloads) and read when the round is unmasked: they must not change in between."""
 
     def __init__(
         self,
@@ -65,7 +66,9 @@ class MaskedRound:
         self.participants = tuple(participants)
         self.threshold, self.length, self.neighbours = threshold, length, neighbours
         self.shares: dict[int, dict[int, bytes]] = {}  # sender -> holder -> its sealed share
-        self.total = np.zeros(length, dtype=np.uint64)  # the masked rows, added as they come
+        # The masked rows as they came (the caller's arrays, views of the received payloads: not copied), summed
+        # when the round is unmasked, in the same pass over memory that removes the masks (`finish`).
+        self.rows: dict[int, Ring] = {}
         self._requests: dict[int, UnmaskRequest] | None = None
         self._finished = False
         self._graph: dict[int, tuple[int, ...]] = {}  # client -> its neighbours, as they are asked for
@@ -102,8 +105,15 @@ class MaskedRound:
         short = [j for j, sealed in row.shares.items() if len(sealed) != SEALED_SHARE_BYTES]
         if short:
             raise SecAggError(f"{where}: sealed shares for clients {short[:5]} are not {SEALED_SHARE_BYTES} bytes")
-        np.add(self.total, row.masked, out=self.total)
+        self.rows[row.client] = row.masked
         self.shares[row.client] = row.shares
+
+    @property
+    def total(self) -> Ring:
+        """The sum of the masked rows kept so far, mod 2^64 (a new array; `finish` sums them itself)."""
+        total = np.empty(self.length, dtype=np.uint64)
+        crypto.add_masks(total, [], fresh=True, rows=list(self.rows.values()))
+        return total
 
     def close(self) -> dict[int, UnmaskRequest]:
         """The unmask request for each client whose row arrived, or SecAggError if too few did (or, under
@@ -186,6 +196,8 @@ class MaskedRound:
         for j in sorted(replies):
             for i in sorted(replies[j].seeds):
                 masks.append((replies[j].seeds[i], -1 if i > j else 1))
-        total, self._finished = self.total, True
-        crypto.add_masks(total, masks)
+        self._finished = True
+        total = np.empty(self.length, dtype=np.uint64)
+        crypto.add_masks(total, masks, fresh=True, rows=[self.rows[i] for i in answered])  # one pass, all in it
+        self.rows = {}  # (the caller's arrays: not held past the round)
         return total
