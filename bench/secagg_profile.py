@@ -300,9 +300,10 @@ def main() -> None:
     tune_malloc()  # large buffers reused from the heaps, as the coordinator and the clients have them
     if not args.skip_steps:
         for d in dims:
+            repeats = args.repeats if d < 100_000 else 5
             for k in args.graphs:
-                print(f"\n1. d = {d}, {graph_name(k)}, n = {args.clients}: ms per round, least of {args.repeats}")
-                for name, seconds in steps(args.clients, d, k, args.repeats if d < 100_000 else 5):
+                print(f"\n1. d = {d}, {graph_name(k)}, n = {args.clients}: ms per round, least of {repeats}")
+                for name, seconds in steps(args.clients, d, k, repeats):
                     print(f"   {name:60} {1e3 * seconds:9.3f}")
     if not args.skip_phases:
         phases(args.clients, dims, args.rounds, args.blocks, args.graphs)
