@@ -229,6 +229,8 @@ def test_rows_summed_with_the_masks_equal_rows_added_one_by_one_then_the_masks()
         assert np.array_equal(total, onto)
     with pytest.raises(ValueError, match="do not fit a total"):
         crypto.add_masks(np.zeros(length, dtype=np.uint64), [], rows=[rows[0][:-1]])
+    with pytest.raises(ValueError, match="do not fit a total"):
+        crypto.add_masks(np.zeros(length, dtype=np.uint64), [], rows=[rows[0].view(np.int64)])
 
 
 def test_sealed_shares_open_only_in_their_own_context() -> None:

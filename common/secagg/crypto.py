@@ -190,8 +190,9 @@ def add_masks(total: Ring, masks: Sequence[tuple[bytes, int]], fresh: bool = Fal
     encrypted from a constant block of zeros straight into the scratch (no pass to clear it), or, for the
     first mask of a fresh total without rows, straight into the total. The result is exactly
     expand(seed) added whole (addition mod 2^64 does not depend on grouping)."""
-    if any(row.shape != total.shape for row in rows):
-        raise ValueError(f"rows of shapes {sorted({row.shape for row in rows})} do not fit a total of {total.shape}")
+    if any(row.shape != total.shape or row.dtype != np.uint64 for row in rows):
+        kinds = sorted({f"{row.dtype} {row.shape}" for row in rows})
+        raise ValueError(f"rows of {kinds} do not fit a total of uint64 {total.shape}")
     if fresh and not masks and not rows:
         total.fill(0)
     if (not masks and not rows) or not len(total):
