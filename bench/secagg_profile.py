@@ -6,11 +6,10 @@
    client: PRG expansion of its masks, seeds/Shamir split/sealed shares, fixed-point
    encoding onto the masks, building its masked answer; parsing an unmask request,
    opening its shares, building the reply;
-   coordinator: parsing the n masked answers (the rows kept as they came),
-   closing the round and building the n unmask requests, parsing the n replies,
-   Shamir reconstruction of the n self-mask seeds, PRG expansion of their masks
-   (alone, and with the rows summed in the same pass, as the unmasking does it),
-   reading the mean from the sum (decoding).
+   coordinator: parsing the n masked answers (the rows kept as they came), summing
+   the rows (one pass, when the round closes), building the n unmask requests,
+   parsing the n replies, Shamir reconstruction of the n self-mask seeds, PRG
+   expansion of their masks, reading the mean from the sum (decoding).
 2. Gradient rounds over gRPC, one client process per client: the median time of each
    phase of a secure round beside a plain round in the same run (alternating in blocks):
    the first trip (the task out, the masked answers back, the clients' masking in it),
@@ -54,7 +53,7 @@ PHASES = (
     "plain: the round trip",
     "secure: first trip (task, masked answers)",
     "secure: unmask trip (requests, replies)",
-    "secure: unmasking (Shamir, rows and self masks)",
+    "secure: unmasking (Shamir, self masks)",
     "secure: read the mean (decode)",
 )
 
@@ -137,6 +136,13 @@ def steps(n: int, d: int, k: int, repeats: int) -> list[tuple[str, float]]:
         (f"coordinator: parse {n} masked answers, keep the rows", best(lambda: parse_and_add(new_round()), repeats))
     )
     masked = parse_and_add(new_round())
+    kept = list(masked.rows.values())
+    figures.append(
+        (
+            f"coordinator: sum the {n} rows (one pass, as closing the round does)",
+            best(lambda: crypto.add_masks(np.empty(length, dtype=np.uint64), [], fresh=True, rows=kept), repeats),
+        )
+    )
     requests = masked.close()
     figures.append(
         (
@@ -191,16 +197,9 @@ def steps(n: int, d: int, k: int, repeats: int) -> list[tuple[str, float]]:
 
     figures.append((f"coordinator: Shamir reconstruction of {n} self-mask seeds", best(reconstruct, repeats)))
     self_seeds = [(seed, -1) for seed in reconstruct()]
-    total = masked.total
+    total = masked.total.copy()
     figures.append(
         (f"coordinator: PRG expansion of {n} self masks", best(lambda: crypto.add_masks(total, self_seeds), repeats))
-    )
-    kept = list(masked.rows.values())
-    figures.append(
-        (
-            f"coordinator: sum the {n} rows, remove the self masks",
-            best(lambda: crypto.add_masks(total, self_seeds, fresh=True, rows=kept), repeats),
-        )
     )
     task = GradientTask(np.zeros(2 * d))
     figures.append(("coordinator: read the mean (decode)", best(lambda: read_sum(total, task, 2 * d, 40), repeats)))

@@ -50,7 +50,7 @@ class KeyDirectory:
 
 class MaskedRound:
     """One round's masked rows, and its unmasking. The rows are kept as the caller gave them (views of the
-    received payloads) and read when the round is unmasked: they must not change in between."""
+    received payloads) and summed when the round closes: they must not change in between."""
 
     def __init__(
         self,
@@ -67,8 +67,9 @@ class MaskedRound:
         self.threshold, self.length, self.neighbours = threshold, length, neighbours
         self.shares: dict[int, dict[int, bytes]] = {}  # sender -> holder -> its sealed share
         # The masked rows as they came (the caller's arrays, views of the received payloads: not copied), summed
-        # when the round is unmasked, in the same pass over memory that removes the masks (`finish`).
+        # in one pass when the round closes (`close`), into `_sum`.
         self.rows: dict[int, Ring] = {}
+        self._sum: Ring | None = None
         self._requests: dict[int, UnmaskRequest] | None = None
         self._finished = False
         self._graph: dict[int, tuple[int, ...]] = {}  # client -> its neighbours, as they are asked for
@@ -110,7 +111,9 @@ class MaskedRound:
 
     @property
     def total(self) -> Ring:
-        """The sum of the masked rows kept so far, mod 2^64 (a new array; `finish` sums them itself)."""
+        """The sum of the masked rows, mod 2^64: the round's own once it closed, before that a new array."""
+        if self._sum is not None:
+            return self._sum
         total = np.empty(self.length, dtype=np.uint64)
         crypto.add_masks(total, [], fresh=True, rows=list(self.rows.values()))
         return total
@@ -129,6 +132,13 @@ class MaskedRound:
                 f"round {self.round_id}: the {len(answered)} clients that answered are not connected in the "
                 f"round's neighbour graph (k = {self.neighbours}); unmasking would reveal partial sums"
             )
+        # The rows are summed now, block by block (each row read once, the sum written once: no zeroed total
+        # walked once per row), while the clients wait for their requests. (Summed in the pass that removes
+        # the masks instead, after the replies, this memory-bound work met the clients making their next
+        # masks on the same cores, and the unmasking took longer: docs/privacy.md, "Cost".)
+        self._sum = np.empty(self.length, dtype=np.uint64)
+        crypto.add_masks(self._sum, [], fresh=True, rows=[self.rows[i] for i in answered])
+        self.rows = {}  # (the caller's arrays: not held past the sum)
         dropped = tuple(j for j in self.participants if j not in self.shares)
         self._requests = {
             j: UnmaskRequest(
@@ -196,8 +206,6 @@ class MaskedRound:
         for j in sorted(replies):
             for i in sorted(replies[j].seeds):
                 masks.append((replies[j].seeds[i], -1 if i > j else 1))
-        self._finished = True
-        total = np.empty(self.length, dtype=np.uint64)
-        crypto.add_masks(total, masks, fresh=True, rows=[self.rows[i] for i in answered])  # one pass, all in it
-        self.rows = {}  # (the caller's arrays: not held past the round)
+        total, self._finished = self.total, True
+        crypto.add_masks(total, masks)
         return total
