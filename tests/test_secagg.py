@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedsaddle.common.secagg import crypto, fixedpoint, graph, messages, shamir
-from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound
+from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound, sum_rows
 from fedsaddle.common.secagg.fixedpoint import FixedPointOverflow
 from fedsaddle.common.secagg.party import Party, UnmaskRequest
 from fedsaddle.common.secagg.settings import (
@@ -206,31 +206,19 @@ def test_masks_onto_a_fresh_array_equal_masks_added_to_zeros() -> None:
     assert cleared.tolist() == [0, 0, 0]
 
 
-def test_rows_summed_with_the_masks_equal_rows_added_one_by_one_then_the_masks() -> None:
-    """add_masks(rows=...) adds the rows block by block with the masks (the coordinator's one pass): the same
-    bits as adding each row whole and then the masks, fresh or onto a total, for one row or several, with or
-    without masks; a row of another length is refused."""
+def test_rows_summed_block_by_block_equal_rows_added_one_by_one() -> None:
+    """sum_rows adds the rows block by block (the coordinator's one pass when a round closes): the same bits as
+    adding each row whole, for no row, one or several, across block boundaries."""
     length = 2 * crypto.MASK_BLOCK + 77
     rng = np.random.default_rng(5)
     rows = [rng.integers(0, 2**64, length, dtype=np.uint64, endpoint=False) for _ in range(4)]
-    start = rng.integers(0, 2**64, length, dtype=np.uint64, endpoint=False)
-    for count, seeds in itertools.product((1, 2, 4), ([], [(b"f" * 32, -1), (b"g" * 32, 1)])):
-        fresh_sum = np.zeros(length, dtype=np.uint64)
+    for count in (0, 1, 2, 4):
+        expected = np.zeros(length, dtype=np.uint64)
         for row in rows[:count]:
-            np.add(fresh_sum, row, out=fresh_sum)
-        onto = start + fresh_sum
-        crypto.add_masks(fresh_sum, seeds)
-        crypto.add_masks(onto, seeds)
-        garbage = np.full(length, 99, dtype=np.uint64)
-        crypto.add_masks(garbage, seeds, fresh=True, rows=rows[:count])
-        assert np.array_equal(garbage, fresh_sum)
-        total = start.copy()
-        crypto.add_masks(total, seeds, rows=rows[:count])
-        assert np.array_equal(total, onto)
-    with pytest.raises(ValueError, match="do not fit a total"):
-        crypto.add_masks(np.zeros(length, dtype=np.uint64), [], rows=[rows[0][:-1]])
-    with pytest.raises(ValueError, match="do not fit a total"):
-        crypto.add_masks(np.zeros(length, dtype=np.uint64), [], rows=[rows[0].view(np.int64)])
+            np.add(expected, row, out=expected)
+        summed = sum_rows(rows[:count], length)
+        assert summed.dtype == np.uint64 and np.array_equal(summed, expected)
+    assert not np.shares_memory(sum_rows(rows[:1], length), rows[0])  # the round's own array, unmasked in place
 
 
 def test_sealed_shares_open_only_in_their_own_context() -> None:
@@ -518,6 +506,8 @@ def test_the_aggregator_refuses_wrong_rows_and_keeps_the_round_as_it_was() -> No
     good = parties[0].mask(2, 0, (0, 1, 2), np.ones(4))
     with pytest.raises(SecAggError, match="round 2: client 0: masked row of shape \\(3,\\), expected \\(4,\\)"):
         masked_round.add(good._replace(masked=good.masked[:3]))
+    with pytest.raises(SecAggError, match="round 2: client 0: masked row of int64 entries, expected uint64"):
+        masked_round.add(good._replace(masked=good.masked.view(np.int64)))
     with pytest.raises(SecAggError, match="sealed shares for clients \\[1\\]"):
         masked_round.add(good._replace(shares={1: good.shares[1]}))
     with pytest.raises(SecAggError, match="not 45 bytes"):

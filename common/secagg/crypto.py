@@ -177,54 +177,35 @@ MASK_BLOCK = 32_768  # ring entries (256 KiB) per step of add_masks: the scratch
 _ZEROS = bytes(8 * MASK_BLOCK)  # the plaintext whose encryption is the keystream (read, never written)
 
 
-def add_masks(total: Ring, masks: Sequence[tuple[bytes, int]], fresh: bool = False, rows: Sequence[Ring] = ()) -> None:
-    """total += sum(rows) + sum of sign * PRG(seed) over `masks` (mod 2^64, sign +1 or -1), in place; with
-    `fresh`, total = that sum (whatever `total` held: an array from np.empty needs no clearing pass). `rows`
-    are arrays of total's length (the coordinator's masked rows), read only.
+def add_masks(total: Ring, masks: Sequence[tuple[bytes, int]], fresh: bool = False) -> None:
+    """total += sum of sign * PRG(seed) over `masks` (mod 2^64, sign +1 or -1), in place; with `fresh`,
+    total = that sum (whatever `total` held: an array from np.empty needs no clearing pass).
 
     Block by block: each seed's stream is carried on from block to block, and every block of every
     mask is written into one small scratch and added while it is still in cache. At d = 1e6 that
     touches `total` once instead of allocating, filling and adding an 8 MB mask per seed (main memory's
-    bandwidth, not AES, was most of a mask's cost); the rows' blocks are added into the same block of
-    `total` first, so that each row is read once and `total` is not walked once per row. The keystream is
-    encrypted from a constant block of zeros straight into the scratch (no pass to clear it), or, for the
-    first mask of a fresh total without rows, straight into the total. The result is exactly
-    expand(seed) added whole (addition mod 2^64 does not depend on grouping)."""
-    if any(row.shape != total.shape or row.dtype != np.uint64 for row in rows):
-        kinds = sorted({f"{row.dtype} {row.shape}" for row in rows})
-        raise ValueError(f"rows of {kinds} do not fit a total of uint64 {total.shape}")
-    if fresh and not masks and not rows:
+    bandwidth, not AES, was most of a mask's cost). The keystream is encrypted from a constant block of
+    zeros straight into the scratch (no pass to clear it), or, for the first mask of a fresh total,
+    straight into the total. The result is exactly expand(seed) added whole."""
+    if fresh and not masks:
         total.fill(0)
-    if (not masks and not rows) or not len(total):
+    if not masks or not len(total):
         return
     streams = [(Keystream(seed, 8 * len(total)), sign) for seed, sign in masks]
     scratch = np.empty(min(MASK_BLOCK, len(total)), dtype=np.uint64)
     zeros = memoryview(_ZEROS)
     swap = sys.byteorder == "big"  # the masks, like the wire, are little-endian everywhere
     for start in range(0, len(total), MASK_BLOCK):
-        end = start + MASK_BLOCK
-        part = total[start:end]
+        part = total[start : start + MASK_BLOCK]
         block = scratch[: len(part)]
         buffer, source = block.data.cast("B"), zeros[: 8 * len(part)]
-        written = not fresh  # does `part` hold a value yet (its own, or the first of this sum)?
-        if rows:
-            if written:
-                np.add(part, rows[0][start:end], out=part)
-            elif len(rows) > 1:
-                np.add(rows[0][start:end], rows[1][start:end], out=part)
-            else:
-                np.copyto(part, rows[0][start:end])
-            for row in rows[1 if written or len(rows) == 1 else 2 :]:
-                np.add(part, row[start:end], out=part)
-            written = True
-        for stream, sign in streams:
-            if not written:  # the first mask is the total's first value: written in place
+        for k, (stream, sign) in enumerate(streams):
+            if fresh and k == 0:  # the first mask is the total's first value: written in place
                 stream.update_into(source, part.data.cast("B"))
                 if swap:
                     part.byteswap(inplace=True)
                 if sign < 0:
                     np.negative(part, out=part)
-                written = True
                 continue
             stream.update_into(source, buffer)  # the keystream (XOR zeros), straight into the scratch
             if swap:
