@@ -12,6 +12,7 @@ processes that share them; the federation's real footprint).
     python bench/memory.py --hosted 1,5,10        # client processes hosting k clients each (10 clients in all)
     python bench/memory.py --plot docs/figures/memory.png
     python bench/memory.py --clients 10 --receive-window-mib 0   # gRPC's own receive window (bench/README.md)
+    python bench/memory.py --secure               # the same table with secure aggregation (docs/privacy.md)
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def measure(args: argparse.Namespace, clients: int, per_process: int) -> Measure
         "output": {"plot": False},
         "transport": {"chunk_bytes": args.chunk_bytes, "limits": limits},
     }
+    if args.secure:
+        config["privacy"] = {"secure_aggregation": True}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "memory.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -111,6 +114,7 @@ def main() -> None:
     )
     parser.add_argument("--reorder-mib", type=float, default=None, help="transport.limits.reorder_mib")
     parser.add_argument("--plot", type=Path, default=None, help="draw the coordinator's peak against n here")
+    parser.add_argument("--secure", action="store_true", help="with secure aggregation (privacy.secure_aggregation)")
     args = parser.parse_args()
     if args.hosted:
         setups = [(10, int(k)) for k in args.hosted.split(",")]
@@ -121,7 +125,8 @@ def main() -> None:
     vector = 2 * args.dim * 8 / (1 << 20)
     print(
         f"memory, fedsaddle local, SCAFFOLD-S, d = {args.dim:g} ({vector:.1f} MiB a vector), {args.rounds} rounds, "
-        f"{args.chunk_bytes} B chunks, receive window {args.receive_window_mib:g} MiB (0: gRPC's own), MiB"
+        f"{args.chunk_bytes} B chunks, receive window {args.receive_window_mib:g} MiB (0: gRPC's own), "
+        f"{'secure aggregation' if args.secure else 'plain answers'}, MiB"
     )
     print("| clients | per process | coordinator peak RSS | client peak RSS | total RSS | total PSS |")
     print("|---|---|---|---|---|---|")

@@ -38,7 +38,7 @@ from secagg import graph_name, run_info
 from fedsaddle.common import wire
 from fedsaddle.common.memory import tune_malloc
 from fedsaddle.common.secagg import SecAggSettings, crypto, graph, messages, shamir
-from fedsaddle.common.secagg.aggregator import MaskedRound, sum_rows
+from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import Party, self_mask_key
 from fedsaddle.common.secagg.rows import MaskedAnswer, read_sum, row_pieces
 from fedsaddle.common.secagg.settings import default_bound, round_threshold
@@ -133,16 +133,12 @@ def steps(n: int, d: int, k: int, repeats: int) -> list[tuple[str, float]]:
         return MaskedRound("profile", round_id, 0, clients, threshold, length, k)
 
     figures.append(
-        (f"coordinator: parse {n} masked answers, keep the rows", best(lambda: parse_and_add(new_round()), repeats))
-    )
-    masked = parse_and_add(new_round())
-    kept = list(masked.rows.values())
-    figures.append(
         (
-            f"coordinator: sum the {n} rows (one pass, as closing the round does)",
-            best(lambda: sum_rows(kept, length), repeats),
+            f"coordinator: parse {n} masked answers, add their rows up (as they come)",
+            best(lambda: parse_and_add(new_round()), repeats),
         )
     )
+    masked = parse_and_add(new_round())
     requests = masked.close()
     figures.append(
         (

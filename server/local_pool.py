@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +10,7 @@ import numpy as np
 from fedsaddle.common import blas
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import DataProblem, make_problem
-from fedsaddle.common.secagg.party import Party, UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.party import MaskedRow, Party, UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer, mask_answer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.common.worker import ShardCache, Worker
@@ -71,8 +71,15 @@ class LocalPool(ClientPool):
             party.agree(epoch, keys)
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
+        self,
+        task: Task,
+        round_id: int,
+        category: Category,
+        participants: tuple[int, ...] | None,
+        add: Callable[[MaskedRow], None],
     ) -> list[MaskedAnswer]:
+        """The rows are all here at once: returned (the round adds them in client order; any order gives the
+        same bits)."""
         assert self._worker is not None
         answer = self._worker.execute(task, round_id, participants)
         clients = participants if participants is not None else tuple(range(self._require_run().num_clients))

@@ -20,7 +20,7 @@ gRPC traffic, in bytes, is counted apart).
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -33,7 +33,7 @@ from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Array, ordered_sum
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.secagg import SecAggError, SecAggSettings
-from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.party import MaskedRow, UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, ComputeTask, GradientTask, Task
 from fedsaddle.server.algorithms.base import RoundAnswers
@@ -298,9 +298,10 @@ class ClientPool(abc.ABC):
         run, secure = self._require_run(), self.secure
         assert secure is not None
         n, dim = run.num_clients, run.dimension
-        masked = self._exchange_masked(task, self.round_id, category, participants)
+        rows = secure.open(task, self.round_id, 0, participants)
         try:
-            outcome = secure.aggregate(task, self.round_id, 0, participants, masked, self._unmask)
+            answers = self._exchange_masked(task, self.round_id, category, participants, rows.add)
+            outcome = secure.aggregate(task, rows, answers, self._unmask)
         except SecAggError as exc:
             raise PoolError(str(exc)) from None
         answered = outcome.answered
@@ -323,9 +324,15 @@ class ClientPool(abc.ABC):
         raise PoolError(f"{type(self).__name__} does not offer secure aggregation")
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
+        self,
+        task: Task,
+        round_id: int,
+        category: Category,
+        participants: tuple[int, ...] | None,
+        add: Callable[[MaskedRow], None],
     ) -> list[MaskedAnswer]:
-        """Send the task; the masked answers (one per process)."""
+        """Send the task; the masked answers (one per process). A transport that receives the rows one by one
+        hands each to `add` as it comes (the round's sum), and returns the answers without it."""
         raise PoolError(f"{type(self).__name__} does not offer secure aggregation")
 
     def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:

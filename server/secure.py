@@ -2,9 +2,9 @@
 masked rows, the unmask sub-exchange and the sum (common/secagg holds the protocol itself).
 
 `SecureRounds` is driven by the pool (server/pool.py): the transport brings the
-clients' public keys, masked answers and unmask replies; this module checks them,
-asks for the unmasking, and turns the unmasked sum into the round's aggregate. It
-never sees a single client's answer.
+clients' public keys, masked rows (added to the round's sum as they come) and
+unmask replies; this module checks them, asks for the unmasking, and turns the
+unmasked sum into the round's aggregate. It never sees a single client's answer.
 """
 
 from __future__ import annotations
@@ -43,20 +43,19 @@ class SecureRounds:
         self.uniform = uniform  # every algorithm row carries the weight 1: their sum is known (see `aggregate`)
         self.directory = KeyDirectory()
 
-    def aggregate(
-        self,
-        task: Task,
-        round_id: int,
-        attempt: int,
-        participants: Sequence[int] | None,
-        answers: Sequence[MaskedAnswer],
-        unmask: Unmask,
-    ) -> SecureOutcome:
-        """Add up a round's masked answers, run the unmask sub-exchange through `unmask`, read the sum."""
+    def open(self, task: Task, round_id: int, attempt: int, participants: Sequence[int] | None) -> MaskedRound:
+        """A round's masked rows: the transport adds each to it as it comes (MaskedRound.add)."""
         clients = tuple(range(self.num_clients)) if participants is None else tuple(participants)
         threshold = round_threshold(self.settings, len(clients))
         length = row_length(task, self.dimension)
-        masked = MaskedRound(self.run_id, round_id, attempt, clients, threshold, length, self.settings.neighbours)
+        return MaskedRound(self.run_id, round_id, attempt, clients, threshold, length, self.settings.neighbours)
+
+    def aggregate(
+        self, task: Task, masked: MaskedRound, answers: Sequence[MaskedAnswer], unmask: Unmask
+    ) -> SecureOutcome:
+        """Close a round: add the rows `answers` still carry to `masked` (a transport that receives rows one by
+        one added them as they came), run the unmask sub-exchange through `unmask`, read the sum."""
+        round_id = masked.round_id
         diverged: list[int] = []
         reason = ""
         for answer in answers:

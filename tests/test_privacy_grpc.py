@@ -33,6 +33,7 @@ from fedsaddle.server.pool import Category
 from fedsaddle.server.transport import checks
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 from fedsaddle.server.transport.refusal import Refusal
+from fedsaddle.server.transport.sessions import Limits
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CLIENTS, FEATURES, LAM = 10, 10, 0.1
@@ -157,6 +158,60 @@ def test_weighted_runs_with_evaluation_agree_bit_for_bit(tmp_path: Path, diabete
 # -- a curious coordinator -----------------------------------------------------------------------
 
 
+class Watched(GrpcPool):
+    """A coordinator that looks at its round each time a masked row is added to the sum."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[int, int, int]] = []  # (round, bytes of answers being read, vectors kept)
+
+    def _exchange_masked(
+        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+    ) -> list[MaskedAnswer]:
+        def watched(row: Any) -> None:  # (called on the transport's loop, as the answer is accepted)
+            round_ = self.protocol.collecting
+            assert round_ is not None
+            kept = sum(len(answer.vectors) for answer in round_.answers.values())
+            self.seen.append((round_id, round_.peak_admitted_bytes, kept))
+            add(row)
+
+        return super()._exchange_masked(task, round_id, category, participants, watched)
+
+
+def test_masked_rows_are_summed_as_they_come_and_read_one_answer_at_a_time(tmp_path: Path) -> None:
+    # d = 3000: each row is 6002 ring elements (48 KB), 3 chunks of 16 KiB. With no reorder room, the
+    # coordinator reads one answer at a time, in whatever order they come (sums mod 2^64 do not depend on
+    # it), adds each to the round's sum as it is accepted and keeps none: its memory does not grow with n.
+    clients, dim, rounds = 6, 3000, 4
+    config = parse_config(
+        {
+            "problem": {"name": "paper_regression", "num_clients": clients, "dim": dim, "s": 1.0},
+            "algorithms": [{"name": "scaffold_s", "gamma_local": 0.01}],
+            "sync": {"kind": "fixed", "tau": 2},
+            "rounds": rounds,
+            "privacy": {"secure_aggregation": True},
+            "output": {"plot": False},
+        }
+    )
+    alone = run_algorithm(config.algorithms[0], config, LocalPool(), run_id="as-they-come")
+    pool = Watched(clients, "127.0.0.1:0", chunk_bytes=16384, limits=Limits(reorder_mib=0))
+    processes = start_clients(pool.address, [str(i) for i in range(clients)])
+    try:
+        pool.wait_for_clients(60)
+        federated = run_algorithm(config.algorithms[0], config, pool, run_id="as-they-come")
+    finally:
+        pool.close()
+        stop_processes(processes)
+    assert federated.status == alone.status == "ok", federated.detail
+    assert federated.z_sha256 == alone.z_sha256
+    answer = 8 * (2 * dim + 2)  # one process's answer: a row with the objective and the weight
+    masked_rounds = federated.traffic["algorithm"]["rounds"]
+    assert len(pool.seen) == clients * masked_rounds  # every row went into a sum as it came
+    assert all(kept == 0 for _, _, kept in pool.seen)  # no answer kept its row once added
+    assert all(peak <= answer for _, peak, _ in pool.seen)  # never two answers read at once
+    assert max(peak for _, peak, _ in pool.seen) > 0  # (the answers were long enough to be held back)
+
+
 class Curious(GrpcPool):
     """A coordinator that follows the protocol and keeps every vector its transport receives."""
 
@@ -171,8 +226,10 @@ class Curious(GrpcPool):
         self.plain.append((task, answers))
         return answers
 
-    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
-        answers = super()._exchange_masked(task, round_id, category, participants)
+    def _exchange_masked(
+        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+    ) -> list[MaskedAnswer]:
+        answers = super()._exchange_masked(task, round_id, category, participants, add)
         self.masked.append((task, answers))
         return answers
 
@@ -257,8 +314,10 @@ VICTIM, LAST_ROUND = 4, 5
 class Dropping(LocalPool):
     """simulate, with client VICTIM's masked row lost in the last round (as if its process died)."""
 
-    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
-        (answer,) = super()._exchange_masked(task, round_id, category, participants)
+    def _exchange_masked(
+        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+    ) -> list[MaskedAnswer]:
+        (answer,) = super()._exchange_masked(task, round_id, category, participants, add)
         if round_id == LAST_ROUND:
             answer = answer._replace(rows=tuple(row for row in answer.rows if row.client != VICTIM))
         return [answer]
@@ -270,7 +329,9 @@ class Killing(GrpcPool):
 
     victim: subprocess.Popen[bytes] | None = None
 
-    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
+    def _exchange_masked(
+        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+    ) -> list[MaskedAnswer]:
         if round_id == LAST_ROUND and self.victim is not None:
             victim = self.victim
             victim.send_signal(signal.SIGSTOP)  # it gets the task, but does not answer it
@@ -281,7 +342,7 @@ class Killing(GrpcPool):
                 victim.send_signal(signal.SIGKILL)
 
             threading.Thread(target=kill_when_the_others_answered, daemon=True).start()
-        return super()._exchange_masked(task, round_id, category, participants)
+        return super()._exchange_masked(task, round_id, category, participants, add)
 
 
 def test_a_client_killed_mid_round_is_unmasked_around_and_the_run_equals_simulate_with_that_dropout(
@@ -356,7 +417,9 @@ class Restarting(GrpcPool):
     data: dict[int, str] = {}  # noqa: RUF012 - set per test
     restarted: list[subprocess.Popen[bytes]] = []  # noqa: RUF012
 
-    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
+    def _exchange_masked(
+        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+    ) -> list[MaskedAnswer]:
         if round_id == RESTART_ROUND and self.victim is not None:
             self.victim.send_signal(signal.SIGKILL)
             self.victim.wait(30)
@@ -364,7 +427,7 @@ class Restarting(GrpcPool):
             while any(VICTIM in s.indices for s in self.protocol.registry.live()) and time.monotonic() < deadline:
                 time.sleep(0.01)  # until the coordinator has seen the stream end
             self.restarted += start_clients(self.address, [str(VICTIM)], data={VICTIM: self.data[VICTIM]})
-        return super()._exchange_masked(task, round_id, category, participants)
+        return super()._exchange_masked(task, round_id, category, participants, add)
 
 
 RESTART_ROUND = 4
@@ -410,8 +473,10 @@ def test_a_killed_client_process_that_rejoins_gets_new_keys_and_the_run_equals_s
 class DroppingIn(LocalPool):
     """simulate, with client VICTIM's masked row lost in round RESTART_ROUND only."""
 
-    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
-        (answer,) = super()._exchange_masked(task, round_id, category, participants)
+    def _exchange_masked(
+        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+    ) -> list[MaskedAnswer]:
+        (answer,) = super()._exchange_masked(task, round_id, category, participants, add)
         if round_id == RESTART_ROUND:
             answer = answer._replace(rows=tuple(row for row in answer.rows if row.client != VICTIM))
         return [answer]
@@ -421,7 +486,9 @@ class KillingMidRound(Restarting):
     """VICTIM is frozen as round RESTART_ROUND starts, SIGKILLed once the others answered, and started again:
     it comes back during the round, sits it out (dropped), and agrees on keys anew for the next."""
 
-    def _exchange_masked(self, task: Task, round_id: int, category: Category, participants: Any) -> list[MaskedAnswer]:
+    def _exchange_masked(
+        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+    ) -> list[MaskedAnswer]:
         if round_id == RESTART_ROUND and self.victim is not None:
             victim = self.victim
             victim.send_signal(signal.SIGSTOP)
@@ -434,7 +501,7 @@ class KillingMidRound(Restarting):
                 self.restarted += start_clients(self.address, [str(VICTIM)], data={VICTIM: self.data[VICTIM]})
 
             threading.Thread(target=kill_and_restart, daemon=True).start()
-        return GrpcPool._exchange_masked(self, task, round_id, category, participants)
+        return GrpcPool._exchange_masked(self, task, round_id, category, participants, add)
 
 
 def test_a_client_killed_mid_round_that_rejoins_sits_that_round_out_and_the_run_equals_simulate(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedsaddle.common.secagg import crypto, fixedpoint, graph, messages, shamir
-from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound, sum_rows
+from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound
 from fedsaddle.common.secagg.fixedpoint import FixedPointOverflow
 from fedsaddle.common.secagg.party import Party, UnmaskRequest
 from fedsaddle.common.secagg.settings import (
@@ -206,19 +206,24 @@ def test_masks_onto_a_fresh_array_equal_masks_added_to_zeros() -> None:
     assert cleared.tolist() == [0, 0, 0]
 
 
-def test_rows_summed_block_by_block_equal_rows_added_one_by_one() -> None:
-    """sum_rows adds the rows block by block (the coordinator's one pass when a round closes): the same bits as
-    adding each row whole, for no row, one or several, across block boundaries."""
-    length = 2 * crypto.MASK_BLOCK + 77
-    rng = np.random.default_rng(5)
-    rows = [rng.integers(0, 2**64, length, dtype=np.uint64, endpoint=False) for _ in range(4)]
-    for count in (0, 1, 2, 4):
-        expected = np.zeros(length, dtype=np.uint64)
-        for row in rows[:count]:
-            np.add(expected, row, out=expected)
-        summed = sum_rows(rows[:count], length)
-        assert summed.dtype == np.uint64 and np.array_equal(summed, expected)
-    assert not np.shares_memory(sum_rows(rows[:1], length), rows[0])  # the round's own array, unmasked in place
+def test_the_round_adds_each_row_as_it_comes_and_keeps_none_of_them() -> None:
+    """MaskedRound.add folds a row into the round's sum at once (the coordinator holds one row's worth, however
+    many clients answer): the sum is the rows' sum mod 2^64 in whatever order they came, and is the round's own
+    array, sharing no memory with any row (a row may be freed or reused as soon as it is added)."""
+    parties = federation(4)
+    clients = tuple(range(4))
+    rows = [parties[i].mask(3, 0, clients, np.arange(5.0) * (i + 1)) for i in clients]
+    expected = np.zeros(5, dtype=np.uint64)
+    for row in rows:
+        np.add(expected, row.masked, out=expected)
+    for order in ((0, 1, 2, 3), (3, 1, 0, 2)):
+        masked_round = MaskedRound(RUN, 3, 0, clients, 3, 5)
+        assert not masked_round.total.any()  # (no row yet: zero)
+        for i in order:
+            masked_round.add(rows[i])
+        assert masked_round.total.dtype == np.uint64 and np.array_equal(masked_round.total, expected)
+        assert not any(np.shares_memory(masked_round.total, row.masked) for row in rows)
+        assert not hasattr(masked_round, "rows") and sorted(masked_round.shares) == list(clients)
 
 
 def test_sealed_shares_open_only_in_their_own_context() -> None:

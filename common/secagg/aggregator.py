@@ -48,24 +48,10 @@ class KeyDirectory:
         self.keys[index] = public_key
 
 
-def sum_rows(rows: Sequence[Ring], length: int) -> Ring:
-    """sum(rows) mod 2^64 (rows of `length` uint64 entries, as MaskedRound.add checked them), block by block:
-    each row is read once and the sum written once, instead of a zeroed total walked once per row."""
-    if len(rows) < 2:
-        return rows[0].copy() if rows else np.zeros(length, dtype=np.uint64)
-    total = np.empty(length, dtype=np.uint64)
-    for start in range(0, length, crypto.MASK_BLOCK):
-        end = start + crypto.MASK_BLOCK
-        part = total[start:end]
-        np.add(rows[0][start:end], rows[1][start:end], out=part)
-        for row in rows[2:]:
-            np.add(part, row[start:end], out=part)
-    return total
-
-
 class MaskedRound:
-    """One round's masked rows, and its unmasking. The rows are kept as the caller gave them (views of the
-    received payloads) and summed when the round closes: they must not change in between."""
+    """One round's masked rows, and its unmasking. Each row is added to the round's sum as it comes (addition
+    mod 2^64 gives the same bits in any order), and only its sealed shares are kept: the coordinator holds one
+    row's worth of memory for the round, however many clients answer."""
 
     def __init__(
         self,
@@ -81,10 +67,7 @@ class MaskedRound:
         self.participants = tuple(participants)
         self.threshold, self.length, self.neighbours = threshold, length, neighbours
         self.shares: dict[int, dict[int, bytes]] = {}  # sender -> holder -> its sealed share
-        # The masked rows as they came (the caller's arrays, views of the received payloads: not copied), summed
-        # in one pass when the round closes (`close`), into `_sum`.
-        self.rows: dict[int, Ring] = {}
-        self._sum: Ring | None = None
+        self._sum: Ring | None = None  # the rows added so far (the round's own array), mod 2^64
         self._requests: dict[int, UnmaskRequest] | None = None
         self._finished = False
         self._graph: dict[int, tuple[int, ...]] = {}  # client -> its neighbours, as they are asked for
@@ -102,7 +85,8 @@ class MaskedRound:
         return graph.neighbourhood_threshold(len(around) + 1)
 
     def add(self, row: MaskedRow) -> None:
-        """Keep a client's masked row, or SecAggError (naming the client and round) and keep nothing."""
+        """Add a client's masked row to the round's sum and keep its shares, or SecAggError (naming the client
+        and round) and change nothing. The row itself is not kept: the caller may reuse or free it."""
         where = f"round {self.round_id}: client {row.client}"
         if row.client not in self.participants:
             raise SecAggError(f"{where} is not one of the round's clients")
@@ -123,15 +107,18 @@ class MaskedRound:
         short = [j for j, sealed in row.shares.items() if len(sealed) != SEALED_SHARE_BYTES]
         if short:
             raise SecAggError(f"{where}: sealed shares for clients {short[:5]} are not {SEALED_SHARE_BYTES} bytes")
-        self.rows[row.client] = row.masked
+        if self._sum is None:
+            self._sum = row.masked.copy()
+        else:
+            np.add(self._sum, row.masked, out=self._sum)  # (wraps mod 2^64: numpy does not check uint64 arrays)
         self.shares[row.client] = row.shares
 
     @property
     def total(self) -> Ring:
-        """The sum of the masked rows, mod 2^64: the round's own once it closed, before that a new array."""
-        if self._sum is not None:
-            return self._sum
-        return sum_rows(list(self.rows.values()), self.length)
+        """The sum of the rows added so far, mod 2^64 (the round's own array: `finish` unmasks it in place)."""
+        if self._sum is None:
+            self._sum = np.zeros(self.length, dtype=np.uint64)
+        return self._sum
 
     def close(self) -> dict[int, UnmaskRequest]:
         """The unmask request for each client whose row arrived, or SecAggError if too few did (or, under
@@ -147,12 +134,6 @@ class MaskedRound:
                 f"round {self.round_id}: the {len(answered)} clients that answered are not connected in the "
                 f"round's neighbour graph (k = {self.neighbours}); unmasking would reveal partial sums"
             )
-        # The rows are summed now, block by block (each row read once, the sum written once: no zeroed total
-        # walked once per row), while the clients wait for their requests. (Summed in the pass that removes
-        # the masks instead, after the replies, this memory-bound work met the clients making their next
-        # masks on the same cores, and the unmasking took longer: docs/privacy.md, "Cost".)
-        self._sum = sum_rows([self.rows[i] for i in answered], self.length)
-        self.rows = {}  # (the caller's arrays: not held past the sum)
         dropped = tuple(j for j in self.participants if j not in self.shares)
         self._requests = {
             j: UnmaskRequest(

@@ -32,7 +32,7 @@ from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.secagg import messages
-from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.party import MaskedRow, UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
@@ -285,13 +285,21 @@ class GrpcPool(ClientPool):
         return self._collect(task, round_id, category, participants, False)
 
     def _collect(
-        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None, masked: bool
+        self,
+        task: Task,
+        round_id: int,
+        category: Category,
+        participants: tuple[int, ...] | None,
+        masked: bool,
+        take_masked: Callable[[Answer], None] | None = None,
     ) -> list[Answer]:
         run = self.run
         assert run is not None
         # Central differential privacy clips each client's row: those rounds keep the rows, not their sum.
         fold = not masked and run.dp is None and self.fold_answers
-        request = round_request(run, round_id, task, self.chunk_bytes, participants, masked, fold, self.weights)
+        request = round_request(
+            run, round_id, task, self.chunk_bytes, participants, masked, fold, self.weights, take_masked
+        )
         try:
             result = self._operate(lambda now: self.protocol.open_round(request, now))
         finally:
@@ -323,10 +331,22 @@ class GrpcPool(ClientPool):
         self.traffic["privacy"].bytes_down += self._call(send())
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None
+        self,
+        task: Task,
+        round_id: int,
+        category: Category,
+        participants: tuple[int, ...] | None,
+        add: Callable[[MaskedRow], None],
     ) -> list[MaskedAnswer]:
+        """Each masked row goes to `add` as its answer is accepted, and its payload is let go: the coordinator
+        holds the round's sum and the answers being read, not every row (unless `fold_answers` is off)."""
+
+        def take(answer: Answer) -> None:
+            for row in messages.as_masked(answer).rows:
+                add(row)
+
         try:
-            answers = self._collect(task, round_id, category, participants, True)
+            answers = self._collect(task, round_id, category, participants, True, take if self.fold_answers else None)
         finally:
             self._count_rekeys()
         return [messages.as_masked(answer) for answer in answers]

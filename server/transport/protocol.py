@@ -335,11 +335,13 @@ class Coordination:
             fold, hold = None, None
             if request.fold:
                 fold = OrderedFold(round_clients, request.weights, run.num_clients)
+            if fold is not None or request.take_masked is not None:
                 answers_bytes = 8 * request.entries * len(round_clients)
                 # With a straggler deadline the answering clients are known only when the round closes, and
                 # every answer that comes before it counts: none is held back (the buffer is not bounded).
                 # Beyond the bound, the streams whose turn has not come are not read until the sum reaches
-                # them (HTTP/2 flow control keeps the rest of their answers on the clients).
+                # them (HTTP/2 flow control keeps the rest of their answers on the clients). Masked rows add
+                # up in any order: their turn is whenever the answers being read leave room (one always is).
                 # An answer of one message is read whatever the buffer holds (Collecting._room_for): a round
                 # whose answers all are has no bound to keep, and its streams are never asked about it.
                 bound = self.limits.reorder_bytes
@@ -359,6 +361,7 @@ class Coordination:
                 straggler_deadline_s=self.straggler_deadline_s,
                 min_clients=self.min_clients,
                 fold=fold,
+                take_masked=request.take_masked,
                 hold_bytes=hold,
                 inline_bytes=self.chunk_bytes,
             )

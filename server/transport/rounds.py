@@ -19,11 +19,12 @@ import numpy as np
 from fedsaddle.common import wire
 from fedsaddle.common.secagg import messages
 from fedsaddle.common.secagg.party import UnmaskReply
+from fedsaddle.common.secagg.settings import SecAggError
 from fedsaddle.common.tasks import Answer
 from fedsaddle.common.text import printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
-from fedsaddle.server.pool import ClientLost
+from fedsaddle.server.pool import ClientLost, PoolError
 from fedsaddle.server.transport.checks import Expectation
 from fedsaddle.server.transport.sessions import Session
 
@@ -175,6 +176,9 @@ class Collecting(Barrier):
     stragglers_waited: bool = False  # the straggler deadline passed short of min_clients
     # The answers' vectors added up as they come (server/fold.py), or None: every answer kept whole.
     fold: OrderedFold | None = None
+    # Secure aggregation: where each masked answer goes once accepted (its rows into the round's sum, in any
+    # order); the answer is kept without them. None: masked rows are kept whole.
+    take_masked: Callable[[Answer], None] | None = None
     # The reorder buffer's bound: bytes of answers the sessions whose turn has not come may be reading or
     # have sent (None: no bound). The session that holds the fold's next client is always read.
     hold_bytes: int | None = None
@@ -211,7 +215,7 @@ class Collecting(Barrier):
         the buffer holds: no bounded fold, admitted or answered already, owing nothing, or an answer of one
         message, read before this is asked)."""
         fold, bound = self.fold, self.hold_bytes
-        if fold is None or bound is None or session.key in self.admitted or session.key in self.answers:
+        if bound is None or session.key in self.admitted or session.key in self.answers:
             return False, 0
         expected = self.expected.get(session.key)
         if expected is None:
@@ -219,16 +223,17 @@ class Collecting(Barrier):
         size = 8 * len(expected.indices) * expected.entries
         if size <= self.inline_bytes:
             return False, 0
-        if fold.next_client not in expected.indices and self.admitted_bytes + size > bound:
+        # The sum's next clients are always read; masked rows (no order) when no other answer is being read.
+        turn = fold.next_client in expected.indices if fold is not None else not self.admitted
+        if not turn and self.admitted_bytes + size > bound:
             return True, 0
         return False, size
 
     def _release_added(self) -> None:
         """Free the room of the admitted sessions whose answers are added up."""
         fold = self.fold
-        assert fold is not None
         for key in [k for k in self.admitted if k in self.answers]:
-            if not fold.waits_on(self.expected[key].indices):
+            if fold is None or not fold.waits_on(self.expected[key].indices):
                 self.admitted_bytes -= self.admitted.pop(key)
 
     def lose(self, session: Session, reason: str, now: float) -> None:
@@ -280,10 +285,17 @@ class Collecting(Barrier):
         if fold is not None and not added:  # the vectors go into the sum (now, or in their turn); the rest stays
             fold.offer(answer)
             answer = answer._replace(vectors=_NO_VECTORS)
+        elif self.take_masked is not None and answer.shares is not None:
+            try:
+                self.take_masked(answer)  # its rows go into the round's sum; their shares stay with the answer
+            except SecAggError as exc:  # (checks.answer passed it: the round's own view of it disagrees)
+                self.fail(PoolError(str(exc)))
+                return
+            answer = answer._replace(vectors=_NO_VECTORS)
         self.answers[session.key] = answer
         self.bytes_up += size
         self._heard(session)
-        if fold is not None and self.admitted:
+        if self.admitted:
             self._release_added()
 
     def in_order(self) -> list[Answer]:
