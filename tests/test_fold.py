@@ -246,3 +246,45 @@ def test_a_round_out_of_time_names_the_client_the_sum_waits_on_not_the_streams_i
     assert lost.value.client_indices == (0,)
     assert str(lost.value).startswith("round 1: no answer within 5 s from client 0 (")
     assert str(lost.value).endswith("; 1 more sessions were not being read while the sum waited on these")
+
+
+def _straggling(fold: bool) -> tuple[np.ndarray, tuple[int, ...] | None, list[pb.Rejected], bool]:
+    """In memory: client 0 sends its answer's header and first chunk, then the straggler deadline closes the
+    round with client 1's answer alone; then the rest of client 0's chunks come. The round's mean, its
+    clients, what client 0 was told, and whether the protocol took the late chunks without error."""
+    federation = Federation(2, chunk_bytes=1024, straggler_deadline_s=1.0, min_clients=1, round_timeout_s=5.0)
+    first = federation.join((0,), honest=False)
+    federation.join((1,))
+    pool = MemoryPool(federation)
+    pool.fold = fold
+    problem = config(problem={"name": "paper_regression", "num_clients": 2, "dim": 100}, algorithms=[MD])
+    federation.honest.add(first)
+    pool.start_run(RunInfo("r", problem.problem, 0, 0.0))
+    federation.honest.discard(first)
+    rest: list[bytes] = []
+
+    def meanwhile() -> None:
+        header, chunk, *later = federation.answer(first, federation.take(first))  # (1600 bytes: two chunks)
+        federation.send(first, header)
+        federation.send(first, chunk)
+        round_ = federation.protocol.collecting
+        assert round_ is not None and (round_.fold is None) != (first in round_.answers or fold)
+        federation.advance(1.5)  # the straggler deadline
+        rest.extend(later)
+
+    pool.meanwhile = meanwhile
+    answers = pool.gradients(np.ones(200))
+    mean = answers.mean().copy()
+    for data in rest:
+        federation.send(first, data)
+    return mean, answers.indices, federation.rejected(first), federation.protocol.collecting is None
+
+
+def test_an_answer_being_added_as_a_straggler_deadline_closes_the_round_is_taken_back_out_and_refused() -> None:
+    folded, clients, told, idle = _straggling(fold=True)
+    kept, kept_clients, _, _ = _straggling(fold=False)  # every answer kept whole: the sum taken at the end
+    assert clients == kept_clients == (1,)
+    assert folded.tobytes() == kept.tobytes()  # client 0's first chunk is not in the mean
+    assert idle  # its later chunks were read and dropped, no error
+    (rejected,) = told
+    assert rejected.round_id == 1 and "closed while this answer was being read" in rejected.details

@@ -490,6 +490,7 @@ class Coordination:
             settled, error = self._round.verdict(now)
             if settled:
                 round_ = self._round
+                self._cut_streams(round_, actions)
                 result = RoundResult(round_.in_order(), round_.bytes_down, round_.bytes_up, round_.fold)
                 self._finish(actions, Settled(result) if error is None else Failed(error))
         elif self._unmasking is not None:
@@ -499,6 +500,19 @@ class Coordination:
                 unmasked = UnmaskResult(unmasking.replies, unmasking.refusals, unmasking.bytes_down, unmasking.bytes_up)
                 self._finish(actions, Settled(unmasked) if error is None else Failed(error))
         return actions
+
+    def _cut_streams(self, round_: Collecting, actions: list[Action]) -> None:
+        """Answers being added to the round's sum chunk by chunk as it closes (a straggler deadline passed) are
+        out: the sum is put back as it was before each, which the pool reads next, and the rest of their chunks
+        is read and dropped, as a refused answer's is."""
+        for session in round_.sessions:
+            pending = session.incoming
+            if pending is None or pending.fold is None:
+                continue
+            pending.fold.abort_stream()
+            session.incoming = pending._replace(fold=None, refused=True)
+            details = f"round {pending.header.round_id} closed while this answer was being read (it is stale)"
+            self._reject(session, pending.header.round_id, grpc.StatusCode.FAILED_PRECONDITION, details, actions)
 
     def _finish(self, actions: list[Action], outcome: Settled | Failed) -> None:
         self.abandon()
