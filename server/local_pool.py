@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +10,8 @@ import numpy as np
 from fedsaddle.common import blas
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import DataProblem, make_problem
-from fedsaddle.common.secagg.party import MaskedRow, Party, UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.aggregator import MaskedRound
+from fedsaddle.common.secagg.party import Party, UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer, mask_answer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.common.worker import ShardCache, Worker
@@ -76,7 +77,7 @@ class LocalPool(ClientPool):
         round_id: int,
         category: Category,
         participants: tuple[int, ...] | None,
-        add: Callable[[MaskedRow], None],
+        rows: MaskedRound,
     ) -> list[MaskedAnswer]:
         """The rows are all here at once: returned (the round adds them in client order; any order gives the
         same bits)."""

@@ -20,7 +20,7 @@ gRPC traffic, in bytes, is counted apart).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -33,7 +33,8 @@ from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Array, ordered_sum
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.secagg import SecAggError, SecAggSettings
-from fedsaddle.common.secagg.party import MaskedRow, UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.aggregator import MaskedRound
+from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, ComputeTask, GradientTask, Task
 from fedsaddle.server.algorithms.base import RoundAnswers
@@ -300,7 +301,7 @@ class ClientPool(abc.ABC):
         n, dim = run.num_clients, run.dimension
         rows = secure.open(task, self.round_id, 0, participants)
         try:
-            answers = self._exchange_masked(task, self.round_id, category, participants, rows.add)
+            answers = self._exchange_masked(task, self.round_id, category, participants, rows)
             outcome = secure.aggregate(task, rows, answers, self._unmask)
         except SecAggError as exc:
             raise PoolError(str(exc)) from None
@@ -329,10 +330,10 @@ class ClientPool(abc.ABC):
         round_id: int,
         category: Category,
         participants: tuple[int, ...] | None,
-        add: Callable[[MaskedRow], None],
+        rows: MaskedRound,
     ) -> list[MaskedAnswer]:
         """Send the task; the masked answers (one per process). A transport that receives the rows one by one
-        hands each to `add` as it comes (the round's sum), and returns the answers without it."""
+        adds each to `rows` (the round's sum) as it comes, and returns the answers without them."""
         raise PoolError(f"{type(self).__name__} does not offer secure aggregation")
 
     def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:

@@ -159,29 +159,40 @@ def test_weighted_runs_with_evaluation_agree_bit_for_bit(tmp_path: Path, diabete
 
 
 class Watched(GrpcPool):
-    """A coordinator that looks at its round each time a masked row is added to the sum."""
+    """A coordinator that looks at its round each time a masked answer's rows join the sum."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.seen: list[tuple[int, int, int]] = []  # (round, bytes of answers being read, vectors kept)
+        self.seen: list[tuple[str, int, int]] = []  # (how, most bytes of answers read at once, bytes of rows kept)
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+        self, task: Task, round_id: int, category: Category, participants: Any, rows: Any
     ) -> list[MaskedAnswer]:
-        def watched(row: Any) -> None:  # (called on the transport's loop, as the answer is accepted)
+        add, end_stream = rows.add, rows.end_stream
+
+        def look(how: str) -> None:  # (called on the transport's loop, as the answer is taken)
             round_ = self.protocol.collecting
             assert round_ is not None
-            kept = sum(len(answer.vectors) for answer in round_.answers.values())
-            self.seen.append((round_id, round_.peak_admitted_bytes, kept))
+            kept = sum(answer.vectors.nbytes for answer in round_.answers.values())
+            self.seen.append((how, round_.peak_admitted_bytes, kept))
+
+        def added(row: Any) -> None:
+            look("whole")
             add(row)
 
-        return super()._exchange_masked(task, round_id, category, participants, watched)
+        def streamed(shares: Any) -> None:  # (each row's sealed shares; the rows are in the sum)
+            look("chunk by chunk")
+            end_stream(shares)
+
+        rows.add, rows.end_stream = added, streamed
+        return super()._exchange_masked(task, round_id, category, participants, rows)
 
 
 def test_masked_rows_are_summed_as_they_come_and_read_one_answer_at_a_time(tmp_path: Path) -> None:
     # d = 3000: each row is 6002 ring elements (48 KB), 3 chunks of 16 KiB. With no reorder room, the
     # coordinator reads one answer at a time, in whatever order they come (sums mod 2^64 do not depend on
-    # it), adds each to the round's sum as it is accepted and keeps none: its memory does not grow with n.
+    # it), adds it to the round's sum chunk by chunk as it is read and keeps none of it: its memory does
+    # not grow with n.
     clients, dim, rounds = 6, 3000, 4
     config = parse_config(
         {
@@ -207,6 +218,7 @@ def test_masked_rows_are_summed_as_they_come_and_read_one_answer_at_a_time(tmp_p
     answer = 8 * (2 * dim + 2)  # one process's answer: a row with the objective and the weight
     masked_rounds = federated.traffic["algorithm"]["rounds"]
     assert len(pool.seen) == clients * masked_rounds  # every row went into a sum as it came
+    assert {how for how, _, _ in pool.seen} == {"chunk by chunk"}  # none was held whole first
     assert all(kept == 0 for _, _, kept in pool.seen)  # no answer kept its row once added
     assert all(peak <= answer for _, peak, _ in pool.seen)  # never two answers read at once
     assert max(peak for _, peak, _ in pool.seen) > 0  # (the answers were long enough to be held back)
@@ -227,9 +239,9 @@ class Curious(GrpcPool):
         return answers
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+        self, task: Task, round_id: int, category: Category, participants: Any, rows: Any
     ) -> list[MaskedAnswer]:
-        answers = super()._exchange_masked(task, round_id, category, participants, add)
+        answers = super()._exchange_masked(task, round_id, category, participants, rows)
         self.masked.append((task, answers))
         return answers
 
@@ -315,9 +327,9 @@ class Dropping(LocalPool):
     """simulate, with client VICTIM's masked row lost in the last round (as if its process died)."""
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+        self, task: Task, round_id: int, category: Category, participants: Any, rows: Any
     ) -> list[MaskedAnswer]:
-        (answer,) = super()._exchange_masked(task, round_id, category, participants, add)
+        (answer,) = super()._exchange_masked(task, round_id, category, participants, rows)
         if round_id == LAST_ROUND:
             answer = answer._replace(rows=tuple(row for row in answer.rows if row.client != VICTIM))
         return [answer]
@@ -330,7 +342,7 @@ class Killing(GrpcPool):
     victim: subprocess.Popen[bytes] | None = None
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+        self, task: Task, round_id: int, category: Category, participants: Any, rows: Any
     ) -> list[MaskedAnswer]:
         if round_id == LAST_ROUND and self.victim is not None:
             victim = self.victim
@@ -342,7 +354,7 @@ class Killing(GrpcPool):
                 victim.send_signal(signal.SIGKILL)
 
             threading.Thread(target=kill_when_the_others_answered, daemon=True).start()
-        return super()._exchange_masked(task, round_id, category, participants, add)
+        return super()._exchange_masked(task, round_id, category, participants, rows)
 
 
 def test_a_client_killed_mid_round_is_unmasked_around_and_the_run_equals_simulate_with_that_dropout(
@@ -418,7 +430,7 @@ class Restarting(GrpcPool):
     restarted: list[subprocess.Popen[bytes]] = []  # noqa: RUF012
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+        self, task: Task, round_id: int, category: Category, participants: Any, rows: Any
     ) -> list[MaskedAnswer]:
         if round_id == RESTART_ROUND and self.victim is not None:
             self.victim.send_signal(signal.SIGKILL)
@@ -427,7 +439,7 @@ class Restarting(GrpcPool):
             while any(VICTIM in s.indices for s in self.protocol.registry.live()) and time.monotonic() < deadline:
                 time.sleep(0.01)  # until the coordinator has seen the stream end
             self.restarted += start_clients(self.address, [str(VICTIM)], data={VICTIM: self.data[VICTIM]})
-        return super()._exchange_masked(task, round_id, category, participants, add)
+        return super()._exchange_masked(task, round_id, category, participants, rows)
 
 
 RESTART_ROUND = 4
@@ -474,9 +486,9 @@ class DroppingIn(LocalPool):
     """simulate, with client VICTIM's masked row lost in round RESTART_ROUND only."""
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+        self, task: Task, round_id: int, category: Category, participants: Any, rows: Any
     ) -> list[MaskedAnswer]:
-        (answer,) = super()._exchange_masked(task, round_id, category, participants, add)
+        (answer,) = super()._exchange_masked(task, round_id, category, participants, rows)
         if round_id == RESTART_ROUND:
             answer = answer._replace(rows=tuple(row for row in answer.rows if row.client != VICTIM))
         return [answer]
@@ -487,7 +499,7 @@ class KillingMidRound(Restarting):
     it comes back during the round, sits it out (dropped), and agrees on keys anew for the next."""
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: Any, add: Any
+        self, task: Task, round_id: int, category: Category, participants: Any, rows: Any
     ) -> list[MaskedAnswer]:
         if round_id == RESTART_ROUND and self.victim is not None:
             victim = self.victim
@@ -501,7 +513,7 @@ class KillingMidRound(Restarting):
                 self.restarted += start_clients(self.address, [str(VICTIM)], data={VICTIM: self.data[VICTIM]})
 
             threading.Thread(target=kill_and_restart, daemon=True).start()
-        return GrpcPool._exchange_masked(self, task, round_id, category, participants, add)
+        return GrpcPool._exchange_masked(self, task, round_id, category, participants, rows)
 
 
 def test_a_client_killed_mid_round_that_rejoins_sits_that_round_out_and_the_run_equals_simulate(

@@ -53,7 +53,7 @@ class Spy(LocalPool):
         raise AssertionError("a secure run never takes plain answers")
 
     def _exchange_masked(
-        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None, add: Any
+        self, task: Task, round_id: int, category: Category, participants: tuple[int, ...] | None, rows: Any
     ) -> list[MaskedAnswer]:
         assert self._worker is not None
         answer = self._worker.execute(task, round_id, participants)
@@ -67,7 +67,7 @@ class Spy(LocalPool):
             objective = None if answer.objective is None else float(answer.objective[k])
             rows[index] = build_row(answer.vectors[k], weight, objective)
         self.true_rows.append(rows)
-        masked = super()._exchange_masked(task, round_id, category, participants, add)
+        masked = super()._exchange_masked(task, round_id, category, participants, rows)
         self.received.extend(masked)
         return masked
 

@@ -226,6 +226,43 @@ def test_the_round_adds_each_row_as_it_comes_and_keeps_none_of_them() -> None:
         assert not hasattr(masked_round, "rows") and sorted(masked_round.shares) == list(clients)
 
 
+def test_an_answer_added_chunk_by_chunk_gives_the_bits_of_its_rows_added_whole_or_leaves_no_trace() -> None:
+    """MaskedRound.begin_stream/stream_chunk/end_stream: an answer's payload (its rows one after another) cut
+    at any byte, entries split between chunks included, adds up to what `add` gives; an answer aborted or
+    refused half-way leaves the sum as it was before it."""
+    parties = federation(4)
+    clients = tuple(range(4))
+    rows = [parties[i].mask(4, 0, clients, np.arange(7.0) - i) for i in clients]
+    whole = MaskedRound(RUN, 4, 0, clients, 3, 7)
+    for row in rows:
+        whole.add(row)
+    payload = b"".join(row.masked.astype("<u8").tobytes() for row in rows[1:])  # one process's three rows
+    for cuts in ((), (5,), (8, 16, 100), (3, 11, 56, 57, 167)):
+        streamed = MaskedRound(RUN, 4, 0, clients, 3, 7)
+        streamed.add(rows[0])
+        assert streamed.begin_stream((1, 2, 3), 7)
+        assert not streamed.begin_stream((0,), 7)  # (one answer at a time: another is read whole)
+        for start, end in zip((0, *cuts), (*cuts, len(payload)), strict=True):
+            streamed.stream_chunk(start, payload[start:end])
+        streamed.end_stream([row.shares for row in rows[1:]])
+        assert np.array_equal(streamed.total, whole.total), cuts
+        assert sorted(streamed.shares) == list(clients)
+    before = MaskedRound(RUN, 4, 0, clients, 3, 7)
+    before.add(rows[0])
+    expected = before.total.copy()
+    assert before.begin_stream((1, 2, 3), 7)
+    before.stream_chunk(0, payload[:60])
+    before.abort_stream()  # (its client lost half-way)
+    assert np.array_equal(before.total, expected) and sorted(before.shares) == [0]
+    assert before.begin_stream((1, 2, 3), 7)
+    before.stream_chunk(0, payload)
+    wrong = [rows[1].shares, {0: rows[2].shares[0]}, rows[3].shares]  # client 2's shares miss some neighbours
+    with pytest.raises(SecAggError, match="round 4: client 2: sealed shares for clients \\[0\\]"):
+        before.end_stream(wrong)
+    assert np.array_equal(before.total, expected) and sorted(before.shares) == [0]  # as before the answer
+    assert not MaskedRound(RUN, 4, 0, clients, 3, 7).begin_stream((0,), 6)  # (not the round's length: read whole)
+
+
 def test_sealed_shares_open_only_in_their_own_context() -> None:
     key = crypto.envelope(bytes(range(32)))
     sealed = crypto.seal(key, b"share", RUN, 3, 0, 1, 2)

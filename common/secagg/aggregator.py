@@ -17,6 +17,7 @@ in the round's graph only.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,6 +49,15 @@ class KeyDirectory:
         self.keys[index] = public_key
 
 
+@dataclass
+class _Stream:
+    """An answer being added chunk by chunk: its clients, the sum before it (None: there was none)."""
+
+    clients: tuple[int, ...]
+    backup: Ring | None
+    carry: bytes = b""  # the bytes of an entry split between two chunks
+
+
 class MaskedRound:
     """One round's masked rows, and its unmasking. Each row is added to the round's sum as it comes (addition
     mod 2^64 gives the same bits in any order), and only its sealed shares are kept: the coordinator holds one
@@ -68,6 +78,7 @@ class MaskedRound:
         self.threshold, self.length, self.neighbours = threshold, length, neighbours
         self.shares: dict[int, dict[int, bytes]] = {}  # sender -> holder -> its sealed share
         self._sum: Ring | None = None  # the rows added so far (the round's own array), mod 2^64
+        self._stream: _Stream | None = None  # the answer being added chunk by chunk, if one is
         self._requests: dict[int, UnmaskRequest] | None = None
         self._finished = False
         self._graph: dict[int, tuple[int, ...]] = {}  # client -> its neighbours, as they are asked for
@@ -87,17 +98,31 @@ class MaskedRound:
     def add(self, row: MaskedRow) -> None:
         """Add a client's masked row to the round's sum and keep its shares, or SecAggError (naming the client
         and round) and change nothing. The row itself is not kept: the caller may reuse or free it."""
+        if self._stream is not None:
+            raise RuntimeError("a row is being added chunk by chunk: end_stream or abort_stream it first")
+        self._check(row)
+        if row.masked.shape != (self.length,):
+            where = f"round {self.round_id}: client {row.client}"
+            raise SecAggError(f"{where}: masked row of shape {row.masked.shape}, expected ({self.length},)")
+        if row.masked.dtype != np.uint64:
+            where = f"round {self.round_id}: client {row.client}"
+            raise SecAggError(f"{where}: masked row of {row.masked.dtype} entries, expected uint64")
+        if self._sum is None:
+            self._sum = row.masked.copy()
+        else:
+            np.add(self._sum, row.masked, out=self._sum)  # (wraps mod 2^64: numpy does not check uint64 arrays)
+        self.shares[row.client] = row.shares
+
+    def _check(self, row: MaskedRow, *before: MaskedRow) -> None:
+        """SecAggError unless `row` may join the round: a client of it, its first row, the round still open,
+        a sealed share of the right size for each of its neighbours (and none for anyone else)."""
         where = f"round {self.round_id}: client {row.client}"
         if row.client not in self.participants:
             raise SecAggError(f"{where} is not one of the round's clients")
-        if row.client in self.shares:
+        if row.client in self.shares or any(other.client == row.client for other in before):
             raise SecAggError(f"{where} sent a second masked row")
         if self._requests is not None:
             raise SecAggError(f"{where}: its masked row came after the round closed")
-        if row.masked.shape != (self.length,):
-            raise SecAggError(f"{where}: masked row of shape {row.masked.shape}, expected ({self.length},)")
-        if row.masked.dtype != np.uint64:
-            raise SecAggError(f"{where}: masked row of {row.masked.dtype} entries, expected uint64")
         holders = sorted(row.shares)
         others = list(self.neighbours_of(row.client))
         if holders != others:
@@ -107,11 +132,72 @@ class MaskedRound:
         short = [j for j, sealed in row.shares.items() if len(sealed) != SEALED_SHARE_BYTES]
         if short:
             raise SecAggError(f"{where}: sealed shares for clients {short[:5]} are not {SEALED_SHARE_BYTES} bytes")
+
+    # -- an answer's rows added chunk by chunk, as the transport reads them --------------------------------
+
+    def begin_stream(self, clients: tuple[int, ...], entries: int) -> bool:
+        """Start adding an answer's rows (`clients` in order, `entries` ring elements each) chunk by chunk as
+        they are read, so that none is ever held whole. False if one is being added so already (the answer is
+        then read whole, and `add`ed), or its rows are not the round's length (`add` then names the problem).
+        The sum is copied first: an answer refused, or lost, half-way is taken back out (`abort_stream`)."""
+        if self._stream is not None or entries != self.length or self._requests is not None:
+            return False
         if self._sum is None:
-            self._sum = row.masked.copy()
+            self._stream = _Stream(clients, None)
+            self._sum = np.zeros(self.length, dtype=np.uint64)
         else:
-            np.add(self._sum, row.masked, out=self._sum)  # (wraps mod 2^64: numpy does not check uint64 arrays)
-        self.shares[row.client] = row.shares
+            self._stream = _Stream(clients, self._sum.copy())
+        return True
+
+    def stream_chunk(self, offset: int, data: bytes | memoryview) -> None:
+        """Add the streamed answer's payload bytes from `offset` (the transport's assembler checked them: in
+        order, no gap, no overrun). Row r's entry e is the payload's entry r * length + e."""
+        stream, total = self._stream, self._sum
+        assert stream is not None and total is not None
+        if stream.carry:  # (a chunk may end inside an entry: its first bytes wait for the next chunk)
+            data = stream.carry + bytes(data)
+            offset -= len(stream.carry)
+        whole = len(data) - len(data) % 8
+        stream.carry = bytes(data[whole:])
+        values = np.frombuffer(data, dtype="<u8", count=whole // 8)
+        first = offset // 8
+        while values.size:
+            column = first % self.length
+            piece = values[: self.length - column]
+            part = total[column : column + piece.size]
+            np.add(part, piece, out=part)
+            first += piece.size
+            values = values[piece.size :]
+
+    def end_stream(self, shares: Sequence[dict[int, bytes]]) -> None:
+        """The streamed answer is complete (its rows are in the sum): keep each row's sealed shares (in the
+        answer's order), or SecAggError and the sum as it was before the answer."""
+        stream = self._stream
+        assert stream is not None
+        empty = np.empty(0, dtype=np.uint64)
+        rows = [MaskedRow(client, empty, sealed) for client, sealed in zip(stream.clients, shares, strict=False)]
+        try:
+            if len(shares) != len(stream.clients):
+                raise SecAggError(
+                    f"round {self.round_id}: shares for {len(shares)} clients with the rows of "
+                    f"{list(stream.clients)[:8]}"
+                )
+            for k, row in enumerate(rows):
+                self._check(row, *rows[:k])
+        except SecAggError:
+            self.abort_stream()
+            raise
+        self._stream = None
+        for row in rows:
+            self.shares[row.client] = row.shares
+
+    def abort_stream(self) -> None:
+        """The streamed answer will not be taken: the sum is put back as it was before it."""
+        stream = self._stream
+        if stream is None:
+            return
+        self._stream = None
+        self._sum = stream.backup
 
     @property
     def total(self) -> Ring:

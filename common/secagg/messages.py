@@ -120,11 +120,11 @@ def read_masked_answer(header: pb.Answer, payload: bytes | memoryview, row_lengt
 
 def as_masked(answer: Answer) -> MaskedAnswer:
     """What `read_masked_answer` read, as the rows secure aggregation adds up (none if they were added up
-    already: the transport then keeps the answer with no vectors)."""
+    already: the transport then keeps the answer with no entries, where a row has at least its weight)."""
     if answer.diverged:
         return MaskedAnswer((), tuple(answer.indices), answer.reason or "produced non-finite values")
     assert answer.shares is not None
-    if not len(answer.vectors):
+    if not answer.vectors.size:
         return MaskedAnswer(())
     rows = tuple(
         MaskedRow(index, answer.vectors[k].view(np.uint64), answer.shares[k]) for k, index in enumerate(answer.indices)

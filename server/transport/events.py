@@ -18,6 +18,7 @@ from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.secagg import messages
+from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply
 from fedsaddle.common.secagg.rows import row_length
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
@@ -116,9 +117,9 @@ class RoundRequest(NamedTuple):
     masked: bool = False  # secure aggregation: answers are masked rows of `entries` ring elements
     fold: bool = False  # add the answers' vectors up as they come (server/fold.py), not keep them
     weights: Array | None = None  # the run's weight per client, by index (None: uniform), for the fold
-    # Secure aggregation: each masked answer, once checked, is handed to this as it is accepted (its rows go
-    # into the round's sum, in any order) and the round keeps only its shares; None: the rows are kept.
-    take_masked: Callable[[Answer], None] | None = None
+    # Secure aggregation: the round's sum, to which each masked answer's rows are added as they are read (in
+    # any order; the round keeps only their shares); None: the rows are kept whole.
+    masked_sum: MaskedRound | None = None
 
 
 class RoundResult(NamedTuple):
@@ -161,11 +162,11 @@ def round_request(
     masked: bool = False,
     fold: bool = False,
     weights: Array | None = None,
-    take_masked: Callable[[Answer], None] | None = None,
+    masked_sum: MaskedRound | None = None,
 ) -> RoundRequest:
     """A round's task serialized once (and for a session with only some of its clients sampled, on demand).
     `masked`: secure aggregation's round, whose answers are masked rows naming every client of the round
-    (handed to `take_masked` as they come, if given); `fold`: the answers' vectors are added up as they come
+    (added to `masked_sum` as they come, if given); `fold`: the answers' vectors are added up as they come
     (weighted by `weights`), except an evaluation's."""
     clients = (participants or ()) if masked else ()
 
@@ -190,7 +191,7 @@ def round_request(
         masked=masked,
         fold=fold and not masked and not evaluation,
         weights=weights,
-        take_masked=take_masked if masked else None,
+        masked_sum=masked_sum if masked else None,
     )
 
 

@@ -32,7 +32,8 @@ from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.secagg import messages
-from fedsaddle.common.secagg.party import MaskedRow, UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.aggregator import MaskedRound
+from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
@@ -291,14 +292,14 @@ class GrpcPool(ClientPool):
         category: Category,
         participants: tuple[int, ...] | None,
         masked: bool,
-        take_masked: Callable[[Answer], None] | None = None,
+        masked_sum: MaskedRound | None = None,
     ) -> list[Answer]:
         run = self.run
         assert run is not None
         # Central differential privacy clips each client's row: those rounds keep the rows, not their sum.
         fold = not masked and run.dp is None and self.fold_answers
         request = round_request(
-            run, round_id, task, self.chunk_bytes, participants, masked, fold, self.weights, take_masked
+            run, round_id, task, self.chunk_bytes, participants, masked, fold, self.weights, masked_sum
         )
         try:
             result = self._operate(lambda now: self.protocol.open_round(request, now))
@@ -336,17 +337,13 @@ class GrpcPool(ClientPool):
         round_id: int,
         category: Category,
         participants: tuple[int, ...] | None,
-        add: Callable[[MaskedRow], None],
+        rows: MaskedRound,
     ) -> list[MaskedAnswer]:
-        """Each masked row goes to `add` as its answer is accepted, and its payload is let go: the coordinator
-        holds the round's sum and the answers being read, not every row (unless `fold_answers` is off)."""
-
-        def take(answer: Answer) -> None:
-            for row in messages.as_masked(answer).rows:
-                add(row)
-
+        """Each masked row is added to `rows` as it is read (chunk by chunk, or whole when it is accepted), and
+        its payload let go: the coordinator holds the round's sum and the answers being read, not every row
+        (unless `fold_answers` is off)."""
         try:
-            answers = self._collect(task, round_id, category, participants, True, take if self.fold_answers else None)
+            answers = self._collect(task, round_id, category, participants, True, rows if self.fold_answers else None)
         finally:
             self._count_rekeys()
         return [messages.as_masked(answer) for answer in answers]

@@ -51,7 +51,9 @@ import grpc
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.secagg import messages
+from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskRequest
+from fedsaddle.common.secagg.settings import SecAggError
 from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
@@ -227,14 +229,15 @@ class Coordination:
         if session is None or session.state is not State.JOINED:
             return True
         pending = session.incoming
-        if pending is not None and round_.fold is not None and pending.fold is None and not pending.refused:
+        if pending is not None and pending.fold is None and not pending.refused and round_.streams_into() is not None:
             self._stream_if_due(session, round_, pending)
         return round_.hold_bytes is None or round_.may_read(session)  # (no bound: every stream is read)
 
     def _stream_if_due(self, session: Session, round_: Collecting, pending: Incoming) -> None:
-        """An answer whose header came before its clients were next in the sum, and whose chunks have not
-        been read: added chunk by chunk once they are (its header was checked when it came)."""
-        fold, expected = round_.fold, round_.expectation(session)
+        """An answer whose header came before its clients were next in the sum (or, masked, while another
+        answer was being added), and whose chunks have not been read: added chunk by chunk once it may be
+        (its header was checked when it came)."""
+        fold, expected = round_.streams_into(), round_.expectation(session)
         if fold is None or expected is None or pending.assembler.filled or pending.header.round_id != expected.round_id:
             return
         if tuple(pending.header.client_indices) == expected.indices and fold.begin_stream(
@@ -335,7 +338,7 @@ class Coordination:
             fold, hold = None, None
             if request.fold:
                 fold = OrderedFold(round_clients, request.weights, run.num_clients)
-            if fold is not None or request.take_masked is not None:
+            if fold is not None or request.masked_sum is not None:
                 answers_bytes = 8 * request.entries * len(round_clients)
                 # With a straggler deadline the answering clients are known only when the round closes, and
                 # every answer that comes before it counts: none is held back (the buffer is not bounded).
@@ -361,7 +364,7 @@ class Coordination:
                 straggler_deadline_s=self.straggler_deadline_s,
                 min_clients=self.min_clients,
                 fold=fold,
-                take_masked=request.take_masked,
+                masked_sum=request.masked_sum,
                 hold_bytes=hold,
                 inline_bytes=self.chunk_bytes,
             )
@@ -797,7 +800,7 @@ class Coordination:
             return
         payload = header.payload  # (each read of a bytes field is a copy)
         if length and not payload:  # chunks follow
-            fold = round_.fold if round_ is not None else None
+            fold = round_.streams_into() if round_ is not None else None
             if (
                 fold is not None
                 and expected is not None
@@ -852,7 +855,7 @@ class Coordination:
         self._accept(session, round_, expected, header, payload, size, actions)
 
     def _offer_added(
-        self, session: Session, header: pb.Answer, fold: OrderedFold, size: int, actions: list[Action]
+        self, session: Session, header: pb.Answer, fold: OrderedFold | MaskedRound, size: int, actions: list[Action]
     ) -> None:
         """An answer added to the sum chunk by chunk is complete: checked again as `_offer` checks (then
         its objective too); if refused, the sum is put back as it was before it."""
@@ -862,14 +865,21 @@ class Coordination:
             answered = round_ is not None and session.key in round_.answers
             checks.answer_header(header, session.indices, expected, answered)
             assert round_ is not None and expected is not None
-            if round_.fold is not fold:  # (a round that is over; its header would not have passed)
+            if round_.streams_into() is not fold:  # (a round that is over; its header would not have passed)
                 raise Refusal(checks.INVALID, f"an answer to round {header.round_id}, which is over")
             answer = checks.answer(header, b"", expected._replace(entries=0))  # the vectors were checked as they came
         except Refusal as refusal:
             fold.abort_stream()
             self._reject(session, header.round_id, refusal.code, refusal.details, actions)
             return
-        fold.end_stream(answer.objective)
+        if isinstance(fold, MaskedRound):
+            try:  # (its rows are in the sum: the round keeps their shares)
+                fold.end_stream(answer.shares or ())
+            except SecAggError as exc:  # (checks.answer passed it: the round's own view of it disagrees)
+                round_.fail(PoolError(str(exc)))
+                return
+        else:
+            fold.end_stream(answer.objective)
         session.refusals.count = 0
         round_.accept(session, answer, size, added=True)
 

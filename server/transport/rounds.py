@@ -18,6 +18,7 @@ import numpy as np
 
 from fedsaddle.common import wire
 from fedsaddle.common.secagg import messages
+from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply
 from fedsaddle.common.secagg.settings import SecAggError
 from fedsaddle.common.tasks import Answer
@@ -176,9 +177,9 @@ class Collecting(Barrier):
     stragglers_waited: bool = False  # the straggler deadline passed short of min_clients
     # The answers' vectors added up as they come (server/fold.py), or None: every answer kept whole.
     fold: OrderedFold | None = None
-    # Secure aggregation: where each masked answer goes once accepted (its rows into the round's sum, in any
-    # order); the answer is kept without them. None: masked rows are kept whole.
-    take_masked: Callable[[Answer], None] | None = None
+    # Secure aggregation: the round's sum, to which masked rows are added as they come, in any order (the
+    # answers are kept without them); None: masked rows are kept whole.
+    masked_sum: MaskedRound | None = None
     # The reorder buffer's bound: bytes of answers the sessions whose turn has not come may be reading or
     # have sent (None: no bound). The session that holds the fold's next client is always read.
     hold_bytes: int | None = None
@@ -241,6 +242,10 @@ class Collecting(Barrier):
             self.admitted_bytes -= self.admitted.pop(session.key)  # (what it was sending is dropped)
         super().lose(session, reason, now)
 
+    def streams_into(self) -> OrderedFold | MaskedRound | None:
+        """The sum an answer in chunks may be added to as they are read: the fold, or the masked rows' sum."""
+        return self.fold if self.fold is not None else self.masked_sum
+
     def answered_clients(self) -> int:
         return sum(len(self.expected[key].indices) for key in self.answers)
 
@@ -285,9 +290,10 @@ class Collecting(Barrier):
         if fold is not None and not added:  # the vectors go into the sum (now, or in their turn); the rest stays
             fold.offer(answer)
             answer = answer._replace(vectors=_NO_VECTORS)
-        elif self.take_masked is not None and answer.shares is not None:
+        elif self.masked_sum is not None and not added and answer.shares is not None:
             try:
-                self.take_masked(answer)  # its rows go into the round's sum; their shares stay with the answer
+                for row in messages.as_masked(answer).rows:  # into the round's sum; the shares stay with it
+                    self.masked_sum.add(row)
             except SecAggError as exc:  # (checks.answer passed it: the round's own view of it disagrees)
                 self.fail(PoolError(str(exc)))
                 return

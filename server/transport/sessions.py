@@ -26,6 +26,7 @@ from fedsaddle.server.transport.auth import Identity
 from fedsaddle.server.transport.refusal import Refusal
 
 if TYPE_CHECKING:
+    from fedsaddle.common.secagg.aggregator import MaskedRound
     from fedsaddle.server.fold import OrderedFold
 
 
@@ -96,7 +97,7 @@ class Incoming(NamedTuple):
     assembler: wire.Assembler
     size: int
     refused: bool = False
-    fold: OrderedFold | None = None  # the round's sum its chunks are added to as they come (not kept)
+    fold: OrderedFold | MaskedRound | None = None  # the round's sum its chunks are added to as they come (not kept)
 
 
 @dataclass
