@@ -37,3 +37,23 @@ def cpu_seconds(pid: int | str = "self") -> float:
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
     except (OSError, ValueError, IndexError):
         return float("nan")
+
+
+def thread_cpu_seconds(pid: int | str = "self") -> tuple[float, float]:
+    """(its main thread's, all its threads') CPU time so far, in seconds, from the scheduler's
+    nanosecond counts (nan if the process is gone). The rest of a gRPC process's threads are gRPC's
+    own (its event engine and the asyncio poller); Python runs in the main thread."""
+    pid = os.getpid() if pid == "self" else int(pid)
+    main = total = 0.0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                used = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):  # (a thread that ended just now)
+                continue
+            total += used
+            if int(tid) == pid:
+                main = used
+    except OSError:
+        return float("nan"), float("nan")
+    return main, total

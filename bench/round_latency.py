@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from anchor import Floor
-from procfs import cpu_seconds
+from procfs import thread_cpu_seconds
 
 from fedsaddle.common import wire
 from fedsaddle.common.numeric import Array
@@ -104,7 +104,8 @@ def main() -> None:
             in_process: list[float] = []
             bare: list[float] = []
             per_block = max(1, args.rounds // args.blocks)
-            cpu = {"fedsaddle": [0.0, 0.0], "bare": [0.0, 0.0]}  # server, clients: seconds
+            # seconds: server, clients; then the same for the main threads alone
+            cpu = {"fedsaddle": [0.0, 0.0, 0.0, 0.0], "bare": [0.0, 0.0, 0.0, 0.0]}
             for _ in range(args.blocks):  # alternate, so that the three see the same machine
                 with CpuTime(cpu["bare"], [p.pid for p in floor.processes]):
                     bare += floor.rounds(size, per_block)
@@ -135,26 +136,35 @@ def main() -> None:
         )
     # On a machine with fewer cores than processes, a round's wall time follows the CPU all
     # processes spend on it: this says on which side fedsaddle's overhead lies.
-    print("\nCPU per round, ms (all threads; the clients summed over their processes)")
-    print(f"{'d':>9} {'coordinator':>12} {'clients':>9} {'bare server':>12} {'bare clients':>13}")
+    # The main threads run the Python (and the calls into gRPC made from it); the other threads are gRPC's own.
+    print("\nCPU per round, ms (all threads, and in brackets the main threads alone; the clients summed over their")
+    print("processes)")
+    print(f"{'d':>9} {'coordinator':>18} {'clients':>18} {'bare server':>18} {'bare clients':>18}")
     for d, cpu in cpu_rows:
-        (ours, theirs), (bare_server, bare_clients) = cpu["fedsaddle"], cpu["bare"]
-        print(f"{d:>9} {1e3 * ours:>12.3f} {1e3 * theirs:>9.3f} {1e3 * bare_server:>12.3f} {1e3 * bare_clients:>13.3f}")
+        cells = [
+            f"{1e3 * cpu[side][i]:.3f} [{1e3 * cpu[side][i + 2]:.3f}]" for side in ("fedsaddle", "bare") for i in (0, 1)
+        ]
+        print(f"{d:>9} " + " ".join(f"{cell:>18}" for cell in cells))
 
 
 class CpuTime:
-    """Adds the CPU seconds this process (the server side) and the client processes use within
-    the block to `into` = [server, clients]."""
+    """Adds the CPU seconds this process (the server side) and the client processes use within the
+    block to `into` = [server, clients, server's main thread, clients' main threads]."""
 
     def __init__(self, into: list[float], clients: list[int]) -> None:
         self.into, self.clients = into, clients
 
+    def _now(self) -> list[float]:
+        server_main, server = thread_cpu_seconds()
+        clients = [thread_cpu_seconds(pid) for pid in self.clients]
+        return [server, sum(t for _, t in clients), server_main, sum(m for m, _ in clients)]
+
     def __enter__(self) -> None:
-        self.server, self.others = cpu_seconds(), sum(cpu_seconds(pid) for pid in self.clients)
+        self.before = self._now()
 
     def __exit__(self, *exc: object) -> None:
-        self.into[0] += cpu_seconds() - self.server
-        self.into[1] += sum(cpu_seconds(pid) for pid in self.clients) - self.others
+        for i, (after, before) in enumerate(zip(self._now(), self.before, strict=True)):
+            self.into[i] += after - before
 
 
 def _moved(pool: GrpcPool) -> int:
