@@ -188,12 +188,10 @@ class Watched(GrpcPool):
         return super()._exchange_masked(task, round_id, category, participants, rows)
 
 
-def test_masked_rows_are_summed_as_they_come_and_read_one_answer_at_a_time(tmp_path: Path) -> None:
-    # d = 3000: each row is 6002 ring elements (48 KB), 3 chunks of 16 KiB. With no reorder room, the
-    # coordinator reads one answer at a time, in whatever order they come (sums mod 2^64 do not depend on
-    # it), adds it to the round's sum chunk by chunk as it is read and keeps none of it: its memory does
-    # not grow with n.
-    clients, dim, rounds = 6, 3000, 4
+def watched_run(groups: list[str], chunk_bytes: int, dim: int = 3000) -> tuple[Watched, AlgorithmResult]:
+    """SCAFFOLD-S with secure aggregation, 6 clients in processes of `groups`, no reorder room: the
+    federation equal to simulate bit for bit; the pool, to see how the rows joined the sum."""
+    clients, rounds = 6, 4
     config = parse_config(
         {
             "problem": {"name": "paper_regression", "num_clients": clients, "dim": dim, "s": 1.0},
@@ -205,8 +203,8 @@ def test_masked_rows_are_summed_as_they_come_and_read_one_answer_at_a_time(tmp_p
         }
     )
     alone = run_algorithm(config.algorithms[0], config, LocalPool(), run_id="as-they-come")
-    pool = Watched(clients, "127.0.0.1:0", chunk_bytes=16384, limits=Limits(reorder_mib=0))
-    processes = start_clients(pool.address, [str(i) for i in range(clients)])
+    pool = Watched(clients, "127.0.0.1:0", chunk_bytes=chunk_bytes, limits=Limits(reorder_mib=0))
+    processes = start_clients(pool.address, groups)
     try:
         pool.wait_for_clients(60)
         federated = run_algorithm(config.algorithms[0], config, pool, run_id="as-they-come")
@@ -215,13 +213,33 @@ def test_masked_rows_are_summed_as_they_come_and_read_one_answer_at_a_time(tmp_p
         stop_processes(processes)
     assert federated.status == alone.status == "ok", federated.detail
     assert federated.z_sha256 == alone.z_sha256
-    answer = 8 * (2 * dim + 2)  # one process's answer: a row with the objective and the weight
+    return pool, federated
+
+
+def test_masked_rows_are_summed_as_they_come_and_read_one_answer_at_a_time() -> None:
+    # d = 3000: each row is 6002 ring elements (48 KB), 3 chunks of 16 KiB. With no reorder room, the
+    # coordinator reads one answer at a time, in whatever order they come (sums mod 2^64 do not depend on
+    # it), adds it to the round's sum chunk by chunk as it is read and keeps none of it: its memory does
+    # not grow with n.
+    pool, federated = watched_run([str(i) for i in range(6)], 16384)
+    answer = 8 * (2 * 3000 + 2)  # one process's answer: a row with the objective and the weight
     masked_rounds = federated.traffic["algorithm"]["rounds"]
-    assert len(pool.seen) == clients * masked_rounds  # every row went into a sum as it came
+    assert len(pool.seen) == 6 * masked_rounds  # every row went into a sum as it came
     assert {how for how, _, _ in pool.seen} == {"chunk by chunk"}  # none was held whole first
     assert all(kept == 0 for _, _, kept in pool.seen)  # no answer kept its row once added
     assert all(peak <= answer for _, peak, _ in pool.seen)  # never two answers read at once
     assert max(peak for _, peak, _ in pool.seen) > 0  # (the answers were long enough to be held back)
+
+
+def test_one_message_answers_join_the_sum_beside_answers_streaming_in_chunks() -> None:
+    # Processes of 3, 2 and 1 clients with 64 KiB chunks: the lone client's answer (48 KB) is one message,
+    # read whatever else is being read, and taken whole, possibly while another process's answer streams
+    # (MaskedRound.add keeps it in the sum that aborting that stream would restore); the others stream.
+    pool, federated = watched_run(["0-2", "3-4", "5"], 65536)
+    masked_rounds = federated.traffic["algorithm"]["rounds"]
+    hows = [how for how, _, _ in pool.seen]
+    assert hows.count("whole") == hows.count("chunk by chunk") / 2 == masked_rounds
+    assert all(kept == 0 for _, _, kept in pool.seen)
 
 
 class Curious(GrpcPool):

@@ -261,6 +261,30 @@ def test_an_answer_added_chunk_by_chunk_gives_the_bits_of_its_rows_added_whole_o
         before.end_stream(wrong)
     assert np.array_equal(before.total, expected) and sorted(before.shares) == [0]  # as before the answer
     assert not MaskedRound(RUN, 4, 0, clients, 3, 7).begin_stream((0,), 6)  # (not the round's length: read whole)
+    # A whole answer taken while another streams (a one-message answer, or room in the reorder bound) is in the
+    # sum whether the streaming answer ends or is taken back out; a row of a streaming client is refused.
+    for fresh in (True, False):
+        for ends in (True, False):
+            both = MaskedRound(RUN, 4, 0, clients, 3, 7)
+            if not fresh:
+                both.add(rows[3])
+            assert both.begin_stream((1, 2), 7)
+            both.stream_chunk(0, payload[:61])
+            with pytest.raises(SecAggError, match="round 4: client 2 sent a second masked row"):
+                both.add(rows[2])
+            both.add(rows[0])
+            both.stream_chunk(61, payload[61:112])
+            kept = [0] if fresh else [0, 3]
+            if ends:
+                both.end_stream([rows[1].shares, rows[2].shares])
+                kept += [1, 2]
+            else:
+                both.abort_stream()
+            assert sorted(both.shares) == sorted(kept), (fresh, ends)
+            expected = np.zeros(7, dtype=np.uint64)
+            for i in kept:
+                np.add(expected, rows[i].masked, out=expected)
+            assert np.array_equal(both.total, expected), (fresh, ends)
 
 
 def test_sealed_shares_open_only_in_their_own_context() -> None:

@@ -97,9 +97,11 @@ class MaskedRound:
 
     def add(self, row: MaskedRow) -> None:
         """Add a client's masked row to the round's sum and keep its shares, or SecAggError (naming the client
-        and round) and change nothing. The row itself is not kept: the caller may reuse or free it."""
-        if self._stream is not None:
-            raise RuntimeError("a row is being added chunk by chunk: end_stream or abort_stream it first")
+        and round) and change nothing. The row itself is not kept: the caller may reuse or free it. Another
+        answer may be streaming meanwhile: the row goes into the sum it would be taken back out to as well."""
+        stream = self._stream
+        if stream is not None and row.client in stream.clients:
+            raise SecAggError(f"round {self.round_id}: client {row.client} sent a second masked row")
         self._check(row)
         if row.masked.shape != (self.length,):
             where = f"round {self.round_id}: client {row.client}"
@@ -111,6 +113,11 @@ class MaskedRound:
             self._sum = row.masked.copy()
         else:
             np.add(self._sum, row.masked, out=self._sum)  # (wraps mod 2^64: numpy does not check uint64 arrays)
+        if stream is not None:  # (the sum before the streaming answer, which aborting it restores, has it too)
+            if stream.backup is None:
+                stream.backup = row.masked.copy()
+            else:
+                np.add(stream.backup, row.masked, out=stream.backup)
         self.shares[row.client] = row.shares
 
     def _check(self, row: MaskedRow, *before: MaskedRow) -> None:
