@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/round_latency.py
 	$(BIN)/python bench/startup.py
 	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/memory.py --secure
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/paper_sweep.py
 	$(BIN)/python bench/soak.py
