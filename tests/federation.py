@@ -15,6 +15,10 @@ from collections.abc import Callable, Iterable
 
 from fedsaddle.client.session import ClientSession
 from fedsaddle.common import wire
+from fedsaddle.common.secagg import messages
+from fedsaddle.common.secagg.aggregator import MaskedRound
+from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
+from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
@@ -27,6 +31,7 @@ from fedsaddle.server.transport.events import (
     RoundResult,
     Send,
     Settled,
+    UnmaskResult,
     parse,
     round_request,
     run_spec,
@@ -180,3 +185,39 @@ class MemoryPool(ClientPool):
         self.traffic[category].bytes_up += result.bytes_up
         self.last_fold = result.fold
         return result.answers
+
+
+class SecureMemoryPool(MemoryPool):
+    """MemoryPool with secure aggregation, as GrpcPool runs it: each masked answer's rows go into the round's
+    sum as the protocol reads them (`fold` off: the answers keep them, and the round adds them at the end)."""
+
+    def _public_keys(self) -> dict[int, bytes]:
+        return dict(self.federation.protocol.public_keys)
+
+    def _send_directory(self, epoch: int, keys: dict[int, bytes]) -> None:
+        assert self.run is not None
+        actions, _ = self.federation.protocol.broadcast(messages.key_directory(self.run.run_id, epoch, keys))
+        self.federation.carry_out(actions)
+
+    def _exchange_masked(
+        self,
+        task: Task,
+        round_id: int,
+        category: Category,
+        participants: tuple[int, ...] | None,
+        rows: MaskedRound,
+    ) -> list[MaskedAnswer]:
+        assert self.run is not None
+        chunk = self.federation.chunk_bytes
+        masked_sum = rows if self.fold else None
+        request = round_request(self.run, round_id, task, chunk, participants, True, masked_sum=masked_sum)
+        protocol = self.federation.protocol
+        result = self.federation.operate(lambda now: protocol.open_round(request, now), self.meanwhile)
+        assert isinstance(result, RoundResult)
+        return [messages.as_masked(answer) for answer in result.answers]
+
+    def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:
+        protocol = self.federation.protocol
+        result = self.federation.operate(lambda now: protocol.unmask(requests, now))
+        assert isinstance(result, UnmaskResult) and not result.refusals, result
+        return result.replies
