@@ -45,13 +45,13 @@ class Interleaving(SecureMemoryPool):
 
     def _interleave(self) -> None:
         federation = self.federation
-        header, first, *rest = federation.answer(self.streamed, federation.take(self.streamed))
+        streamed = federation.answer(self.streamed, federation.take(self.streamed))  # (none: not in the round)
         whole = federation.answer(self.whole, federation.take(self.whole))
-        federation.send(self.streamed, header)
-        federation.send(self.streamed, first)
+        for data in streamed[:2]:
+            federation.send(self.streamed, data)
         for data in whole:
             federation.send(self.whole, data)
-        for data in rest:
+        for data in streamed[2:]:
             federation.send(self.streamed, data)
         federation.honest |= {self.streamed, self.whole}
 
@@ -79,3 +79,90 @@ def test_an_answer_accepted_whole_while_another_is_added_chunk_by_chunk_counts_o
     federated = run_algorithm(CONFIG.algorithms[0], CONFIG, pool, run_id="interleaved")
     assert federated.status == alone.status == "ok", federated.detail
     assert federated.z_sha256 == alone.z_sha256
+
+
+def _config(dim: int = DIM, **privacy: Any) -> Any:
+    participation = privacy.pop("participation", {})
+    return parse_config(
+        {
+            "problem": {"name": "paper_regression", "num_clients": CLIENTS, "dim": dim, "s": 1.0},
+            "algorithms": [{"name": "scaffold_s", "gamma_local": 0.01}],
+            "sync": {"kind": "fixed", "tau": 2},
+            "rounds": 6,
+            "privacy": {"secure_aggregation": True, **privacy},
+            "participation": participation,
+            "output": {"plot": False},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "privacy",
+    [
+        {"neighbours": 2},  # SecAgg+: each row's shares go to its two neighbours only
+        {"dp": {"clip": 10.0, "noise_multiplier": 0.5}},  # the clients' noise in their rows (fresh each run)
+        {"participation": {"fraction": 0.5}},  # sampled: a process may answer for some of its clients, or none
+    ],
+    ids=["neighbours", "dp", "sampled"],
+)
+def test_masked_answers_interleaved_give_the_in_process_run_with_neighbours_noise_or_sampling(
+    privacy: dict[str, Any],
+) -> None:
+    config = _config(**privacy)
+    alone = run_algorithm(config.algorithms[0], config, LocalPool(), run_id="variants")
+    federation = Federation(CLIENTS, chunk_bytes=1024, round_timeout_s=30.0)
+    streamed = federation.join((2, 0, 1))  # (its Hello lists its clients out of index order)
+    whole = federation.join((3,))
+    federation.join((5, 4))
+    pool = Interleaving(federation, streamed, whole)
+    pool.fold = True
+    federated = run_algorithm(config.algorithms[0], config, pool, run_id="variants")
+    assert federated.status == alone.status == "ok", federated.detail
+    if "dp" not in privacy:  # (the noise is drawn afresh: no two runs agree)
+        assert federated.z_sha256 == alone.z_sha256
+
+
+class Straggling(Interleaving):
+    """Each masked round: `streamed` sends its header and first chunk, `whole` its answer of one message, the
+    straggler deadline passes (closing the round without `streamed`), then the rest of `streamed`'s chunks
+    come (read and dropped)."""
+
+    told: list[str]
+
+    def _interleave(self) -> None:
+        federation = self.federation
+        streamed = federation.answer(self.streamed, federation.take(self.streamed))
+        whole = federation.answer(self.whole, federation.take(self.whole))
+        for data in streamed[:2]:
+            federation.send(self.streamed, data)
+        for data in whole:
+            federation.send(self.whole, data)
+        federation.advance(1.5)
+        for data in streamed[2:]:
+            federation.send(self.streamed, data)
+        self.told = [rejected.details for rejected in federation.rejected(self.streamed)]
+        federation.honest |= {self.streamed, self.whole}
+
+
+def _cut_run(fold: bool) -> tuple[str, list[str]]:
+    config = _config(40, participation={"straggler_deadline_s": 1.0, "min_clients": 4})  # rows of 656 bytes
+    federation = Federation(CLIENTS, chunk_bytes=1024, round_timeout_s=30.0, straggler_deadline_s=1.0, min_clients=4)
+    streamed = federation.join((0, 1))  # (1312 bytes: two chunks)
+    whole = federation.join((2,))  # (one message)
+    for index in (3, 4, 5):
+        federation.join((index,))
+    pool = Straggling(federation, streamed, whole)
+    pool.fold = fold
+    federated = run_algorithm(config.algorithms[0], config, pool, run_id="cut")
+    assert federated.status == "ok", federated.detail
+    return federated.z_sha256, pool.told
+
+
+def test_an_answer_cut_by_the_straggler_deadline_leaves_the_one_accepted_while_it_was_read() -> None:
+    # Each round: clients 0 and 1's answer is half added when client 2's whole answer is accepted; the deadline
+    # then closes the round without clients 0 and 1. Their half answer is taken back out of the sum, client 2's
+    # row stays: the run equals one whose rows are kept whole and summed once the round closes.
+    cut, told = _cut_run(fold=True)
+    kept, _ = _cut_run(fold=False)
+    assert cut == kept
+    assert told and all("closed while this answer was being read" in details for details in told)
