@@ -288,3 +288,34 @@ def test_an_answer_being_added_as_a_straggler_deadline_closes_the_round_is_taken
     assert idle  # its later chunks were read and dropped, no error
     (rejected,) = told
     assert rejected.round_id == 1 and "closed while this answer was being read" in rejected.details
+
+
+def test_a_stream_cut_by_the_straggler_deadline_is_no_refusal_of_its_client() -> None:
+    # Client 0 had 31 messages refused in the round (one short of being ended), then began a good answer
+    # in chunks; the straggler deadline closes the round on client 1's answer. Cutting the stream is the
+    # coordinator's doing: it neither raises out of the deadline's tick (which left the round unsettled
+    # and no timer armed) nor ends the session; the round settles with client 1's answer.
+    federation = Federation(2, chunk_bytes=1024, straggler_deadline_s=1.0, min_clients=1, round_timeout_s=5.0)
+    first = federation.join((0,), honest=False)
+    federation.join((1,))
+    pool = MemoryPool(federation)
+    pool.fold = True
+    problem = config(problem={"name": "paper_regression", "num_clients": 2, "dim": 100}, algorithms=[MD])
+    federation.honest.add(first)
+    pool.start_run(RunInfo("r", problem.problem, 0, 0.0))
+    federation.honest.discard(first)
+
+    def meanwhile() -> None:
+        header, chunk, *_ = federation.answer(first, federation.take(first))
+        for _ in range(31):
+            federation.send(first, pb.ClientMessage(chunk=pb.Chunk(offset=0, data=b"x")))
+        federation.send(first, header)
+        federation.send(first, chunk)
+        federation.advance(1.5)  # the straggler deadline
+
+    pool.meanwhile = meanwhile
+    answers = pool.gradients(np.ones(200))
+    assert answers.indices == (1,)
+    assert first not in federation.ended  # (still in the federation)
+    told = federation.rejected(first)
+    assert len(told) == 32 and "closed while this answer was being read" in told[-1].details

@@ -515,7 +515,10 @@ class Coordination:
             pending.fold.abort_stream()
             session.incoming = pending._replace(fold=None, refused=True)
             details = f"round {pending.header.round_id} closed while this answer was being read (it is stale)"
-            self._reject(session, pending.header.round_id, grpc.StatusCode.FAILED_PRECONDITION, details, actions)
+            # (not counted against the session: the round closing is no fault of its answer, and a Refusal
+            # raised here, as the round settles, would leave it unsettled with no deadline armed)
+            code = grpc.StatusCode.FAILED_PRECONDITION
+            self._reject(session, pending.header.round_id, code, details, actions, counted=False)
 
     def _finish(self, actions: list[Action], outcome: Settled | Failed) -> None:
         self.abandon()
@@ -903,11 +906,19 @@ class Coordination:
         round_.accept(session, answer, size)
 
     def _reject(
-        self, session: Session, round_id: int, code: grpc.StatusCode, details: str, actions: list[Action]
+        self,
+        session: Session,
+        round_id: int,
+        code: grpc.StatusCode,
+        details: str,
+        actions: list[Action],
+        counted: bool = True,
     ) -> None:
         """Tell the session its answer was refused; end it (Refusal) after too many refusals in one round:
-        each message costs the coordinator work, and a refused one buys nothing."""
-        self._count_refusal(session, details)
+        each message costs the coordinator work, and a refused one buys nothing (`counted` False: the
+        coordinator's own doing, not the session's, counts for nothing)."""
+        if counted:
+            self._count_refusal(session, details)
         if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
             log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
             return  # (nor for the client: its goodbye comes)
