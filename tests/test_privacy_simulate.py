@@ -57,7 +57,7 @@ class Spy(LocalPool):
     ) -> list[MaskedAnswer]:
         assert self._worker is not None
         answer = self._worker.execute(task, round_id, participants)
-        rows = {}
+        true_rows = {}
         for k, index in enumerate(answer.indices):
             if isinstance(task, EvaluateTask):
                 assert answer.counts is not None
@@ -65,8 +65,8 @@ class Spy(LocalPool):
             else:
                 weight = 1.0 if self._sample_counts is None else self._sample_counts[index]
             objective = None if answer.objective is None else float(answer.objective[k])
-            rows[index] = build_row(answer.vectors[k], weight, objective)
-        self.true_rows.append(rows)
+            true_rows[index] = build_row(answer.vectors[k], weight, objective)
+        self.true_rows.append(true_rows)
         masked = super()._exchange_masked(task, round_id, category, participants, rows)
         self.received.extend(masked)
         return masked
