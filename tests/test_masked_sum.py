@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from federation import Federation, SecureMemoryPool
 
+from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.config import parse_config
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
@@ -166,3 +167,39 @@ def test_an_answer_cut_by_the_straggler_deadline_leaves_the_one_accepted_while_i
     kept, _ = _cut_run(fold=False)
     assert cut == kept
     assert told and all("closed while this answer was being read" in details for details in told)
+
+
+class Gapping(Interleaving):
+    """Each masked round: `streamed` sends its header, its first chunk and then a chunk that leaves a gap (the
+    answer is refused half added), while `whole` answers; then `streamed` sends its whole answer again."""
+
+    told: list[str]
+
+    def _interleave(self) -> None:
+        federation = self.federation
+        streamed = federation.answer(self.streamed, federation.take(self.streamed))
+        whole = federation.answer(self.whole, federation.take(self.whole))
+        for data in streamed[:2]:
+            federation.send(self.streamed, data)
+        for data in whole:
+            federation.send(self.whole, data)
+        federation.send(self.streamed, pb.ClientMessage(chunk=pb.Chunk(offset=10**6, data=b"\0" * 8)))
+        for data in streamed:
+            federation.send(self.streamed, data)
+        self.told = [rejected.details for rejected in federation.rejected(self.streamed)]
+        federation.honest |= {self.streamed, self.whole}
+
+
+def test_an_answer_refused_half_added_for_a_gap_is_taken_out_and_its_good_one_counts_once() -> None:
+    alone = run_algorithm(CONFIG.algorithms[0], CONFIG, LocalPool(), run_id="gap")
+    federation = Federation(CLIENTS, chunk_bytes=1024, round_timeout_s=30.0)
+    streamed = federation.join((0, 1, 2))
+    whole = federation.join((3,))
+    federation.join((4,))
+    federation.join((5,))
+    pool = Gapping(federation, streamed, whole)
+    pool.fold = True
+    federated = run_algorithm(CONFIG.algorithms[0], CONFIG, pool, run_id="gap")
+    assert federated.status == "ok", federated.detail
+    assert federated.z_sha256 == alone.z_sha256
+    assert pool.told == ["chunk at byte 1000000, expected byte 1024"]  # (in the last round, as in every one)
