@@ -168,3 +168,33 @@ def test_the_receive_window_is_gRPCs_own_or_at_least_64_kib() -> None:
     assert config(**fields, transport={"limits": {"receive_window_mib": 0.0625}})
     with pytest.raises(ConfigError, match=r"receive_window_mib must be 0 \(gRPC's own\) or at least 0.0625"):
         config(**fields, transport={"limits": {"receive_window_mib": 0.01}})
+
+
+def test_a_fault_of_the_coordinator_on_a_message_ends_that_stream_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    # The protocol raises on client 0's first answer, as a bug of the coordinator's would: its log says so
+    # with the traceback, the stream ends (INTERNAL to the client), and the round fails at once naming the
+    # lost session, instead of the stream's reader dying silently and the round timing out on client 0.
+    from fedsaddle.server.pool import ClientLost, RunInfo
+
+    problem = config(
+        problem={"name": "paper_regression", "num_clients": 2, "dim": 10},
+        algorithms=[{"name": "minibatch_md", "gamma": 0.1}],
+    )
+    with federation(2, round_timeout_s=600) as pool:
+        receive, faulted = pool.protocol.receive, []
+
+        def faulty(key: int, received: Any, now: float) -> Any:
+            message = received.message
+            answer = message is not None and message.WhichOneof("body") == "answer"
+            if answer and not faulted and tuple(message.answer.client_indices) == (0,):
+                faulted.append(key)
+                raise RuntimeError("a fault of the coordinator's own")
+            return receive(key, received, now)
+
+        pool.protocol.receive = faulty  # type: ignore[method-assign]
+        pool.start_run(RunInfo("faulty", problem.problem, 0, 0.0))
+        with pytest.raises(ClientLost) as lost:
+            pool.gradients(np.zeros(20))
+    assert faulted and lost.value.client_indices == (0,)
+    assert "no answer within" not in str(lost.value)
+    assert "internal error on a message from" in caplog.text and "a fault of the coordinator's own" in caplog.text

@@ -315,6 +315,12 @@ class SessionService:
                     event = self._paused[stream.key] = asyncio.Event()
                     await event.wait()
             self.act(self.protocol.stream_ended(stream.key, self.loop.time()))
+        except Exception as exc:  # the coordinator's own fault, on a message of this stream: said, and the
+            # stream ended (the session lost, as if the client had gone), not a reader gone silent that a round
+            # would later blame on its client as a timeout
+            log.exception("internal error on a message from %s; ending its stream", stream.peer)
+            details = f"internal error in the coordinator ({type(exc).__name__}); see its log"
+            self.act([End(stream.key, grpc.StatusCode.INTERNAL, details, at_once=True)])
         finally:
             self._paused.pop(stream.key, None)
 
