@@ -69,6 +69,17 @@ def check_chunk_bytes(chunk_bytes: int) -> int:
 MIN_PIECE_BYTES = 4 << 10
 
 
+def chunk_entries(carry: bytes, offset: int, data: bytes | memoryview, dtype: str) -> tuple[np.ndarray, int, bytes]:
+    """A payload chunk's whole 8-byte entries, for a sum that adds them as they come: a chunk may end inside
+    an entry, whose first bytes (`carry`, from the chunk before) wait for the next. (The entries as an array
+    of `dtype`, the index of the first in the payload, the bytes to carry to the next chunk.)"""
+    if carry:
+        data = carry + bytes(data)
+        offset -= len(carry)
+    whole = len(data) - len(data) % 8
+    return np.frombuffer(data, dtype=dtype, count=whole // 8), offset // 8, bytes(data[whole:])
+
+
 def min_piece(chunk_bytes: int) -> int:
     """The least data a Chunk other than a payload's last may carry: 4 KiB, or the session's
     chunk size if that is smaller. Every message costs its receiver a fixed amount of work, so a

@@ -34,7 +34,7 @@ import numpy as np
 
 from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE, Array, all_finite
 from fedsaddle.common.tasks import Answer
-from fedsaddle.common.wire import WireError
+from fedsaddle.common.wire import WireError, chunk_entries
 from fedsaddle.server.algorithms.base import weight_total
 
 
@@ -103,13 +103,7 @@ class OrderedFold:
         assembler: in order, no gap, no overrun); WireError (the sum untouched) on a non-finite entry."""
         stream = self._stream
         assert stream is not None
-        if stream.carry:  # (a chunk may end inside an entry: its first bytes wait for the next chunk)
-            data = stream.carry + bytes(data)
-            offset -= len(stream.carry)
-        whole = len(data) - len(data) % 8
-        stream.carry = bytes(data[whole:])
-        values = np.frombuffer(data, dtype="<f8", count=whole // 8)
-        first = offset // 8
+        values, first, stream.carry = chunk_entries(stream.carry, offset, data, "<f8")
         while values.size:
             row, column = divmod(first, stream.entries)
             piece = values[: stream.entries - column]

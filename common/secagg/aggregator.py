@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedsaddle.common import wire
 from fedsaddle.common.secagg import crypto, graph, shamir
 from fedsaddle.common.secagg.fixedpoint import Ring
 from fedsaddle.common.secagg.party import MaskedRow, UnmaskReply, UnmaskRequest, self_mask_key
@@ -161,13 +162,7 @@ class MaskedRound:
         order, no gap, no overrun). Row r's entry e is the payload's entry r * length + e."""
         stream, total = self._stream, self._sum
         assert stream is not None and total is not None
-        if stream.carry:  # (a chunk may end inside an entry: its first bytes wait for the next chunk)
-            data = stream.carry + bytes(data)
-            offset -= len(stream.carry)
-        whole = len(data) - len(data) % 8
-        stream.carry = bytes(data[whole:])
-        values = np.frombuffer(data, dtype="<u8", count=whole // 8)
-        first = offset // 8
+        values, first, stream.carry = wire.chunk_entries(stream.carry, offset, data, "<u8")
         while values.size:
             column = first % self.length
             piece = values[: self.length - column]
