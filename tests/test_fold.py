@@ -248,10 +248,9 @@ def test_a_round_out_of_time_names_the_client_the_sum_waits_on_not_the_streams_i
     assert str(lost.value).endswith("; 1 more sessions were not being read while the sum waited on these")
 
 
-def _straggling(fold: bool) -> tuple[np.ndarray, tuple[int, ...] | None, list[pb.Rejected], bool]:
-    """In memory: client 0 sends its answer's header and first chunk, then the straggler deadline closes the
-    round with client 1's answer alone; then the rest of client 0's chunks come. The round's mean, its
-    clients, what client 0 was told, and whether the protocol took the late chunks without error."""
+def _straggler_run(fold: bool) -> tuple[Federation, int, MemoryPool]:
+    """In memory, 2 clients, a straggler deadline of 1 s with min_clients 1, answers of two 1 KiB chunks; the
+    run started, client 0's stream driven by hand (its key), client 1 honest."""
     federation = Federation(2, chunk_bytes=1024, straggler_deadline_s=1.0, min_clients=1, round_timeout_s=5.0)
     first = federation.join((0,), honest=False)
     federation.join((1,))
@@ -261,6 +260,14 @@ def _straggling(fold: bool) -> tuple[np.ndarray, tuple[int, ...] | None, list[pb
     federation.honest.add(first)
     pool.start_run(RunInfo("r", problem.problem, 0, 0.0))
     federation.honest.discard(first)
+    return federation, first, pool
+
+
+def _straggling(fold: bool) -> tuple[np.ndarray, tuple[int, ...] | None, list[pb.Rejected], bool]:
+    """Client 0 sends its answer's header and first chunk, then the straggler deadline closes the round with
+    client 1's answer alone; then the rest of client 0's chunks come. The round's mean, its clients, what
+    client 0 was told, and whether the protocol took the late chunks without error."""
+    federation, first, pool = _straggler_run(fold)
     rest: list[bytes] = []
 
     def meanwhile() -> None:
@@ -295,15 +302,7 @@ def test_a_stream_cut_by_the_straggler_deadline_is_no_refusal_of_its_client() ->
     # in chunks; the straggler deadline closes the round on client 1's answer. Cutting the stream is the
     # coordinator's doing: it neither raises out of the deadline's tick (which left the round unsettled
     # and no timer armed) nor ends the session; the round settles with client 1's answer.
-    federation = Federation(2, chunk_bytes=1024, straggler_deadline_s=1.0, min_clients=1, round_timeout_s=5.0)
-    first = federation.join((0,), honest=False)
-    federation.join((1,))
-    pool = MemoryPool(federation)
-    pool.fold = True
-    problem = config(problem={"name": "paper_regression", "num_clients": 2, "dim": 100}, algorithms=[MD])
-    federation.honest.add(first)
-    pool.start_run(RunInfo("r", problem.problem, 0, 0.0))
-    federation.honest.discard(first)
+    federation, first, pool = _straggler_run(fold=True)
 
     def meanwhile() -> None:
         header, chunk, *_ = federation.answer(first, federation.take(first))

@@ -52,9 +52,13 @@ class Interleaving(SecureMemoryPool):
             federation.send(self.streamed, data)
         for data in whole:
             federation.send(self.whole, data)
-        for data in streamed[2:]:
-            federation.send(self.streamed, data)
+        self._then(streamed)
         federation.honest |= {self.streamed, self.whole}
+
+    def _then(self, streamed: list[bytes]) -> None:
+        """After `streamed`'s header and first chunk, and `whole`'s answer: the rest of `streamed`'s chunks."""
+        for data in streamed[2:]:
+            self.federation.send(self.streamed, data)
 
 
 @pytest.mark.parametrize("fold", [True, False])
@@ -130,19 +134,10 @@ class Straggling(Interleaving):
 
     told: list[str]
 
-    def _interleave(self) -> None:
-        federation = self.federation
-        streamed = federation.answer(self.streamed, federation.take(self.streamed))
-        whole = federation.answer(self.whole, federation.take(self.whole))
-        for data in streamed[:2]:
-            federation.send(self.streamed, data)
-        for data in whole:
-            federation.send(self.whole, data)
-        federation.advance(1.5)
-        for data in streamed[2:]:
-            federation.send(self.streamed, data)
-        self.told = [rejected.details for rejected in federation.rejected(self.streamed)]
-        federation.honest |= {self.streamed, self.whole}
+    def _then(self, streamed: list[bytes]) -> None:
+        self.federation.advance(1.5)
+        super()._then(streamed)
+        self.told = [rejected.details for rejected in self.federation.rejected(self.streamed)]
 
 
 def _cut_run(fold: bool) -> tuple[str, list[str]]:
@@ -175,19 +170,12 @@ class Gapping(Interleaving):
 
     told: list[str]
 
-    def _interleave(self) -> None:
+    def _then(self, streamed: list[bytes]) -> None:
         federation = self.federation
-        streamed = federation.answer(self.streamed, federation.take(self.streamed))
-        whole = federation.answer(self.whole, federation.take(self.whole))
-        for data in streamed[:2]:
-            federation.send(self.streamed, data)
-        for data in whole:
-            federation.send(self.whole, data)
         federation.send(self.streamed, pb.ClientMessage(chunk=pb.Chunk(offset=10**6, data=b"\0" * 8)))
         for data in streamed:
             federation.send(self.streamed, data)
         self.told = [rejected.details for rejected in federation.rejected(self.streamed)]
-        federation.honest |= {self.streamed, self.whole}
 
 
 def test_an_answer_refused_half_added_for_a_gap_is_taken_out_and_its_good_one_counts_once() -> None:
