@@ -240,6 +240,27 @@ def test_a_late_answer_refused_once_a_round_never_adds_up_to_the_limit() -> None
     assert codes == ["FAILED_PRECONDITION"] * 39 and federation.ended == {}
 
 
+def test_a_round_whose_quorum_answers_after_the_straggler_deadline_closes_with_that_answer() -> None:
+    # Client 1 (the quorum: min_clients 1) answers 0.1 s after the round opened, past its 0.05 s straggler
+    # deadline; client 0 does not answer. The round closes at once with client 1's answer, as "closes after
+    # 0.05 s once 1 client has answered" says, instead of waiting out the round's timeout for client 0.
+    federation = Federation(2, straggler_deadline_s=0.05, min_clients=1, round_timeout_s=60.0)
+    late, prompt = federation.join((0,), honest=False), federation.join((1,), honest=False)
+    pool = MemoryPool(federation)
+    start(pool, RunInfo("r", RUN.problem, RUN.seed, 0.0), late, prompt)
+    opened = federation.now
+
+    def meanwhile() -> None:
+        federation.advance(0.1)  # the straggler deadline passes with no answer
+        assert federation.protocol.collecting is not None  # (short of the quorum: still open)
+        federation.send(prompt, pb.ClientMessage(answer=good_answer(federation, prompt)))
+
+    pool.meanwhile = meanwhile
+    answers = pool.gradients(np.ones(6))
+    assert answers.indices == (1,)
+    assert federation.now - opened == pytest.approx(0.1)  # closed by the answer, not by the timeout
+
+
 def test_an_answer_that_crosses_the_goodbye_is_refused_without_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="fedsaddle.coordinator")
     federation = Federation(1)

@@ -159,8 +159,8 @@ class Collecting(Barrier):
     """A round in flight: what each participating session must answer, and what it did.
 
     With a straggler deadline the round closes after `straggler_deadline_s` once
-    `min_clients` clients have answered (later answers are stale); short of them
-    it waits out the rest of the round's timeout.
+    `min_clients` clients have answered (later answers are stale): at the deadline
+    if they have, else as soon as they have, within the rest of the round's timeout.
     """
 
     expected: dict[int, Expectation] = field(default_factory=dict)  # by session key
@@ -310,7 +310,11 @@ class Collecting(Barrier):
 
     def verdict(self, now: float) -> tuple[bool, BaseException | None]:
         settled, error = super().verdict(now)
-        if self.straggler_deadline_s is None or self.min_clients is None or self.stragglers_waited:
+        if self.straggler_deadline_s is None or self.min_clients is None:
+            return settled, error
+        if self.stragglers_waited:  # past the straggler deadline: it closes as soon as min_clients have answered
+            if (error is None or isinstance(error, ClientLost)) and self.answered_clients() >= self.min_clients:
+                return True, None
             return settled, error
         if not isinstance(error, ClientLost):
             return settled, error
@@ -318,7 +322,8 @@ class Collecting(Barrier):
             return True, None  # close with the answers in hand; later ones are stale
         if self.straggler_deadline_s >= self.round_timeout_s or self.done:
             return True, error
-        # Short of min_clients at the straggler deadline: wait out the rest of the round's timeout.
+        # Short of min_clients at the straggler deadline: the round closes once they have answered, within the
+        # rest of the round's timeout.
         self.stragglers_waited = True
         self.opened, self.timeout_s = now, self.round_timeout_s - self.straggler_deadline_s
         return super().verdict(now)
