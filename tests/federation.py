@@ -28,6 +28,7 @@ from fedsaddle.server.transport.events import (
     End,
     Failed,
     Greeted,
+    RoundRequest,
     RoundResult,
     Send,
     Settled,
@@ -178,13 +179,18 @@ class MemoryPool(ClientPool):
         assert self.run is not None
         chunk = self.federation.chunk_bytes
         request = round_request(self.run, round_id, task, chunk, participants, fold=self.fold, weights=self.weights)
+        result = self._round(request, category)
+        self.last_fold = result.fold
+        return result.answers
+
+    def _round(self, request: RoundRequest, category: Category) -> RoundResult:
+        """Open the round, let `meanwhile` act, and count the bytes it moved."""
         protocol = self.federation.protocol
         result = self.federation.operate(lambda now: protocol.open_round(request, now), self.meanwhile)
         assert isinstance(result, RoundResult)
         self.traffic[category].bytes_down += result.bytes_down
         self.traffic[category].bytes_up += result.bytes_up
-        self.last_fold = result.fold
-        return result.answers
+        return result
 
 
 class SecureMemoryPool(MemoryPool):
@@ -211,10 +217,7 @@ class SecureMemoryPool(MemoryPool):
         chunk = self.federation.chunk_bytes
         masked_sum = rows if self.fold else None
         request = round_request(self.run, round_id, task, chunk, participants, True, masked_sum=masked_sum)
-        protocol = self.federation.protocol
-        result = self.federation.operate(lambda now: protocol.open_round(request, now), self.meanwhile)
-        assert isinstance(result, RoundResult)
-        return [messages.as_masked(answer) for answer in result.answers]
+        return [messages.as_masked(answer) for answer in self._round(request, category).answers]
 
     def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:
         protocol = self.federation.protocol
