@@ -104,11 +104,10 @@ class MaskedRound:
         if stream is not None and row.client in stream.clients:
             raise SecAggError(f"round {self.round_id}: client {row.client} sent a second masked row")
         self._check(row)
+        where = f"round {self.round_id}: client {row.client}"
         if row.masked.shape != (self.length,):
-            where = f"round {self.round_id}: client {row.client}"
             raise SecAggError(f"{where}: masked row of shape {row.masked.shape}, expected ({self.length},)")
         if row.masked.dtype != np.uint64:
-            where = f"round {self.round_id}: client {row.client}"
             raise SecAggError(f"{where}: masked row of {row.masked.dtype} entries, expected uint64")
         if self._sum is None:
             self._sum = row.masked.copy()

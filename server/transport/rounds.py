@@ -213,7 +213,7 @@ class Collecting(Barrier):
 
     def _room_for(self, session: Session) -> tuple[bool, int]:
         """(whether the session is held back, the bytes to admit it with if not: 0 when it is read whatever
-        the buffer holds: no bounded fold, admitted or answered already, owing nothing, or an answer of one
+        the buffer holds: no bound, admitted or answered already, owing nothing, or an answer of one
         message, read before this is asked)."""
         fold, bound = self.fold, self.hold_bytes
         if bound is None or session.key in self.admitted or session.key in self.answers:
