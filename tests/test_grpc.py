@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import config, federation
+from conftest import config, federation, stop_processes
 from formulas import expected_traffic
 
+from fedsaddle.launch import start_clients
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.transport.grpc_pool import GrpcPool
@@ -198,3 +199,27 @@ def test_a_fault_of_the_coordinator_on_a_message_ends_that_stream_and_says_so(ca
     assert faulted and lost.value.client_indices == (0,)
     assert "no answer within" not in str(lost.value)
     assert "internal error on a message from" in caplog.text and "a fault of the coordinator's own" in caplog.text
+
+
+def test_a_fault_of_the_coordinator_at_a_deadline_fails_the_waiting_operation_by_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The protocol raises when the join deadline comes, as a bug of the coordinator's would: the wait fails at
+    # once with the fault named, instead of waiting forever on a deadline no timer would fire again.
+    pool = GrpcPool(2, "127.0.0.1:0")
+    processes = start_clients(pool.address, ["0"])  # client 1 never comes: the wait ends at its deadline
+    try:
+        tick = pool.protocol.tick
+
+        def faulty(now: float) -> Any:
+            raise RuntimeError("a fault of the coordinator's own")
+
+        pool.protocol.tick = faulty  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match=r"internal error in the coordinator at a deadline .*fault of the"):
+            pool.wait_for_clients(1.0)
+        pool.protocol.tick = tick  # type: ignore[method-assign]
+        assert pool.missing() == [1]  # the loop and the sessions outlive the fault
+    finally:
+        pool.close()
+        stop_processes(processes)
+    assert "internal error at a deadline" in caplog.text

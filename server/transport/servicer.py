@@ -225,7 +225,16 @@ class SessionService:
         self._timer = self._timer_at = None
         # (the loop may call a moment before the deadline, by its clock's resolution)
         now = self.loop.time() if due is None else max(self.loop.time(), due)
-        self.act(self.protocol.tick(now))
+        try:
+            actions = self.protocol.tick(now)
+        except Exception as exc:  # the coordinator's own fault while a deadline settles something: the
+            # operation waiting on it fails by name at once, instead of waiting for a timer no one re-arms
+            log.exception("internal error at a deadline")
+            fault = RuntimeError(f"internal error in the coordinator at a deadline ({exc!r}); see its log")
+            self._settle(Failed(fault))
+            self._rearm()
+            return
+        self.act(actions)
 
     def stop(self) -> None:
         if self._timer is not None:
