@@ -29,11 +29,18 @@ class Hostile(GrpcPool):
 
     rewrite: Rewrite | None = None
     replay_keys = False
+    # Sends the task of this round (the pool's id) under the id of an earlier one: (this round, the earlier).
+    reorder: tuple[int, int] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gathered: dict[int, UnmaskReply] = {}
         self.refusals: dict[int, str] = {}
+
+    def _collect(self, task: Any, round_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.reorder is not None and round_id == self.reorder[0]:
+            round_id = self.reorder[1]
+        return super()._collect(task, round_id, *args, **kwargs)
 
     def _send_directory(self, epoch: int, keys: dict[int, bytes]) -> None:
         super()._send_directory(epoch, keys)
@@ -132,3 +139,24 @@ def test_a_replayed_key_directory_ends_every_honest_session_saying_why() -> None
     for log in pool.client_logs:  # type: ignore[attr-defined]
         assert "refused the coordinator's key directory" in log, log
         assert "key directory of epoch 0 refused: this client already agreed to epoch 0" in log, log
+
+
+def test_a_task_for_an_earlier_round_is_not_masked_again() -> None:
+    # Client 3 is never asked to unmask round 1 (the others are t = 3), so nothing of round 1 is left in it
+    # once round 2 is masked. Round 3 then goes out as round 1 again: masked anew, it would carry the same
+    # pairwise masks as the first time under a fresh self mask.
+    def skip_client_3_in_round_1(requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskRequest]:
+        return {j: request for j, request in requests.items() if request.round_id != 1 or j != 3}
+
+    pool = Hostile(CLIENTS, "127.0.0.1:0", round_timeout_s=20)
+    pool.rewrite = skip_client_3_in_round_1
+    pool.reorder = (3, 1)
+    with federation(pool):
+        start(pool)
+        pool.exchange(GradientTask(np.ones(6)))
+        pool.exchange(GradientTask(np.zeros(6)))
+        with pytest.raises(ClientLost):
+            pool.exchange(GradientTask(np.ones(6)))
+    refusal = "refused to answer: round 1: this client already masked round 2, a later one"
+    for log in pool.client_logs:  # type: ignore[attr-defined]
+        assert refusal in log, log

@@ -110,6 +110,9 @@ class Party:
         self._envelopes: dict[int, ChaCha20Poly1305] = {}  # per peer: the AEAD its shares travel in
         self._answered: dict[int, _Answered] = {}  # round id -> what this party sent in it
         self._unmasked: set[int] = set()  # rounds whose unmasking this party has given
+        # The latest round this party masked: round ids only grow within a run, and an earlier round that came
+        # again would be masked a second time under its pairwise seeds once its record here had gone (-1: none).
+        self._latest = -1
         self._prepared: _Prepared | None = None  # the next round's masks, made while the client waited
 
     # -- keys --------------------------------------------------------------------------
@@ -182,6 +185,7 @@ class Party:
             prepared = self._make_masks(round_id, attempt, clients, length, into=masked)
         # Only the latest round can still be unmasked: older ones are forgotten (the pool finishes a round
         # before it starts the next, so a request for one of them is stale).
+        self._latest = round_id
         self._answered = {
             round_id: _Answered(
                 attempt, clients, prepared.threshold, prepared.neighbours, prepared.share_threshold, prepared.own_share
@@ -220,6 +224,11 @@ class Party:
             raise SecAggError(
                 f"{where}: {len(clients)} clients take part, fewer than 2 or than the threshold {threshold}: "
                 "their sum would reveal too much"
+            )
+        if round_id < self._latest:
+            raise SecAggError(
+                f"{where}: this client already masked round {self._latest}, a later one (round ids only grow "
+                "within a run: a replayed or reordered task would mask an earlier round again)"
             )
         before = self._answered.get(round_id)
         if round_id in self._unmasked or (before is not None and attempt <= before.attempt):
