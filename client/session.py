@@ -277,12 +277,13 @@ class ClientSession:
         log.error("cannot serve run %s: %s", self._run_name, printable(reason, 1024))
         return pb.Ready(run_id=run.run_id, error=reason)
 
-    def _check_run(self, run_id: str) -> None:
-        """ClientError unless a task of run `run_id` belongs to the run this process announced itself Ready for."""
+    def _check_run(self, run_id: str, what: str = "task") -> None:
+        """ClientError unless a message (`what`: a task, a key directory, an unmask request) of run `run_id`
+        belongs to the run this process announced itself Ready for."""
         if self.run is None or run_id != self._run_id:
-            raise ClientError(f"task for run {printable(run_id, 64)!r} before its RunSpec")
+            raise ClientError(f"{what} for run {printable(run_id, 64)!r} before its RunSpec")
         if self.worker is None:
-            raise ClientError(f"task for run {self._run_name!r}, which this process could not start")
+            raise ClientError(f"{what} for run {self._run_name!r}, which this process could not start")
 
     def _execute(self, message: pb.Task, payload: bytes | memoryview, own: bool = False) -> Iterable[bytes]:
         """Run a task; `own`: its payload is this session's buffer, which the worker may write over."""
@@ -321,7 +322,7 @@ class ClientSession:
     def _key_directory(self, directory: pb.KeyDirectory) -> None:
         """Agree on pairwise keys with every other client; a replayed, stale or forged directory ends
         the session (ClientError), as a coordinator that sends one is not following the protocol."""
-        self._check_run(directory.run_id)
+        self._check_run(directory.run_id, "key directory")
         if not self._parties:
             raise ClientError(f"a key directory for run {self._run_name!r}, which has no secure aggregation")
         try:
@@ -353,7 +354,7 @@ class ClientSession:
 
     def _unmask(self, request: pb.UnmaskRequest) -> bytes:
         """A client's part of unmasking a round, or its refusal (sent back, naming the round)."""
-        self._check_run(request.run_id)
+        self._check_run(request.run_id, "unmask request")
         party = self._parties.get(request.client)
         if party is None:
             raise ClientError(f"an unmask request for client {request.client}, not hosted here")

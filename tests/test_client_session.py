@@ -291,3 +291,13 @@ def test_a_run_that_names_a_computation_this_client_lacks_is_refused_in_ready() 
     (ready,) = state.handle(pb.Instruction(run=run))
     assert isinstance(ready, pb.ClientMessage)
     assert ready.ready.error.startswith("this client has no local computation 'someone_elses'")
+
+
+def test_a_key_directory_or_unmask_request_of_another_run_is_refused_naming_what_it_is() -> None:
+    state = session()
+    keys = pb.KeyDirectory(run_id="other", epoch=0)
+    with pytest.raises(ClientError, match=r"^key directory for run 'other' before its RunSpec$"):
+        state.handle(pb.Instruction(keys=keys))
+    request = pb.UnmaskRequest(run_id="other", round_id=1, client=1, answered=[0, 1, 2])
+    with pytest.raises(ClientError, match=r"^unmask request for run 'other' before its RunSpec$"):
+        state.handle(pb.Instruction(unmask=request))
