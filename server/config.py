@@ -391,7 +391,7 @@ class PrivacySpec(_Model):
         None,
         ge=2,
         description="clients of a round that must answer for it to be unmasked; default, and never less than, "
-        "a majority of the round's clients",
+        "a majority of one more than the round's clients (k/2 + 1 for k even, (k + 3)/2 for k odd)",
     )
     scale_bits: int = Field(
         SCALE_BITS, ge=8, le=52, description="fixed-point resolution 2^-scale_bits of every value clients send"
@@ -407,7 +407,7 @@ class PrivacySpec(_Model):
         ge=0,
         description="SecAgg+: each client masks with k neighbours in a Harary graph of the round's clients "
         "(k even; 0: all pairs); default: all pairs up to 13 clients, above the smallest even k >= 3 log2(n), "
-        "or twice the clients a straggler quorum lets drop if that is more",
+        "or twice one more than the clients a straggler quorum lets drop if that is more",
     )
 
     dp: DpSpec | None = Field(
@@ -421,10 +421,10 @@ class PrivacySpec(_Model):
         whose rounds a straggler quorum lets `dropouts` clients drop)."""
         bound = self.bound if self.bound is not None else default_bound(num_clients, self.scale_bits)
         neighbours = self.neighbours
-        if neighbours is None:  # the log rule, widened to 2 x dropouts so that any round the quorum closes unmasks
+        if neighbours is None:  # the log rule, widened to 2 (dropouts + 1) so that any round the quorum closes unmasks
             neighbours = default_neighbours(num_clients)
-            if neighbours and dropouts > neighbours // 2:
-                neighbours = 2 * dropouts if 2 * dropouts < num_clients - 1 else 0
+            if neighbours and dropouts > neighbours // 2 - 1:
+                neighbours = 2 * (dropouts + 1) if 2 * (dropouts + 1) < num_clients - 1 else 0
         return SecAggSettings(self.threshold or 0, self.scale_bits, bound, neighbours)
 
 
@@ -577,12 +577,13 @@ class RunConfig(_Model):
                 "needs to unmask a round"
             )
         k = privacy.settings(n, self.dropouts_allowed()).neighbours
-        if quorum is not None and 0 < k < per_round - 1 and per_round - quorum > k // 2:
-            # H(k, m) loses no connection and no neighbourhood its majority while at most k/2 clients drop
+        if quorum is not None and 0 < k < per_round - 1 and per_round - quorum > k // 2 - 1:
+            # H(k, m) stays connected and every neighbourhood keeps the k/2 + 2 shares a self mask needs
+            # (graph.neighbourhood_threshold) while at most k/2 - 1 clients drop
             raise ValueError(
                 f"participation.min_clients: {quorum} lets {per_round - quorum} of a round's {per_round} clients "
-                f"drop, more than the {k // 2} a neighbour graph of k = {k} (privacy.neighbours) can lose and still "
-                "unmask every round; raise min_clients or neighbours"
+                f"drop, more than the {k // 2 - 1} a neighbour graph of k = {k} (privacy.neighbours) can lose and "
+                "still unmask every round; raise min_clients or neighbours"
             )
         return self
 

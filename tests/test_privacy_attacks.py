@@ -58,8 +58,8 @@ class Hostile(GrpcPool):
 
 
 @contextmanager
-def federation(hostile: Hostile) -> Iterator[list[subprocess.Popen[bytes]]]:
-    processes = start_clients(hostile.address, [str(i) for i in range(CLIENTS)], quiet=False)
+def federation(hostile: Hostile, clients: int = CLIENTS) -> Iterator[list[subprocess.Popen[bytes]]]:
+    processes = start_clients(hostile.address, [str(i) for i in range(clients)], quiet=False)
     try:
         hostile.wait_for_clients(60)
         yield processes
@@ -160,3 +160,33 @@ def test_a_task_for_an_earlier_round_is_not_masked_again() -> None:
     refusal = "refused to answer: round 1: this client already masked round 2, a later one"
     for log in pool.client_logs:  # type: ignore[attr-defined]
         assert refusal in log, log
+
+
+def test_different_stories_about_who_dropped_do_not_unmask_one_client_of_an_odd_round() -> None:
+    # Five clients, all answered; target client 0. Client 0 is told 3 and 4 dropped (it gives its seeds with
+    # them and its own share of b_0), 3 and 4 are told 0 answered and 1, 2 dropped (they give their shares of
+    # b_0), 1 and 2 are told 0 dropped (they give their seeds with 0). Each story passes each client's own
+    # checks unless the threshold counts the target's own share in both groups: with three shares of b_0 and
+    # 0's seeds with all four others, the coordinator would strip every mask off 0's row.
+    stories = {0: ((0, 1, 2), (3, 4)), 3: ((0, 3, 4), (1, 2)), 4: ((0, 3, 4), (1, 2))}
+    stories |= {1: ((1, 2, 3, 4), (0,)), 2: ((1, 2, 3, 4), (0,))}
+
+    def tell_each_its_own_story(requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskRequest]:
+        told = {}
+        for j, request in requests.items():
+            answered, dropped = stories[j]
+            shares = tuple(s for s in request.shares if s[0] in answered)
+            told[j] = request._replace(answered=answered, dropped=dropped, shares=shares)
+        return told
+
+    pool = Hostile(5, "127.0.0.1:0")
+    pool.rewrite = tell_each_its_own_story
+    with federation(pool, 5):
+        problem = PaperRegressionSpec(num_clients=5, dim=3)
+        pool.start_run(RunInfo("attack", problem, seed=0, secure=SecAggSettings(0, 40, 1e4)))
+        with pytest.raises(PoolError):
+            pool.exchange(GradientTask(np.ones(6)))
+    shares_of_b0 = [j for j, reply in pool.gathered.items() if 0 in reply.b_shares]
+    seeds_with_0 = set(pool.gathered[0].seeds) if 0 in pool.gathered else set()
+    seeds_with_0 |= {j for j, reply in pool.gathered.items() if 0 in reply.seeds}
+    assert len(shares_of_b0) < 3 or seeds_with_0 != {1, 2, 3, 4}, (shares_of_b0, seeds_with_0)

@@ -16,7 +16,7 @@ from fedsaddle.common.secagg import fixedpoint
 from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound
 from fedsaddle.common.secagg.party import Party
 from fedsaddle.common.secagg.rows import mask_answer
-from fedsaddle.common.secagg.settings import SecAggSettings
+from fedsaddle.common.secagg.settings import SecAggSettings, round_threshold
 from fedsaddle.common.tasks import Answer, GradientTask
 from fedsaddle.server.config import ConfigError, RunConfig, parse_config
 from fedsaddle.server.driver import run_algorithm
@@ -44,7 +44,7 @@ def test_the_clients_shares_of_noise_add_up_to_sigma_in_the_masked_sum() -> None
     private = DpSettings(clip=2.0, noise_multiplier=1.5)  # sigma = 3
     answer = Answer(tuple(range(k)), np.zeros((k, length)))
     masked = mask_answer(parties, answer, GradientTask(np.zeros(length)), 1, 0, tuple(range(k)), None, private)
-    round_ = MaskedRound("dp", 1, 0, tuple(range(k)), 3, length + 1)
+    round_ = MaskedRound("dp", 1, 0, tuple(range(k)), round_threshold(settings, k), length + 1)
     for row in masked.rows:
         round_.add(row)
     requests = round_.close()

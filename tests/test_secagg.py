@@ -99,7 +99,8 @@ def test_the_default_bound_keeps_the_sum_inside_the_ring() -> None:
 
 
 def test_threshold_must_be_a_majority_and_at_most_the_clients() -> None:
-    assert [default_threshold(k) for k in (2, 3, 4, 5, 10)] == [2, 2, 3, 3, 6]
+    # a majority of k + 1: one more than a bare majority when k is odd (settings.default_threshold)
+    assert [default_threshold(k) for k in (2, 3, 4, 5, 10)] == [2, 3, 3, 4, 6]
     check_threshold(6, 10)
     with pytest.raises(ValueError, match="unsafe for 10 clients"):
         check_threshold(5, 10)
@@ -418,7 +419,7 @@ def test_the_default_is_all_pairs_for_small_federations_and_logarithmic_above() 
             graph.check_neighbours(k)
 
 
-@pytest.mark.parametrize("drop", [set(), {4}, {0, 7}, {3, 9, 15}])
+@pytest.mark.parametrize("drop", [set(), {4}, {0, 7}, {3, 9, 14}])  # no neighbourhood loses more than k/2 - 1
 def test_secagg_plus_unmasks_the_exact_sum_with_and_without_dropouts(drop: set[int]) -> None:
     n = 16
     parties = federation(n, neighbours=4)
@@ -472,10 +473,11 @@ def test_secagg_plus_refuses_a_neighbourhood_without_a_majority() -> None:
     clients = tuple(range(n))
     for i in clients:
         parties[i].mask(2, 0, clients, np.ones(3))
-    answered = tuple(i for i in clients if i not in (1, 2, 11))  # 0 keeps 2 of its neighbourhood of 5: not 3
-    dropped = (1, 2, 11)
-    with pytest.raises(SecAggError, match="round 2: only 2 of this client's neighbourhood answered, fewer than the 3"):
-        parties[0].unmask(UnmaskRequest(2, 0, answered, dropped, ()))
+    # 0 keeps 3 of its neighbourhood of 5: a bare majority, but not the 4 (a majority of 6) that keep two
+    # groups told different stories from sharing only client 0 (graph.neighbourhood_threshold)
+    answered = tuple(i for i in clients if i not in (1, 11))
+    with pytest.raises(SecAggError, match="round 2: only 3 of this client's neighbourhood answered, fewer than the 4"):
+        parties[0].unmask(UnmaskRequest(2, 0, answered, (1, 11), ()))
 
 
 # -- what an honest client refuses -------------------------------------------------------------
@@ -508,14 +510,14 @@ def test_honest_clients_refuse_what_would_unmask_a_client_that_answered() -> Non
     )
     refused(
         parties[0],
-        honest._replace(answered=(0, 2, 3), dropped=(1, 4)),
+        honest._replace(answered=(0, 2, 3, 4), dropped=(1,)),
         "round 7: a share from client 1, which is not among",
     )
     refused(parties[0], honest._replace(dropped=(1, 4)), "round 7: clients \\[1\\] are listed both as answered")
     refused(parties[0], honest._replace(answered=(0, 1, 3), dropped=(4,)), "not the clients the round was sent to")
     # Fewer than t survivors claimed: unmasking then could reveal the survivors' answers.
     few = honest._replace(answered=(0, 1), dropped=(2, 3, 4), shares=honest.shares[:1])
-    refused(parties[0], few, "round 7: only 2 clients answered, fewer than the threshold 3")
+    refused(parties[0], few, "round 7: only 2 clients answered, fewer than the threshold 4")
     refused(parties[4], requests[3], "round 7: the coordinator lists this client \\(4\\) as dropped")
     # Nothing above changed any state: the honest requests still unmask the sum.
     replies = {j: parties[j].unmask(request) for j, request in requests.items()}
@@ -530,11 +532,11 @@ def test_honest_clients_refuse_what_would_unmask_a_client_that_answered() -> Non
 
 
 def test_a_client_cannot_be_asked_twice_with_two_stories() -> None:
-    parties, requests, _ = prepared_round()
+    parties, requests, _ = prepared_round(6)  # 0 to 4 answered, 5 dropped; t = 4
     honest = requests[0]
     # Client 3 is called dropped in a first request (its share withheld); a second, telling the truth, is refused.
-    lie = honest._replace(answered=(0, 1, 2), dropped=(3, 4), shares=tuple(s for s in honest.shares if s[0] != 3))
-    assert sorted(parties[0].unmask(lie).seeds) == [3, 4]
+    lie = honest._replace(answered=(0, 1, 2, 4), dropped=(3, 5), shares=tuple(s for s in honest.shares if s[0] != 3))
+    assert sorted(parties[0].unmask(lie).seeds) == [3, 5]
     refused(parties[0], honest, "round 7: the unmasking was already given")
 
 
@@ -620,7 +622,8 @@ def test_replayed_or_forged_key_directories_are_refused() -> None:
 
 def test_a_round_needs_a_majority_whatever_the_coordinator_says() -> None:
     parties = federation(6, threshold=5)
-    assert [round_threshold(parties[0].settings, k) for k in (2, 6, 9, 10)] == [5, 5, 5, 6]
+    # a majority of k + 1 at least, whatever the RunSpec says: 6 for 9 and 10 clients
+    assert [round_threshold(parties[0].settings, k) for k in (2, 6, 9, 10)] == [5, 5, 6, 6]
     with pytest.raises(SecAggError, match="round 3: 4 clients take part, fewer than 2 or than the threshold 5"):
         parties[0].mask(3, 0, (0, 1, 2, 3), np.ones(2))
     with pytest.raises(SecAggError, match="round 3: 1 clients take part"):

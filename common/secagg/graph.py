@@ -80,6 +80,7 @@ def connected(nodes: Iterable[int], clients: Sequence[int], neighbours: int) -> 
 
 
 def neighbourhood_threshold(size: int) -> int:
-    """Shares of a client's self-mask seed needed to rebuild it: a majority of its neighbourhood (itself and
-    its neighbours, `size` clients), so that no two disjoint groups of them could each rebuild it."""
-    return size // 2 + 1
+    """Shares of a client's self-mask seed needed to rebuild it: a majority of one more than its neighbourhood
+    (itself and its neighbours, `size` clients), so that no two groups of them that share only the client
+    itself could each give what unmasks it (settings.default_threshold)."""
+    return (size + 1) // 2 + 1

@@ -244,8 +244,8 @@ class Party:
         threshold = round_threshold(self.settings, len(clients))
         neighbours = graph.neighbours_of(self.index, clients, self.settings.neighbours)
         self._keys_with(neighbours, where)
-        # b_i is shared among this client and its neighbours; a majority of them rebuilds it (under all
-        # pairs the round's threshold, as Bonawitz et al.).
+        # b_i is shared among this client and its neighbours; a majority of one more than them rebuilds it
+        # (under all pairs the round's threshold; graph.neighbourhood_threshold says why one more).
         holders = tuple(sorted((*neighbours, self.index)))
         sparse = len(neighbours) < len(clients) - 1
         share_threshold = graph.neighbourhood_threshold(len(holders)) if sparse else threshold

@@ -16,7 +16,8 @@ class SecAggSettings(NamedTuple):
     """A run's secure aggregation, as the coordinator tells it to every client.
 
     threshold: the least number of a round's clients that must answer for it to be unmasked (t of
-    Shamir's t-of-k); a round of k clients needs max(threshold, floor(k/2) + 1), a majority always;
+    Shamir's t-of-k); a round of k clients needs max(threshold, floor((k+1)/2) + 1), a majority of k + 1
+    always (default_threshold);
     scale_bits: values are encoded as round(v * 2^scale_bits);
     bound: every value a client sends must satisfy |v| <= bound, so that the sum of
     `parties` such values cannot leave the signed range of the ring;
@@ -24,7 +25,7 @@ class SecAggSettings(NamedTuple):
     common/secagg/graph.py) and shares its self-mask seed among them; 0: all pairs.
     """
 
-    threshold: int = 0  # 0: a majority of each round's clients
+    threshold: int = 0  # 0: default_threshold of each round's clients
     scale_bits: int = SCALE_BITS
     bound: float = 0.0  # 0: default_bound(parties, scale_bits)
     neighbours: int = 0  # 0: every pair of the round's clients
@@ -53,29 +54,37 @@ def check_bound(parties: int, bound: float, scale_bits: int) -> None:
 
 
 def round_threshold(settings: SecAggSettings, parties: int) -> int:
-    """t for a round of `parties` clients: the configured one, and never less than a majority (a client
-    computes it from the round's clients itself, so a coordinator cannot lower it)."""
+    """t for a round of `parties` clients: the configured one, and never less than default_threshold (a
+    client computes it from the round's clients itself, so a coordinator cannot lower it)."""
     return max(settings.threshold, default_threshold(parties))
 
 
 def default_threshold(parties: int) -> int:
-    """floor(k/2) + 1: a majority of the round's k clients."""
-    return parties // 2 + 1
+    """floor((k+1)/2) + 1: a majority of k + 1, for a round of k clients (k/2 + 1 when k is even, one more
+    than a bare majority when k is odd).
+
+    A coordinator that tells two groups of clients different stories about who dropped gets, from one
+    group, shares of a client's self-mask seed and, from the other, the pairwise seeds of that client with
+    them; the client itself gives its own share and its seeds with the first group. Both groups count the
+    target, so each needs only t - 1 others: with 2(t - 1) <= k - 1 (a bare majority of an odd k) every
+    mask of one client's row could be stripped, its answer read alone (tests/test_privacy_attacks.py)."""
+    return (parties + 1) // 2 + 1
 
 
 def check_threshold(threshold: int, parties: int) -> None:
-    """ValueError unless t is a majority of the k clients of a round and at most k.
+    """ValueError unless t is at least default_threshold(k) for a round of k clients and at most k.
 
-    A majority, so that no two disjoint groups of clients can each reach the threshold (a coordinator
-    that told each group a different story could otherwise rebuild a seed from each); at most k, or a
-    round could never be unmasked.
+    At least default_threshold(k), so that no two groups of clients that share only one client can each
+    reach the threshold (a coordinator that told each group a different story could otherwise unmask that
+    client's row: default_threshold); at most k, or a round could never be unmasked.
     """
     if parties < 2:
         raise ValueError(
             f"secure aggregation needs at least 2 clients per round (the sum of one is its answer), got {parties}"
         )
-    if not parties // 2 + 1 <= threshold <= parties:
+    least = default_threshold(parties)
+    if not least <= threshold <= parties:
         raise ValueError(
             f"threshold {threshold} is unsafe for {parties} clients per round: it must be within "
-            f"{parties // 2 + 1}..{parties} (a majority, and no more than the clients)"
+            f"{least}..{parties} (a majority of {parties} + 1, and no more than the clients)"
         )
