@@ -99,6 +99,13 @@ def _not_importable(path: str, module_name: str, exc: ImportError, field: str = 
     return ProblemNotFound(f"plugin {path!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}", field)
 
 
+def import_failure(exc: BaseException) -> str:
+    """What went wrong while a plug-in module ran, naming the file and line of a SyntaxError."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def load_path(path: str, field: str = "name") -> type[Problem]:
     """The Problem class at 'module:Class'; `field`: the config field it came from (for errors)."""
     module_name, sep, attribute = path.partition(":")
@@ -108,6 +115,10 @@ def load_path(path: str, field: str = "name") -> type[Problem]:
         module = _import(module_name)
     except ImportError as exc:
         raise _not_importable(path, module_name, exc, field) from None
+    except Exception as exc:  # the module was found, and failed while it ran: a SyntaxError, a NameError, ...
+        raise ProblemNotFound(
+            f"plugin {path!r}: importing {module_name!r} failed: {import_failure(exc)}", field
+        ) from None
     found = getattr(module, attribute, None)
     if not (isinstance(found, type) and issubclass(found, Problem)):
         raise ProblemNotFound(f"plugin {path!r}: {attribute!r} is not a fedsaddle Problem class", field)

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedsaddle.common import computations
 from fedsaddle.common.computations import LocalComputation
+from fedsaddle.common.problems.registry import import_failure
 
 if TYPE_CHECKING:
     from fedsaddle.server.algorithms.base import Algorithm
@@ -107,6 +108,10 @@ def _load(path: str, name: str) -> AlgorithmDef:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise AlgorithmNotFound(f"algorithm {name!r} ({path}): cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:  # the module was found, and failed while it ran: a SyntaxError, a NameError, ...
+        raise AlgorithmNotFound(
+            f"algorithm {name!r} ({path}): importing {module_name!r} failed: {import_failure(exc)}"
+        ) from None
     found = getattr(module, attribute, None)
     if not isinstance(found, AlgorithmDef):
         raise AlgorithmNotFound(f"algorithm {name!r} ({path}): {attribute!r} is not a fedsaddle AlgorithmDef")
