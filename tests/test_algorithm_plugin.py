@@ -148,3 +148,20 @@ def test_a_compute_task_larger_than_clients_take_fails_before_its_round_in_proce
         pool.exchange(padded)
     assert pool.round_id == 0
     assert ComputeTask("some_steps", z, arrays=(("a", np.zeros(18)),)).oversized() is None  # exactly 4 x 6
+
+
+def test_an_installed_algorithm_whose_module_does_not_compile_is_named_with_its_file_and_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It used to escape as "fedsaddle: error: invalid syntax (__init__.py, line 1)", naming neither the
+    # algorithm nor the file.
+    from fedsaddle.server.algorithms.registry import AlgorithmNotFound, _load
+
+    (tmp_path / "broken_algorithm.py").write_text("def oops(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(AlgorithmNotFound) as caught:
+        _load("broken_algorithm:BROKEN", "broken")
+    assert str(caught.value) == (
+        "algorithm 'broken' (broken_algorithm:BROKEN): importing 'broken_algorithm' failed: SyntaxError: "
+        f"invalid syntax ({tmp_path / 'broken_algorithm.py'}, line 1)"
+    )
