@@ -96,6 +96,8 @@ class Simplex:
 
     def project(self, v: Array) -> Array:
         """The Euclidean projection: max(v - t, 0) with the threshold t that makes the sum 1."""
+        if not np.isfinite(v).all():  # a diverged iterate (NaN or Inf) stays one, for the run to report as such
+            return np.full(v.shape, np.nan)
         descending = np.sort(v)[::-1]
         sums = np.cumsum(descending) - 1.0
         ranks = np.arange(1, v.size + 1)
