@@ -90,6 +90,27 @@ def test_a_correct_problem_passes_and_computes_per_client() -> None:
             {"gradient": lambda self, data, z: 1 / 0},
             "problem 'toy': gradient() on client 3's data raised ZeroDivisionError: division by zero",
         ),
+        (
+            {"gradient": lambda self, data, z: np.where(np.arange(4) == 2, np.nan, 0.0)},
+            "problem 'toy': gradient() on client 3's data returned nan at z = 0 in entry y[0] "
+            "(1 of its 4 entries are nan)",
+        ),
+        (
+            {"gradient": lambda self, data, z: ["a", "b", "c", "d"]},
+            "problem 'toy': gradient() on client 3's data returned ['a', 'b', 'c', 'd'] (list); it must return numbers",
+        ),
+        (
+            {"objective": lambda self, data, z: None},
+            "problem 'toy': objective() on client 3's data returned None (NoneType); it must return numbers",
+        ),
+        (
+            {"objective": lambda self, data, z: "0.5"},
+            "problem 'toy': objective() on client 3's data returned '0.5' (str); it must return numbers",
+        ),
+        (
+            {"metrics": lambda self, data, z: (1.0, None)},
+            "problem 'toy': metrics() on client 3's data returned (1.0, None) (tuple); it must return numbers",
+        ),
     ],
 )
 def test_a_mistake_is_named_when_the_shards_are_made(methods: dict[str, Any], message: str) -> None:
@@ -172,3 +193,116 @@ def test_a_signal_that_lands_inside_a_problem_method_is_not_taken_for_its_mistak
         shards = shards_with(gradient=gradient)
         with pytest.raises(signal_raises):
             shards.gradient(np.ones((4, 2)))
+
+
+def test_a_nan_that_appears_later_on_a_simplex_ends_the_run_as_diverged_not_as_a_crash(tmp_path: Path) -> None:
+    # The projection onto a simplex of an iterate with a NaN in it used to raise an IndexError, which
+    # ended `simulate` with "error: index -1 is out of bounds" and a client process mid-round.
+    (tmp_path / "late_nan.py").write_text(LATE_NAN)
+    for i in range(2):
+        np.savez(tmp_path / f"client-{i}.npz", X=np.ones((4, 2)), y=np.ones(4))
+    config = {
+        "problem": {"name": "late_nan", "plugin": "late_nan:LateNan", "num_clients": 2},
+        "rounds": 6,
+        "init": "zeros",  # x = 0, where the gradient is finite: the NaN appears in a step, locally or on the server
+        "sync": {"kind": "fixed", "tau": 2},
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.1}, {"name": "scaffold_s", "gamma_local": 0.1}],
+        "output": {"plot": False},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {**CLIENT_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    for command in ("simulate", "local"):
+        args = [sys.executable, "-m", "fedsaddle", command, "--config", str(tmp_path / "run.yaml")]
+        args += ["--data", str(tmp_path / "client-{i}.npz"), "--out", str(tmp_path / command)]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stderr
+        assert "error" not in done.stderr and "disconnected" not in done.stderr, done.stderr
+        (run_dir,) = (tmp_path / command).iterdir()
+        summary = yaml.safe_load((run_dir / "summary.json").read_text())
+        assert [a["status"] for a in summary["algorithms"]] == ["diverged", "diverged"]
+
+
+LATE_NAN = """
+from typing import Literal
+import numpy as np
+from fedsaddle.common.problems import DataProblem, ProblemSpec
+from fedsaddle.common.problems.domains import Free, Simplex
+
+class LateNanSpec(ProblemSpec):
+    name: Literal["late_nan"] = "late_nan"
+
+class LateNan(DataProblem):
+    # f_i(x, y) = 1/2 x^2 + x (y_0 - y_1) on y in the simplex; its gradient turns NaN once x is away from 0
+    Spec = LateNanSpec
+    def dims(self):
+        return 1, 2
+    def domains(self):
+        return [Free(1), Simplex(2)]
+    def gradient(self, data, z):
+        g = np.array([z[0] + z[1] - z[2] + 1.0, -z[0], z[0]])
+        return g if abs(z[0]) < 0.05 else np.full(3, np.nan)
+    def objective(self, data, z):
+        return 0.5 * z[0] ** 2 + z[0] * (z[1] - z[2]) + z[0]
+"""
+
+BROKEN = "from typing import Literal\n\ndef oops(:\n    pass\n"
+
+
+def test_a_plugin_module_that_does_not_compile_is_a_config_error_naming_its_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "broken_problem.py").write_text(BROKEN)
+    config = {"problem": {"name": "broken", "plugin": "broken_problem:Broken", "num_clients": 2},
+              "algorithms": [{"name": "minibatch_md", "gamma": 0.1}]}  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "fedsaddle", "simulate", "--config", str(tmp_path / "run.yaml")],
+                          capture_output=True, text=True, timeout=60, env=CLIENT_ENV, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert (
+        "problem.plugin: plugin 'broken_problem:Broken': importing 'broken_problem' failed: SyntaxError: "
+        f"invalid syntax ({tmp_path / 'broken_problem.py'}, line 3)" in done.stderr
+    )
+
+
+def test_a_client_whose_copy_of_the_plugin_does_not_compile_refuses_the_run_naming_it(tmp_path: Path) -> None:
+    # The coordinator's copy imports; the client's, in the folder it is started in, does not. The client
+    # used to die with "error: invalid syntax (...)", and the coordinator said only "disconnected".
+    good, site = tmp_path / "coordinator", tmp_path / "site"
+    good.mkdir()
+    site.mkdir()
+    (good / "short_problem.py").write_text(PLUGIN)
+    (site / "short_problem.py").write_text(PLUGIN + "\ndef oops(:\n")
+    np.savez(site / "client-0.npz", X=np.ones((4, 3)), y=np.ones(4))
+    np.savez(site / "client-1.npz", X=np.ones((4, 3)), y=np.ones(4))
+    config = {"problem": {"name": "short", "plugin": "short_problem:Short", "num_clients": 2}, "rounds": 3,
+              "algorithms": [{"name": "minibatch_md", "gamma": 0.1}], "output": {"plot": False}}  # fmt: skip
+    (good / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in CLIENT_ENV.items() if k != "PYTHONPATH"}
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(good / "run.yaml"),
+         "--listen", "127.0.0.1:0", "--out", str(tmp_path / "runs")],
+        cwd=good, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert coordinator.stderr is not None
+        address = ""
+        for line in coordinator.stderr:
+            if "coordinator listening on " in line:
+                address = line.split("coordinator listening on ")[1].split(";")[0].strip()
+                break
+        assert address, "the coordinator did not say where it listens"
+        client = subprocess.run(
+            [sys.executable, "-m", "fedsaddle", "client", "--coordinator", address, "--clients", "0-1",
+             "--problem", "short_problem:Short", "--data", "client-{i}.npz"],
+            cwd=site, capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        _, said = coordinator.communicate(timeout=60)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.wait()
+    fault = (
+        "plugin 'short_problem:Short': importing 'short_problem' failed: SyntaxError: "
+        f"invalid syntax ({site / 'short_problem.py'}, line 18)"
+    )
+    assert client.returncode == 1 and fault in client.stderr, client.stderr
+    assert coordinator.returncode == 1 and "cannot serve run" in said and fault in said, said
+    assert "disconnected" not in said and "Traceback" not in client.stderr

@@ -77,7 +77,7 @@ class ProblemShards:
             name: accepts_client(getattr(problem, name)) for name in ("gradient", "objective", "metrics")
         }
         zero = np.zeros((self.dimension, len(self.datas)))
-        self.gradient(zero)
+        self._no_nan_at_zero(self.gradient(zero))
         self.objective(zero)
         if problem.metric_names:
             self.evaluate(zero[:, 0])
@@ -92,6 +92,29 @@ class ProblemShards:
             return method(self.datas[j], z)
         except Exception as exc:
             raise ProblemError(f"{self._where(name, j)} raised {type(exc).__name__}: {exc}") from exc
+
+    def _no_nan_at_zero(self, g: Array) -> None:
+        """ProblemError if the start-up check's gradient at z = 0 holds a NaN: nothing a run does from
+        there would mean anything, and it would end as 'diverged', as if a step were too large."""
+        for j in range(len(self.datas)):
+            nan = np.flatnonzero(np.isnan(g[:, j]))
+            if nan.size:
+                dim_x, _ = self.problem.dims()
+                entry = int(nan[0])
+                name = f"x[{entry}]" if entry < dim_x else f"y[{entry - dim_x}]"
+                raise ProblemError(
+                    f"{self._where('gradient', j)} returned nan at z = 0 in entry {name} "
+                    f"({nan.size} of its {self.dimension} entries are nan)"
+                )
+
+    def _not_numbers(self, name: str, j: int, value: Any) -> ProblemError | None:
+        """ProblemError naming what `name` returned if its entries are not real numbers (None, text, ...)."""
+        kind = np.asarray(value).dtype.kind
+        if kind in "biuf":
+            return None
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return ProblemError(f"{self._where(name, j)} returned {shown} ({type(value).__name__}); it must return numbers")
 
     def _where(self, name: str, j: int) -> str:
         return f"problem {self.problem.spec.name!r}: {name}() on client {self.indices[j]}'s data"
@@ -115,6 +138,8 @@ class ProblemShards:
                     f"{self._where('gradient', j)} returned shape {np.shape(g)}; "
                     f"G_i(z) has dim_x + dim_y = {dim_x} + {dim_y} = {self.dimension} entries"
                 )
+            if (fault := self._not_numbers("gradient", j, g)) is not None:
+                raise fault
             target: tuple[slice | int, ...] = (slice(None), *where)
             out[target] = g
         return out
@@ -127,6 +152,8 @@ class ProblemShards:
                 raise ProblemError(
                     f"{self._where('objective', j)} returned shape {np.shape(value)}; f_i(z) is a number"
                 )
+            if (fault := self._not_numbers("objective", j, value)) is not None:
+                raise fault
             values[where] = value
         return values
 
@@ -143,6 +170,8 @@ class ProblemShards:
                         f"{self._where('metrics', j)} returned shape {np.shape(found)}; "
                         f"it must give one value per metric name {list(names)}"
                     )
+                if (fault := self._not_numbers("metrics", j, found)) is not None:
+                    raise fault
                 values[j] = found
                 counts[j] = data.heldout
         return values, counts
