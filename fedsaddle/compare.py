@@ -10,6 +10,10 @@ Compared, exactly (floats bit for bit, as the JSON files hold them):
 * metrics.jsonl, record by record, every field;
 * config.json, every field.
 
+Measured against z* (`dist_x`, `dist_z`, `rounds_to`) are compared when both runs know z*; when
+one does and the other does not (an in-process run on data computes z* from all clients' files,
+a gRPC coordinator never has them), they are left out, and the verdict says so.
+
 Ignored, because they differ between equal runs: wall-clock times (`wall_s`, every record's
 `time_s`), the bytes on the wire (`bytes_down`, `bytes_up`: only a gRPC transport measures
 them), the transport's description (`transport` in summary.json: kind, address, BLAS), a
@@ -29,6 +33,8 @@ import numpy as np
 
 IGNORED_FIELDS = frozenset({"wall_s", "time_s", "bytes_down", "bytes_up", "detail"})
 IGNORED_CONFIG_SECTIONS = frozenset({"output", "transport"})
+REFERENCE_FIELDS = ("dist_x", "dist_z", "rounds_to")  # known only where z* is
+ONE_SIDED_REFERENCE = "distances to z* known in one run only, not compared"
 
 
 class RunDirError(ValueError):
@@ -54,8 +60,9 @@ def _differences(a: Path, b: Path) -> Iterator[str]:
     if list(algorithms_a) != list(algorithms_b):
         yield f"summary.json: algorithms {list(algorithms_a)} vs {list(algorithms_b)}"
     for name in algorithms_a.keys() & algorithms_b.keys():
+        entry_a, entry_b = _without_one_sided_reference(_strip(algorithms_a[name]), _strip(algorithms_b[name]))
+        yield from _compare(entry_a, entry_b, f"summary.json {name}")
         entry_a, entry_b = algorithms_a[name], algorithms_b[name]
-        yield from _compare(_strip(entry_a), _strip(entry_b), f"summary.json {name}")
         yield from _compare_iterates(a, b, name, entry_a, entry_b)
     yield from _compare_records(a / "metrics.jsonl", b / "metrics.jsonl")
 
@@ -80,7 +87,25 @@ def _compare_records(a: Path, b: Path) -> Iterator[str]:
         yield f"metrics.jsonl: {len(records_a)} records vs {len(records_b)}"
     for line, (record_a, record_b) in enumerate(zip(records_a, records_b, strict=False), start=1):
         where = f"metrics.jsonl line {line} ({record_a.get('algorithm')}, step {record_a.get('step')})"
-        yield from _compare(_strip(record_a), _strip(record_b), where)
+        yield from _compare(*_without_one_sided_reference(_strip(record_a), _strip(record_b)), where)
+
+
+def _known(value: Any) -> bool:
+    return value is not None and value != {}
+
+
+def _without_one_sided_reference(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """a and b without the measurements against z* that only one of them could make."""
+    one_sided = [key for key in REFERENCE_FIELDS if _known(a.get(key)) != _known(b.get(key))]
+    return {k: v for k, v in a.items() if k not in one_sided}, {k: v for k, v in b.items() if k not in one_sided}
+
+
+def one_sided_reference(first: str | Path, second: str | Path) -> bool:
+    """Whether one run measured against z* and the other could not (compared without those fields)."""
+    entries = [_json(Path(run) / "summary.json").get("algorithms", []) for run in (first, second)]
+    return any(
+        _known(a.get(key)) != _known(b.get(key)) for a, b in zip(*entries, strict=False) for key in REFERENCE_FIELDS
+    )
 
 
 def _compare(a: Any, b: Any, where: str) -> Iterator[str]:
@@ -164,9 +189,10 @@ def main_compare(first: str, second: str, limit: int) -> tuple[int, Sequence[str
     """(exit code, lines to print): 0 and a line saying so when equal, 1 and the differences when not."""
     differences = compare_runs(first, second, limit)
     if not differences:
+        reference = f"; {ONE_SIDED_REFERENCE}" if one_sided_reference(first, second) else ""
         return 0, [
             f"same: {first} and {second} (hashes, final iterates, counts, metrics and config; "
-            "times and wire bytes ignored)"
+            f"times and wire bytes ignored{reference})"
         ]
     more = " (first ones shown; --limit for more)" if len(differences) >= limit else ""
     return 1, [f"differ: {first} and {second}{more}", *(f"  {d}" for d in differences)]

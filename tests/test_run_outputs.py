@@ -108,3 +108,41 @@ def test_grad_norm_is_recorded_at_evaluated_steps_and_progress_says_when_it_was_
     lines = [line for line in done.stderr.splitlines() if line.startswith("minibatch_md")]
     at_20 = next(line for line in lines if "round     20/40" in line)
     assert f"grad_norm {records[15]['grad_norm']:.4g} (evaluated at round 15)" in at_20
+
+
+def test_compare_runs_of_simulate_and_local_on_data_leaves_out_the_distances_only_simulate_knows(
+    tmp_path: Path,
+) -> None:
+    # simulate computes z* from all clients' files; a gRPC coordinator never has them. The two runs
+    # computed the same, and compare-runs used to say "differ: ... dist_x: 5.4e-15 vs None".
+    rng = np.random.default_rng(3)
+    for i in range(3):
+        X = rng.standard_normal((20, 3))
+        np.savez(tmp_path / f"client-{i}.npz", X=X, y=X @ np.arange(1.0, 4.0) + i)
+    data = str(tmp_path / "client-{i}.npz")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "on-data", "problem": {"name": "linear_regression", "num_clients": 3, "features": 3},
+        "rounds": 20, "algorithms": [{"name": "scaffold_s", "gamma_local": 0.05}], "output": {"plot": False},
+    }))  # fmt: skip
+    done = fedsaddle("simulate", "--config", str(config), "--data", data, "--out", str(tmp_path / "sim"))
+    assert done.returncode == 0, done.stderr
+    done = fedsaddle(
+        "local", "--config", str(config), "--data", data, "--out", str(tmp_path / "grpc"), "--quiet-clients"
+    )
+    assert done.returncode == 0, done.stderr
+    sim, grpc = run_dir_of(tmp_path / "sim"), run_dir_of(tmp_path / "grpc")
+    assert json.loads((sim / "summary.json").read_text())["algorithms"][0]["dist_z"] is not None
+    same = fedsaddle("compare-runs", str(sim), str(grpc))
+    assert same.returncode == 0, same.stdout
+    assert same.stdout.startswith("same: ") and "distances to z* known in one run only, not compared" in same.stdout
+    # Where both runs know z*, the distances are compared as before.
+    summary = json.loads((sim / "summary.json").read_text())
+    summary["algorithms"][0]["dist_z"] *= 2
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for file in sim.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    (copy / "summary.json").write_text(json.dumps(summary))
+    differ = fedsaddle("compare-runs", str(sim), str(copy))
+    assert differ.returncode == 1 and "summary.json scaffold_s: dist_z" in differ.stdout
