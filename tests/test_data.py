@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import fedsaddle
 
 from fedsaddle.common.problems import DataError, data_paths, make_problem, parse_spec, read_client_data
 from fedsaddle.experiments.datasets import split
@@ -102,6 +104,21 @@ def test_data_paths_take_a_pattern_a_list_or_a_mapping() -> None:
     assert data_paths({7: "x.csv"}, [7]) == {7: "x.csv"}
     with pytest.raises(ValueError, match="3 clients need 3 data files"):
         data_paths(["a.npz"], [0, 1, 2])
+
+
+def test_two_clients_given_the_same_file_is_refused_naming_them() -> None:
+    # Each would train on the other's rows: a wrong result nothing later could tell from a right one.
+    message = "clients 0 and 2 are both given d/./a.npz: each client loads a file of its own"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        data_paths(["d/a.npz", "d/b.npz", "d/./a.npz"], [0, 1, 2])
+    # A client process says so at once, exit 2, before it looks for a coordinator.
+    done = fedsaddle(
+        "client", "--coordinator", "127.0.0.1:9", "--clients", "0-1", "--data", "a.npz", "--data", "./a.npz"
+    )
+    assert done.returncode == 2
+    assert (
+        "fedsaddle: --data: clients 0 and 1 are both given ./a.npz: each client loads a file of its own" in done.stderr
+    )
 
 
 def test_label_skew_split_writes_one_file_per_client_with_a_summary(tmp_path: Path) -> None:

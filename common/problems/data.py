@@ -18,6 +18,7 @@ Problems add their own checks (feature count, labels) in `DataProblem.check`.
 from __future__ import annotations
 
 import csv
+import os
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -183,14 +184,28 @@ def data_paths(given: str | Sequence[str] | Mapping[int, str] | None, indices: S
     paths = [given] if isinstance(given, str) else [str(p) for p in given]
     if len(paths) == 1 and "{i" in paths[0]:
         try:
-            return {i: paths[0].format(i=i) for i in indices}
+            found = {i: paths[0].format(i=i) for i in indices}
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(
                 f"data pattern {paths[0]!r} must use only {{i}} (e.g. client-{{i:03d}}.npz): {exc}"
             ) from None
-    if len(paths) != len(indices):
+    elif len(paths) != len(indices):
         raise ValueError(
             f"{len(indices)} clients need {len(indices)} data files (one per index, in order) "
             f"or one pattern with {{i}}; got {len(paths)}"
         )
-    return dict(zip(indices, paths, strict=True))
+    else:
+        found = dict(zip(indices, paths, strict=True))
+    _each_its_own(found)
+    return found
+
+
+def _each_its_own(paths: Mapping[int, str]) -> None:
+    """ValueError if two clients are given the same file: each would train on the other's rows, and
+    nothing later could tell."""
+    seen: dict[str, int] = {}
+    for i, path in paths.items():
+        key = os.path.realpath(path)
+        if key in seen:
+            raise ValueError(f"clients {seen[key]} and {i} are both given {path}: each client loads a file of its own")
+        seen[key] = i
