@@ -640,13 +640,21 @@ def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
 
 
 def _suggestion(error: Any, model: type[BaseModel] | None) -> str:
-    """' (did you mean 'gamma_local'?)' for a misspelt field, else ''."""
+    """' (did you mean 'gamma_local'?)' for a misspelt field; with no close one, the fields that place
+    takes, when they are few enough to read (' (its fields: 'kind', 'tau')'); else ''."""
     loc = tuple(error["loc"])
     if model is None or error["type"] != "extra_forbidden" or not loc or not isinstance(loc[-1], str):
         return ""
     fields = {name.lower(): name for name in _fields_at(model, loc[:-1])}
     close = difflib.get_close_matches(loc[-1].lower(), sorted(fields), n=1, cutoff=0.7)
-    return f" (did you mean {fields[close[0]]!r}?)" if close else ""
+    if close:
+        return f" (did you mean {fields[close[0]]!r}?)"
+    if 0 < len(fields) <= FIELDS_LISTED:
+        return f" (its fields: {', '.join(repr(fields[name]) for name in sorted(fields))})"
+    return ""
+
+
+FIELDS_LISTED = 12  # an unknown field's place lists its fields when it has at most this many
 
 
 def _describe(error: Any, model: type[BaseModel] | None = None) -> str:

@@ -100,7 +100,12 @@ def test_a_misspelt_field_gets_the_closest_field_of_its_own_place() -> None:
     assert "  sync.P: unknown field (did you mean 'p'?)" in message
     assert "  transport.limits.max_conections: unknown field (did you mean 'max_connections'?)" in message
     assert "  algorithms[0].gama: unknown field (did you mean 'gamma'?)" in message
-    assert "  algorithms[1].gama: unknown field\n" in message + "\n"
+    # No close field: the place's fields are listed instead, when they are few.
+    assert "  algorithms[1].gama: unknown field (its fields: 'gamma_global', 'gamma_local', 'label', 'name')" in message
+    assert "  sync.tua: unknown field (its fields: 'kind', 'tau')" in error_of(
+        {**VALID, "sync": {"kind": "fixed", "tua": 5}}
+    )
+    assert "  budget: unknown field\n" in error_of({**VALID, "budget": 5}) + "\n"  # the top level has too many
 
 
 def test_every_bad_field_is_reported_at_once() -> None:
