@@ -351,3 +351,33 @@ def test_an_unforeseen_error_that_has_no_words_is_named_by_its_kind() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 1
     assert done.stderr == "fedsaddle: error: MemoryError\n"
+
+
+def test_a_coordinator_on_a_port_already_taken_says_so(tmp_path: Path) -> None:
+    # gRPC says only "Failed to bind to address ...; set GRPC_VERBOSITY=debug ..."; the operator is told why.
+    import socket
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"problem": {"name": "quadratic_game", "num_clients": 2, "dim": 2},
+                                      "algorithms": [{"name": "minibatch_md", "gamma": 0.1}]}))  # fmt: skip
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = fedsaddle("coordinator", "--config", str(config), "--listen", address, "--out", str(tmp_path / "runs"))
+    assert done.returncode == 1
+    assert f"fedsaddle: run failed: cannot listen on {address}: Address already in use" in done.stderr
+    assert "GRPC_VERBOSITY" not in done.stderr.splitlines()[-1]
+
+
+def test_verbose_shows_fedsaddle_details_not_the_plotting_librarys(tmp_path: Path) -> None:
+    # -v printed matplotlib's font search, about a hundred DEBUG lines, whenever a run drew its figure.
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"problem": {"name": "quadratic_game", "num_clients": 2, "dim": 2},
+                                      "rounds": 5, "algorithms": [{"name": "minibatch_md", "gamma": 0.1}],
+                                      "output": {"plot": True}}))  # fmt: skip
+    done = fedsaddle("-v", "simulate", "--config", str(config), "--out", str(tmp_path / "runs"))
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (run_dir / "distance.png").exists()
+    assert "matplotlib" not in done.stderr and "PIL" not in done.stderr

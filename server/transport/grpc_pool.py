@@ -20,6 +20,7 @@ import functools
 import logging
 import resource
 import secrets
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -87,6 +88,20 @@ def _within_descriptors(connections: int) -> int:
         )
         return allowed
     return connections
+
+
+def _why_not_bound(listen: str) -> str:
+    """Why `listen` (HOST:PORT) cannot be bound, as the operating system says it ('Address already in
+    use'); gRPC itself does not say."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except (OSError, ValueError) as exc:
+        return getattr(exc, "strerror", None) or str(exc)
+    return "the port may be taken, or the address not this host's"
 
 
 class GrpcPool(ClientPool):
@@ -215,10 +230,10 @@ class GrpcPool(ClientPool):
     def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
         try:
             port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
-        except RuntimeError as exc:
-            raise PoolError(f"cannot listen on {listen}: {exc}") from None
+        except RuntimeError:
+            port = 0  # gRPC says only 'Failed to bind to address', and to set GRPC_VERBOSITY for why
         if port == 0:
-            raise PoolError(f"cannot listen on {listen} (is the port taken, or the address not this host's?)")
+            raise PoolError(f"cannot listen on {listen}: {_why_not_bound(listen)}")
         return port
 
     # -- the pool ---------------------------------------------------------------------------
