@@ -1210,6 +1210,8 @@ def _main(argv: Sequence[str] | None) -> int:
     logging.basicConfig(
         level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True
     )
+    for library in ("matplotlib", "PIL"):  # -v is fedsaddle's debug details, not a font search's hundred lines
+        logging.getLogger(library).setLevel(max(level, logging.INFO))
     from fedsaddle.common.stop import Stopped
     from fedsaddle.server.config import ConfigError
 
