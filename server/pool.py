@@ -237,8 +237,15 @@ class ClientPool(abc.ABC):
         clients they come from.
         """
         run = self._require_run()
-        if isinstance(task, ComputeTask) and (too_large := task.oversized()) is not None:
-            raise PoolError(f"the algorithm asked for more than a client takes: {too_large}")
+        if isinstance(task, ComputeTask):
+            if task.name not in run.computations:  # the clients were told which to expect, and checked those
+                raise PoolError(
+                    f"run {run.run_id}: the algorithm asked for the local computation {task.name[:64]!r}, "
+                    f"which its AlgorithmDef does not declare (its computations: {list(run.computations)}): name it in "
+                    "AlgorithmDef(..., computations={...})"
+                )
+            if (too_large := task.oversized()) is not None:
+                raise PoolError(f"the algorithm asked for more than a client takes: {too_large}")
         self.round_id += 1
         participants = self.participants(self.round_id, category)
         if self.secure is not None:

@@ -141,7 +141,7 @@ def test_a_compute_task_larger_than_clients_take_fails_before_its_round_in_proce
         algorithms=[{"name": "minibatch_md", "gamma": 0.1}],
     )
     pool = LocalPool()
-    pool.start_run(RunInfo("large", run.problem, 0, 0.0))
+    pool.start_run(RunInfo("large", run.problem, 0, 0.0, computations=("some_steps",)))
     z = np.zeros(6)
     padded = ComputeTask("some_steps", z, arrays=(("a", np.zeros(6)), ("b", np.zeros(6)), ("c", np.zeros(7))))
     with pytest.raises(PoolError, match=r"compute task 'some_steps': 25 payload entries, at most 4 x 6"):
@@ -165,3 +165,62 @@ def test_an_installed_algorithm_whose_module_does_not_compile_is_named_with_its_
         "algorithm 'broken' (broken_algorithm:BROKEN): importing 'broken_algorithm' failed: SyntaxError: "
         f"invalid syntax ({tmp_path / 'broken_algorithm.py'}, line 1)"
     )
+
+
+UNDECLARED = """
+from typing import Literal, NamedTuple
+import numpy as np
+from fedsaddle.server.algorithms import Algorithm, AlgorithmDef, AlgorithmSpecBase, ComputeTask, StepCost, no_exchange
+
+class ForgetfulSpec(AlgorithmSpecBase):
+    name: Literal["forgetful"] = "forgetful"
+    gamma_local: float = 0.1
+
+class State(NamedTuple):
+    z: np.ndarray
+
+class Forgetful(Algorithm[State]):
+    name = "forgetful"
+    state_type = State
+    def __init__(self, spec, run):
+        self.gamma = spec.gamma_local
+    def init(self, z0, seed):
+        return no_exchange(State(z0.copy()))
+    def step(self, state):
+        d = yield ComputeTask("forgotten_steps", state.z, params=(("gamma", self.gamma),))
+        return State(state.z - self.gamma * d.mean())
+    def iterate(self, state):
+        return state.z
+    def step_cost(self, state):
+        return StepCost(exchanges=1, paper=1)
+
+def declared_steps(oracle, z, *, gamma):
+    return oracle.gradient(z)
+
+FORGETFUL = AlgorithmDef(ForgetfulSpec, Forgetful, computations={"declared_steps": declared_steps})
+"""
+
+
+def test_an_algorithm_that_asks_for_a_computation_it_does_not_declare_is_named_before_any_client_runs_it(
+    tmp_path: Path,
+) -> None:
+    # The run announces the declared computations; a task naming another reached every client, which
+    # died saying "this client has no local computation ...: install the package" (it was installed).
+    site = tmp_path / "site"
+    dist = site / "forgetful-0.1.0.dist-info"
+    dist.mkdir(parents=True)
+    (site / "forgetful_algorithm.py").write_text(UNDECLARED)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: forgetful\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[fedsaddle.algorithms]\nforgetful = forgetful_algorithm:FORGETFUL\n")
+    env = {**client_env(), "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "algorithms": [{"name": "forgetful"}]}))
+    said = "the algorithm asked for the local computation 'forgotten_steps', which its AlgorithmDef does not declare"
+    for command in ("simulate", "local"):
+        done = subprocess.run(
+            [sys.executable, "-m", "fedsaddle", command, "--config", str(path), "--out", str(tmp_path / command)],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        assert said in done.stderr and "['declared_steps']" in done.stderr, done.stderr
+        assert "install the package" not in done.stderr and "disconnected" not in done.stderr
