@@ -91,6 +91,7 @@ against a learned shift of the targets. Change `src/{name}/problem.py` into your
 own problem, and keep `tests/test_{name}.py` passing.
 
 ```sh
+pip install pytest 'fedsaddle[data]'      # what the test and `data split` need beyond the core install
 pytest                                    # the gradient mapping against finite differences, and a federation
 pip install -e .                          # registers the problem: configs name it without `plugin`
 fedsaddle data split --dataset diabetes --clients 4 --out data/
