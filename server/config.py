@@ -445,9 +445,10 @@ class OutputSpec(_Model):
     )
     gradient_norm: bool = Field(
         False,
-        description="at every evaluated step (evaluate_every, and the last) also gather the exact G_i(z) and record "
-        "grad_norm = ||G(z)|| of the federation's objective (on a constrained problem also residual = "
-        "||z - P(z - G(z))||): a convergence measure that needs no z*; one more exchange, counted as evaluation",
+        description="at every evaluated step (evaluate_every, which it needs, and the last) also gather the exact "
+        "G_i(z) and record grad_norm = ||G(z)|| of the federation's objective (on a constrained problem also "
+        "residual = ||z - P(z - G(z))||): a convergence measure that needs no z*; one more exchange, counted as "
+        "evaluation",
     )
 
 
@@ -533,6 +534,15 @@ class RunConfig(_Model):
         quorum = self.participation.min_clients
         if quorum is not None and quorum > self.problem.num_clients:
             raise ValueError(f"participation.min_clients: {quorum} is more than the {self.problem.num_clients} clients")
+        return self
+
+    @model_validator(mode="after")
+    def _gradient_norm_is_evaluated(self) -> RunConfig:
+        if self.output.gradient_norm and not self.evaluate_every:  # it would measure nothing, silently
+            raise ValueError(
+                "output.gradient_norm: ||G(z)|| is measured at the evaluated steps, and evaluate_every is 0: "
+                "set evaluate_every (e.g. 50; the last step is evaluated too)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -181,3 +181,11 @@ def test_the_built_in_run_is_the_example_file_as_installed() -> None:
     example = Path(__file__).resolve().parent.parent / "examples" / "paper-s10.yaml"
     assert built_in_config() == load_config(example)
     assert built_in_config().name == "paper-s10"
+
+
+def test_gradient_norm_without_evaluated_steps_is_refused_not_ignored() -> None:
+    # It is measured at evaluated steps only: without evaluate_every the run recorded nothing, silently
+    # (and a private run, which refuses evaluate_every, took it without a word).
+    said = "output.gradient_norm: ||G(z)|| is measured at the evaluated steps, and evaluate_every is 0"
+    assert said in error_of({**VALID, "output": {"gradient_norm": True}})
+    parse_config({**VALID, "output": {"gradient_norm": True}, "evaluate_every": 10})
