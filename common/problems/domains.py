@@ -96,13 +96,14 @@ class Simplex:
 
     def project(self, v: Array) -> Array:
         """The Euclidean projection: max(v - t, 0) with the threshold t that makes the sum 1."""
-        if not np.isfinite(v).all():  # a diverged iterate (NaN or Inf) stays one, for the run to report as such
-            return np.full(v.shape, np.nan)
         descending = np.sort(v)[::-1]
         sums = np.cumsum(descending) - 1.0
         ranks = np.arange(1, v.size + 1)
-        # the largest rank k whose k-th largest entry stays positive after the shift (k always >= 1)
-        k = int(np.flatnonzero(descending - sums / ranks > 0)[-1]) + 1
+        # the largest rank k whose k-th largest entry stays positive after the shift (k >= 1 for finite v)
+        positive = np.flatnonzero(descending - sums / ranks > 0)
+        if positive.size == 0:  # v holds a NaN or +inf: a diverged iterate stays one, for the run to report
+            return np.full(v.shape, np.nan)
+        k = int(positive[-1]) + 1
         result: Array = np.maximum(v - sums[k - 1] / k, 0.0)
         return result
 
