@@ -283,6 +283,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 def cmd_local(args: argparse.Namespace) -> int:
     """A coordinator in this process and client processes on loopback."""
+    from fedsaddle.common.problems import make_problem
     from fedsaddle.launch import loopback_federation
 
     _stop_on_sigterm()
@@ -294,6 +295,11 @@ def cmd_local(args: argparse.Namespace) -> int:
                     "`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens"
                 )
             data = _data_paths(args.data, range(config.problem.num_clients))
+            if not data and not make_problem(config.problem).synthetic:  # said now, not after starting every process
+                raise UsageError(
+                    f"problem {config.problem.name} needs each client's own data file; none was given "
+                    "(give --data 'DIR/client-{i:03d}.npz'; `fedsaddle data split` makes such files)"
+                )
             loopback = loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=main)
             pool, processes = stack.enter_context(loopback)
             return pool, {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}

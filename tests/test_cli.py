@@ -381,3 +381,14 @@ def test_verbose_shows_fedsaddle_details_not_the_plotting_librarys(tmp_path: Pat
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert (run_dir / "distance.png").exists()
     assert "matplotlib" not in done.stderr and "PIL" not in done.stderr
+
+
+def test_local_on_a_data_problem_without_data_says_so_before_starting_any_process(tmp_path: Path) -> None:
+    # It started a client process per client, and each then refused the run for want of its file.
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"problem": {"name": "linear_regression", "num_clients": 3, "features": 2},
+                                      "algorithms": [{"name": "minibatch_md", "gamma": 0.1}]}))  # fmt: skip
+    done = fedsaddle("local", "--config", str(config), "--out", str(tmp_path / "runs"), timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert "fedsaddle: problem linear_regression needs each client's own data file; none was given" in done.stderr
+    assert "started" not in done.stdout + done.stderr and not (tmp_path / "runs").exists()
