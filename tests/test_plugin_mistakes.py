@@ -121,6 +121,25 @@ def test_a_mistake_is_named_when_the_shards_are_made(methods: dict[str, Any], me
     assert str(caught.value).startswith(message)
 
 
+def test_a_nan_at_z_0_outside_the_domain_is_no_mistake() -> None:
+    # y on the simplex: z = 0 is a point no run visits, and a gradient of 0/0 there is legitimate
+    from fedsaddle.common.problems.domains import Free, Simplex
+
+    def gradient(self: Toy, data: ClientData, z: Array) -> Array:
+        x, y = z[:2], z[2:]
+        with np.errstate(invalid="ignore"):
+            return np.concatenate([x + y / y.sum(), -(x - y)])
+
+    def domains(self: Toy) -> list[object]:
+        return [Free(2), Simplex(2)]
+
+    shards = shards_with(gradient=gradient, domains=domains)
+    z = np.tile([0.0, 1.0, 0.25, 0.75], (2, 1)).T  # the same z for both clients, on the simplex
+    np.testing.assert_array_equal(shards.gradient(z)[:, 0], [0.25, 1.75, 0.25, -0.25])
+    with pytest.raises(ProblemError, match=r"returned nan at z = 0 in entry x\[0\]"):
+        shards_with(gradient=gradient)  # unconstrained, z = 0 is a point like any other
+
+
 def test_a_mistake_that_shows_only_later_is_named_too() -> None:
     def gradient(self: Toy, data: ClientData, z: Array) -> Array:
         return Toy.gradient(self, data, z) if data.path == "a.npz" or not z.any() else z[:1]

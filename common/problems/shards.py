@@ -22,7 +22,7 @@ import numpy as np
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems.base import DataProblem, accepts_client, client_context
 from fedsaddle.common.problems.data import ClientData
-from fedsaddle.common.problems.domains import problem_domain
+from fedsaddle.common.problems.domains import DomainError, problem_domain
 
 
 class Shards(Protocol):
@@ -77,7 +77,9 @@ class ProblemShards:
             name: accepts_client(getattr(problem, name)) for name in ("gradient", "objective", "metrics")
         }
         zero = np.zeros((self.dimension, len(self.datas)))
-        self._no_nan_at_zero(self.gradient(zero))
+        gradient = self.gradient(zero)
+        if self._inside(zero[:, 0]):  # (z = 0 outside the domain, a simplex's say, is a point no run visits)
+            self._no_nan_at_zero(gradient)
         self.objective(zero)
         if problem.metric_names:
             self.evaluate(zero[:, 0])
@@ -92,6 +94,16 @@ class ProblemShards:
             return method(self.datas[j], z)
         except Exception as exc:
             raise ProblemError(f"{self._where(name, j)} raised {type(exc).__name__}: {exc}") from exc
+
+    def _inside(self, z: Array) -> bool:
+        """Whether z lies in the problem's domain (every z does when it has none)."""
+        if self.domain is None:
+            return True
+        try:
+            self.domain.check(z, "z")
+        except DomainError:
+            return False
+        return True
 
     def _no_nan_at_zero(self, g: Array) -> None:
         """ProblemError if the start-up check's gradient at z = 0 holds a NaN: nothing a run does from
