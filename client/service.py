@@ -192,9 +192,15 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
                 raise Fatal(
                     f"malformed instruction from the coordinator: {instruction.size} bytes that are not an Instruction"
                 )
-            for message in session.handle(instruction):
-                await call.write(message)
-            session.prepare_next()  # secure aggregation: the next round's masks, while the coordinator works
+            try:
+                for message in session.handle(instruction):
+                    await call.write(message)
+                session.prepare_next()  # secure aggregation: the next round's masks, while the coordinator works
+            except (RunFailed, grpc.aio.AioRpcError):  # the coordinator's verdict, or the link: nothing to tell
+                raise
+            except Exception as exc:  # this client cannot go on: the coordinator is told why before it goes
+                await _tell(call, session.failure(instruction, exc))
+                raise
             if session.over:
                 await call.done_writing()
                 with contextlib.suppress(TimeoutError):
@@ -210,6 +216,15 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
     finally:
         call.cancel()
     raise _Lost(f"the coordinator at {options.coordinator} closed the session without a goodbye", joined)
+
+
+async def _tell(call: grpc.aio.StreamStreamCall[pb.ClientMessage | bytes, object], failure: pb.ClientMessage) -> None:
+    """Send a Failure and close this side of the stream, then give the coordinator a moment to end the
+    call; as best it can (the link may be gone already: the client exits with the error either way)."""
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
+        await asyncio.wait_for(call.write(failure), GOODBYE_WAIT_S)
+        await asyncio.wait_for(call.done_writing(), GOODBYE_WAIT_S)
+        await asyncio.wait_for(call.code(), GOODBYE_WAIT_S)
 
 
 class _Waiting:

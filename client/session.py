@@ -146,6 +146,15 @@ class ClientSession:
             return []
         raise ClientError(f"unknown instruction {kind!r}")
 
+    def failure(self, instruction: pb.Instruction | wire.RawChunk, error: Exception) -> pb.ClientMessage:
+        """What to tell the coordinator when `handle` raised `error` on `instruction`: this client cannot go
+        on, and why (Failure: the coordinator fails the round at once, naming it)."""
+        task = instruction.task if isinstance(instruction, pb.Instruction) and instruction.HasField("task") else None
+        # The project's own errors name the fault in their text; any other is named by its type too.
+        reason = str(error) if isinstance(error, ClientError | ValueError) else f"{type(error).__name__}: {error}"
+        failure = pb.Failure(run_id=self._run_id, round_id=task.round_id if task is not None else 0, reason=reason)
+        return pb.ClientMessage(failure=failure)
+
     @staticmethod
     def _before_welcome(instruction: pb.Instruction, kind: str) -> str:
         if kind == "task":  # (a task needs its RunSpec too, which cannot have come either)

@@ -70,18 +70,30 @@ DONE: Outcome
 FAILED: Outcome
 
 class ClientMessage(_message.Message):
-    __slots__ = ("hello", "ready", "answer", "chunk", "unmasked")
+    __slots__ = ("hello", "ready", "answer", "chunk", "unmasked", "failure")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     UNMASKED_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     ready: Ready
     answer: Answer
     chunk: Chunk
     unmasked: UnmaskReply
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., answer: _Optional[_Union[Answer, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., unmasked: _Optional[_Union[UnmaskReply, _Mapping]] = ...) -> None: ...
+    failure: Failure
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., answer: _Optional[_Union[Answer, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., unmasked: _Optional[_Union[UnmaskReply, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("run_id", "round_id", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round_id: int
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., round_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("protocol_version", "client_indices", "client_name")

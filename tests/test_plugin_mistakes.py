@@ -7,7 +7,9 @@ client processes dying mid-round with a numpy broadcasting error.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -195,6 +197,45 @@ def test_a_federation_on_a_broken_plugin_fails_before_round_one_naming_the_clien
     # The coordinator says why the run failed; its client processes, in the same terminal, do not repeat it.
     assert done.stderr.count("run failed: client 0") == 1
     assert "the coordinator ended the run as failed" not in done.stderr
+
+
+LATE_SHORT = (
+    PLUGIN.replace("return np.zeros(3)  # one entry short: y's is missing", "return np.ones(4 if at_start(z) else 3)")
+    .replace("short", "late")
+    .replace("Short", "Late")
+    + "\ndef at_start(z):\n    return np.isin(z, (0.0, 1.0)).all()  # z = 0 and z0 = 1\n"
+)
+
+
+def test_a_mistake_a_client_meets_mid_run_is_named_by_the_coordinator_not_taken_for_a_disconnect(
+    tmp_path: Path,
+) -> None:
+    # The start-up checks pass, at z = 0 and z0 = (1, ..., 1); the second round's z does not. The client
+    # process tells the coordinator why it stops (a Failure), which fails the round at once naming the client
+    # and the fault, instead of "disconnected" and a wait for a rejoin that will not come.
+    (tmp_path / "late_problem.py").write_text(LATE_SHORT)
+    for i in range(2):
+        np.savez(tmp_path / f"client-{i}.npz", X=np.ones((4, 3)), y=np.ones(4))
+    config = {
+        "problem": {"name": "late", "plugin": "late_problem:Late", "num_clients": 2},
+        "rounds": 5,
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.1}],
+        "transport": {"rejoin_timeout_s": 60},
+        "output": {"plot": False},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {**CLIENT_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(tmp_path / "run.yaml")]
+    command += ["--data", str(tmp_path / "client-{i}.npz"), "--out", str(tmp_path / "runs")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=50, env=env)
+    assert done.returncode == 1, done.stderr
+    fault = r"problem 'late': gradient\(\) on client (\d)'s data returned shape \(3,\)"
+    named = re.search(r"run failed: client (\d) \(.*\) failed: " + fault + r".* during round 2\n", done.stderr)
+    assert named is not None and named[1] == named[2], done.stderr  # (either client may fail first)
+    assert "disconnected" not in done.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert re.search(fault, summary["transport"]["failure"]), summary["transport"]
 
 
 def test_a_signal_that_lands_inside_a_problem_method_is_not_taken_for_its_mistake() -> None:

@@ -706,14 +706,15 @@ class Coordination:
         if self._greeting.pop(session.key, None) is not None:
             actions.append(Greeted(session.key))
 
-    def _close(self, session: Session, reason: str, now: float) -> None:
-        """A joined session is over: its indices are free, and the barrier waiting on it is told."""
+    def _close(self, session: Session, reason: str, now: float, final: bool = False) -> None:
+        """A joined session is over: its indices are free, and the barrier waiting on it is told (`final`:
+        the client said it cannot go on, and no rejoin is waited for)."""
         _drop_incoming(session)
         session.state = State.ENDED
         self.registry.close(session, reason)
         barrier = self._barrier()
         if barrier is not None:
-            barrier.lose(session, reason, now)
+            barrier.lose(session, reason, now, final)
         log.info("%s %s", session.describe(), reason)
 
     # -- what a joined session sends --------------------------------------------------------
@@ -738,6 +739,10 @@ class Coordination:
             raise Refusal(checks.INVALID, f"{what} ({received.size} bytes)")
         if kind == "ready":
             self._ready(session, message.ready, now, actions)
+        elif kind == "failure":  # the client cannot go on: the round fails with its reason, at once
+            reason = printable(message.failure.reason, 1024) or "no reason given"
+            self._close(session, f"failed: {reason}", now, final=True)
+            actions.append(End(session.key, None))
         elif kind == "unmasked":
             unmasking = self._unmasking
             if unmasking is None or not unmasking.accept(session, message.unmasked, received.size):

@@ -69,12 +69,13 @@ class Barrier:
         if not self.done:
             self.done, self.error = True, error
 
-    def lose(self, session: Session, reason: str, now: float) -> None:
-        """A session ended: fail the barrier if it was still waited on, or wait for a rejoin."""
+    def lose(self, session: Session, reason: str, now: float, final: bool = False) -> None:
+        """A session ended: fail the barrier if it was still waited on, or wait for a rejoin (not when
+        `final`: the client said it cannot go on)."""
         if session.key not in self.pending or self.done:
             return
         how = f"{session.describe()} {reason} during {self.what}"
-        if self.rejoin_timeout_s > 0:
+        if self.rejoin_timeout_s > 0 and not final:
             self.lost[session.indices] = (now + self.rejoin_timeout_s, how)
         else:
             self.fail(ClientLost(how, session.indices))
@@ -237,10 +238,10 @@ class Collecting(Barrier):
             if fold is None or not fold.waits_on(self.expected[key].indices):
                 self.admitted_bytes -= self.admitted.pop(key)
 
-    def lose(self, session: Session, reason: str, now: float) -> None:
+    def lose(self, session: Session, reason: str, now: float, final: bool = False) -> None:
         if session.key in self.admitted and session.key not in self.answers:
             self.admitted_bytes -= self.admitted.pop(session.key)  # (what it was sending is dropped)
-        super().lose(session, reason, now)
+        super().lose(session, reason, now, final)
 
     def streams_into(self) -> OrderedFold | MaskedRound | None:
         """The sum an answer in chunks may be added to as they are read: the fold, or the masked rows' sum."""
@@ -363,7 +364,7 @@ class Unmasking(Barrier):
             self._heard(session)
         return True
 
-    def lose(self, session: Session, reason: str, now: float) -> None:
+    def lose(self, session: Session, reason: str, now: float, final: bool = False) -> None:
         if session.key in self.pending and not self.done:
             self._heard(session)  # its clients give no unmasking
 
