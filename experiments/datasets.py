@@ -24,7 +24,8 @@ preprocessing step that sees all training rows: it stands for what a
 consortium agrees on before federating).
 
 Writes client-000.npz ... (arrays X, y, [group], X_test, y_test, [group_test]:
-see common/problems/data.py), test.npz (all held-out rows, for reports) and
+see common/problems/data.py), test.npz (all held-out rows, for reports: arrays
+X_test, y_test, [group_test], so that no client takes it for its own data) and
 summary.json (each client's share, and the public statistics a problem's spec
 needs: features, positive_rate, group_rate, computed by the problems themselves:
 DataProblem.statistics).
@@ -209,9 +210,11 @@ def split(
         group_rate = None if table.group is None else float(table.group[rows].mean())
         site = None if site_names is None else site_names[client]
         shares_out.append(ClientShare(client, len(rows), len(held), float(table.y[rows].mean()), group_rate, site))
-    pooled: dict[str, Array] = {"X": X[test], "y": y[test]}
+    # Named as held-out rows, not X and y: a client given this file by mistake is refused (no array 'X'),
+    # instead of training on rows that every client holds out.
+    pooled: dict[str, Array] = {"X_test": X[test], "y_test": y[test]}
     if table.group is not None:
-        pooled["group"] = table.group[test]
+        pooled["group_test"] = table.group[test]
     np.savez(out / "test.npz", **pooled)  # type: ignore[arg-type]
     summary: dict[str, Any] = {
         "dataset": table.name,

@@ -170,7 +170,7 @@ def _seed_runs(
     test = np.load(folder / "test.npz")
 
     def auc(z: np.ndarray[Any, Any]) -> float:
-        return roc_auc(test["X"] @ z[:features], test["y"] > 0)
+        return roc_auc(test["X_test"] @ z[:features], test["y_test"] > 0)
 
     plain = _config(problem, setup, seed, {})
     reference = reference_solution(plain, cache)

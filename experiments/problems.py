@@ -80,12 +80,12 @@ def _entry(algorithm: str, step: float) -> dict[str, Any]:
 
 
 def _held_out(case: Case, z: np.ndarray[Any, Any], test: Any, features: int) -> float:
-    scores = test["X"] @ z[:features]
+    scores = test["X_test"] @ z[:features]
     if case.problem == "linear_regression":
-        return float(np.mean((scores - test["y"]) ** 2))
+        return float(np.mean((scores - test["y_test"]) ** 2))
     if case.problem == "auc":
-        return roc_auc(scores, test["y"] > 0)
-    return float(np.mean((scores > 0) == (test["y"] > 0)))
+        return roc_auc(scores, test["y_test"] > 0)
+    return float(np.mean((scores > 0) == (test["y_test"] > 0)))
 
 
 def case_setup(case: Case, seed: int, folder: Path) -> tuple[dict[str, Any], dict[int, str], Array]:
@@ -181,9 +181,12 @@ def _run_problems(out: Path, scratch: Path, command: str, rounds: int, progress:
 
             datas = [read_client_data(folder / f"client-{i:03d}.npz") for i in range(CLIENTS)]
             X, y = np.vstack([d.X for d in datas]), np.concatenate([d.y for d in datas])
-            logistic = LogisticRegression(max_iter=5000).fit(X, y).decision_function(test["X"])
+            logistic = LogisticRegression(max_iter=5000).fit(X, y).decision_function(test["X_test"])
             cells.append(
-                ("scikit-learn LogisticRegression (reference)", ["", "", "", f"{roc_auc(logistic, test['y'] > 0):.4f}"])
+                (
+                    "scikit-learn LogisticRegression (reference)",
+                    ["", "", "", f"{roc_auc(logistic, test['y_test'] > 0):.4f}"],
+                )
             )
         ax.set_title(f"{case.problem} ({case.dataset})")
         ax.set_xlabel("rounds (every exchange)")

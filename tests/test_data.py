@@ -128,6 +128,10 @@ def test_label_skew_split_writes_one_file_per_client_with_a_summary(tmp_path: Pa
     datas = [read_client_data(f) for f in files]
     assert sum(d.samples for d in datas) == summary["training_rows"] == 455
     assert sum(d.heldout for d in datas) == summary["heldout_rows"] == 114
+    pooled = np.load(tmp_path / "test.npz")  # every client's held-out rows, named so
+    assert sorted(pooled) == ["X_test", "y_test"] and pooled["X_test"].shape[0] == 114
+    with pytest.raises(DataError, match=r"test.npz: no array 'X'"):  # no client trains on it by mistake
+        read_client_data(tmp_path / "test.npz")
     assert min(d.samples for d in datas) >= 5
     positives = [float(d.y.mean()) for d in datas]
     assert max(positives) - min(positives) > 0.5  # skewed: some clients are mostly one class
