@@ -61,6 +61,15 @@ def federation(num_clients: int, groups: Sequence[str] | None = None, **pool_opt
         pool.client_exit_codes = codes  # type: ignore[attr-defined]
 
 
+def listening_address(coordinator: subprocess.Popen[str]) -> str:
+    """HOST:PORT from a coordinator process's `coordinator listening on ...` line (its stderr, read up to it)."""
+    assert coordinator.stderr is not None
+    for line in coordinator.stderr:
+        if "coordinator listening on " in line:
+            return line.split("coordinator listening on ")[1].split(";")[0].strip()
+    raise AssertionError("the coordinator did not say where it listens")
+
+
 def config(**fields: Any) -> RunConfig:
     """A RunConfig from keyword fields (plain dicts, as a YAML file would give)."""
     return parse_config(fields)

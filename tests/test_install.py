@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import listening_address
 
 from fedsaddle.experiments.datasets import split
 from fedsaddle.launch import CLIENT_ENV
@@ -115,13 +116,7 @@ def test_a_client_process_finds_a_plugin_in_the_folder_it_is_started_in(tmp_path
         env={k: v for k, v in CLIENT_ENV.items() if k != "PYTHONPATH"},
     )
     try:
-        assert coordinator.stderr is not None
-        address = ""
-        for line in coordinator.stderr:
-            if "coordinator listening on " in line:
-                address = line.split("coordinator listening on ")[1].split(";")[0].strip()
-                break
-        assert address, "the coordinator did not say where it listens"
+        address = listening_address(coordinator)
         client = run([str(SCRIPT), "--quiet", "client", "--coordinator", address, "--clients", "0-3", "--problem",
                       "shifted.problem:Shifted", "--data", "data/client-{i:03d}.npz"], cwd=package)  # fmt: skip
         assert client.returncode == 0, client.stderr[-2000:]

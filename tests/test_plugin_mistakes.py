@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import pytest
 import yaml
-from conftest import CLIENT_ENV
+from conftest import CLIENT_ENV, listening_address
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import ClientData, DataProblem, ProblemError, ProblemShards, ProblemSpec
@@ -342,13 +342,7 @@ def test_a_client_whose_copy_of_the_plugin_does_not_compile_refuses_the_run_nami
         cwd=good, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
-        assert coordinator.stderr is not None
-        address = ""
-        for line in coordinator.stderr:
-            if "coordinator listening on " in line:
-                address = line.split("coordinator listening on ")[1].split(";")[0].strip()
-                break
-        assert address, "the coordinator did not say where it listens"
+        address = listening_address(coordinator)
         client = subprocess.run(
             [sys.executable, "-m", "fedsaddle", "client", "--coordinator", address, "--clients", "0-1",
              "--problem", "short_problem:Short", "--data", "client-{i}.npz"],
