@@ -85,6 +85,29 @@ def test_a_duplicate_index_is_refused_at_once_naming_the_session_that_holds_it()
     assert "are already connected" in log.splitlines()[-1]  # and the reason it gives up with
 
 
+def test_clients_missing_because_their_session_was_refused_are_named_with_the_refusal() -> None:
+    # A process claims clients 0 and 1 while 0 is held: it is refused, and 1 stays missing. The coordinator's
+    # wait for the federation says why, instead of only "clients [1] did not join".
+    from fedsaddle.server.transport.events import MissingClients
+
+    with GrpcPool(2, "127.0.0.1:0") as pool:
+        processes = [client(pool.address, "0", connect_timeout=60)]
+        try:
+            deadline = time.monotonic() + 60
+            while pool.missing() != [1] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            processes.append(client(pool.address, "0-1", connect_timeout=60))
+            with pytest.raises(MissingClients) as missing:
+                pool.wait_for_clients(8)
+        finally:
+            stop_processes(processes)  # type: ignore[arg-type]
+    assert re.fullmatch(
+        r"clients \[1\] did not join within 8 s: a session from ipv4:127\.0\.0\.1:\d+ claiming \[0, 1\] was "
+        r"refused: client indices \[0\] are already connected: client 0 \(.* at ipv4:127\.0\.0\.1:\d+\) holds it",
+        str(missing.value),
+    ), str(missing.value)
+
+
 def test_a_coordinator_names_the_missing_clients_and_the_joined_ones_exit_1_when_it_gives_up(tmp_path: Path) -> None:
     path = write_config(
         tmp_path / "run.yaml",

@@ -31,9 +31,9 @@ from fedsaddle.server.settlement import round_traffic
 class MissingClients(PoolError):
     """Not every client joined in time; the message lists the missing indices."""
 
-    def __init__(self, missing: list[int], timeout: float) -> None:
-        super().__init__(f"clients {some(missing)} did not join within {timeout:g} s")
-        self.missing = tuple(missing)
+    def __init__(self, missing: list[int], timeout: float, why: str = "") -> None:
+        super().__init__(f"clients {some(missing)} did not join within {timeout:g} s" + (f": {why}" if why else ""))
+        self.missing, self.why = tuple(missing), why
 
 
 class Received(NamedTuple):

@@ -255,10 +255,10 @@ class GrpcPool(ClientPool):
             try:
                 self._operate(functools.partial(self.protocol.await_federation, step))
                 return
-            except MissingClients:
+            except MissingClients as short:
                 self._say_missing()
                 if time.monotonic() >= deadline:
-                    raise MissingClients(self.missing(), timeout) from None
+                    raise MissingClients(self.missing(), timeout, short.why) from None
 
     def _say_missing(self) -> None:
         now = time.monotonic()

@@ -482,7 +482,8 @@ class Coordination:
                 self._finish(actions, Settled(None))
                 log.info("all %d clients connected", self.registry.num_clients)
             elif now >= deadline:
-                self._finish(actions, Failed(MissingClients(self.registry.missing(), timeout)))
+                missing = MissingClients(self.registry.missing(), timeout, self.registry.why_missing())
+                self._finish(actions, Failed(missing))
         elif self._presence is not None:
             self._check_presence(now, actions)
         elif self._starting is not None:

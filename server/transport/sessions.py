@@ -150,6 +150,7 @@ class Registry:
         self.num_clients = num_clients
         self.owner: dict[int, Session] = {}
         self.lost: dict[int, str] = {}  # client index -> how its session ended, until it rejoins
+        self.refused: dict[int, str] = {}  # client index -> why a session that claimed it was refused, until one joins
         self._live: list[Session] | None = None  # live(), until a session opens or closes
 
     @property
@@ -162,14 +163,19 @@ class Registry:
         taken = [i for i in session.indices if i in self.owner]
         if taken:
             holder = self.owner[taken[0]]
-            raise Refusal(
-                grpc.StatusCode.ALREADY_EXISTS,
+            details = (
                 f"client indices {some(taken)} are already connected: {holder.describe()} holds "
-                f"{'them' if len(taken) > 1 else 'it'}",
+                f"{'them' if len(taken) > 1 else 'it'}"
             )
+            claim = f"a session from {session.peer} claiming {some(session.indices)} was refused: {details}"
+            for i in session.indices:  # the others it claimed may now be missing because of it
+                if i not in self.owner:
+                    self.refused[i] = claim
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, details)
         for i in session.indices:
             self.owner[i] = session
             self.lost.pop(i, None)
+            self.refused.pop(i, None)
         self._live = None
 
     def close(self, session: Session, reason: str) -> None:
@@ -190,6 +196,11 @@ class Registry:
         if self.complete:
             return []
         return [i for i in range(self.num_clients) if i not in self.owner]
+
+    def why_missing(self) -> str:
+        """Why missing clients may be missing, when the registry knows: a session that claimed them was refused."""
+        reasons = sorted({self.refused[i] for i in self.missing() if i in self.refused})
+        return "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} more refused sessions" if len(reasons) > 3 else "")
 
     def require_all(self, when: str) -> list[Session]:
         """The live sessions; ClientLost naming how each missing client went, if any is missing."""
