@@ -278,10 +278,7 @@ def coordinator_pool(config: RunConfig, listen: str | None = None) -> GrpcPool:
 
     transport = config.transport
     address = listen or transport.listen
-    warning = open_federation_warning(config, address)
-    if warning is not None:
-        log.warning("%s", warning)
-    return GrpcPool(
+    pool = GrpcPool(
         config.problem.num_clients,
         address,
         chunk_bytes=transport.chunk_bytes,
@@ -295,6 +292,10 @@ def coordinator_pool(config: RunConfig, listen: str | None = None) -> GrpcPool:
         token_listen=transport.token_listen,
         token_credentials=server_credentials(transport.tls, client_certificates=False) if transport.tls else None,
     )
+    warning = open_federation_warning(config, address)  # (once it listens: a port it cannot bind is the news)
+    if warning is not None:
+        log.warning("%s", warning)
+    return pool
 
 
 def open_federation_warning(config: RunConfig, address: str) -> str | None:

@@ -368,6 +368,11 @@ def test_a_coordinator_on_a_port_already_taken_says_so(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert f"fedsaddle: run failed: cannot listen on {address}: Address already in use" in done.stderr
     assert "GRPC_VERBOSITY" not in done.stderr.splitlines()[-1]
+    # An address not this host's (TEST-NET-1): the failure alone, not first a warning that the federation is open.
+    done = fedsaddle("coordinator", "--config", str(config), "--listen", "192.0.2.1:5000", "--out", str(tmp_path / "r"))
+    assert done.returncode == 1
+    assert "fedsaddle: run failed: cannot listen on 192.0.2.1:5000: Cannot assign requested address" in done.stderr
+    assert "OPEN FEDERATION" not in done.stderr
 
 
 def test_verbose_shows_fedsaddle_details_not_the_plotting_librarys(tmp_path: Path) -> None:
