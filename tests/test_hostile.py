@@ -351,8 +351,12 @@ def test_a_task_in_tiny_chunks_ends_the_client_with_an_error_naming_them() -> No
         *(pb.Instruction(chunk=pb.Chunk(offset=i, data=b"\0")) for i in range(3)),
     ]
     status, output, received = client_against(instructions)
-    assert [m.WhichOneof("body") for m in received] == ["hello", "ready"]
+    assert [m.WhichOneof("body") for m in received] == ["hello", "ready", "failure"]  # it says why it goes
     assert received[1].ready.error == ""  # it had loaded its data: the chunks are what it refused
+    assert (
+        received[2].failure.round_id == 0
+        and "a chunk of 1 byte before the payload's last" in received[2].failure.reason
+    )
     assert status == 1
     assert (
         "malformed instruction from the coordinator: a chunk of 1 byte before the payload's last: "
@@ -374,8 +378,10 @@ def test_a_task_larger_than_the_clients_data_ends_the_client_with_an_error_namin
         pb.Instruction(task=pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=10**12)),
     ]
     status, output, received = client_against(instructions)
-    assert [m.WhichOneof("body") for m in received] == ["hello", "ready"]
+    assert [m.WhichOneof("body") for m in received] == ["hello", "ready", "failure"]
     assert received[1].ready.dimension == 6 and not received[1].ready.error
+    failure = received[2].failure
+    assert (failure.run_id, failure.round_id) == ("r", 1) and "allows at most 12" in failure.reason
     assert status == 1
     assert f"the coordinator sent a task of {10**12} float64 entries; run 'r' allows at most 12" in output
     assert "Traceback" not in output
@@ -414,7 +420,8 @@ def test_a_run_before_the_welcome_ends_the_client_with_an_error_naming_it(first:
     peak = [0]
     instructions: list[pb.Instruction | bytes | None] = [run, task] if first == "run" else [task]
     status, output, received = client_against(instructions, lambda client, _: _peak_rss_until_exit(client, peak))
-    assert [m.WhichOneof("body") for m in received] == ["hello"]  # no Ready, no answer
+    assert [m.WhichOneof("body") for m in received] == ["hello", "failure"]  # no Ready, no answer: why it goes
+    assert received[1].failure.reason == refusal
     assert status == 1
     assert refusal in output
     assert "Traceback" not in output
