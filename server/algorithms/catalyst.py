@@ -21,10 +21,10 @@ broadcasts anyway. The gradient rounds gather the plain G_i(z~).
 
 The inner stop rule is a small strategy (config `stop`):
   fixed      exactly `inner_syncs` syncs per meta-iteration;
-  objective  the paper's heuristic (Experimental Details, "sufficient objective
-             decrease"): stop when f^theta(z~) changes by at most rtol relative
-             to its previous value; f_i(z~) rides on the gradient round (one
-             more float per client);
+  objective  our reading of the paper's heuristic (Experimental Details, "sufficient
+             objective decrease", given without a formula): stop when f^theta(z~)
+             changes by at most rtol relative to its previous value, up or down;
+             f_i(z~) rides on the gradient round (one more float per client);
   gradient   stop when ||G^theta(z~)|| <= rtol ||G(z_bar)||. By strong
              monotonicity (mu + theta) this bounds the distance to the proximal
              point, and it costs no communication. On a constrained domain both
@@ -100,7 +100,8 @@ class FixedSyncs:
 
 
 class ObjectiveDecrease:
-    """The paper's heuristic: |f^theta(z~_k) - f^theta(z~_{k-1})| <= rtol |f^theta(z~_{k-1})|."""
+    """The paper's heuristic as read here (it gives no formula): |f^theta(z~_k) - f^theta(z~_{k-1})| <=
+    rtol |f^theta(z~_{k-1})|, a change either way (a saddle's objective need not decrease)."""
 
     wants_objective = True
 
