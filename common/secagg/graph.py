@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+from fedsaddle.common.secagg.settings import default_threshold
+
 ALL_PAIRS = 0
 
 
@@ -82,5 +84,5 @@ def connected(nodes: Iterable[int], clients: Sequence[int], neighbours: int) -> 
 def neighbourhood_threshold(size: int) -> int:
     """Shares of a client's self-mask seed needed to rebuild it: a majority of one more than its neighbourhood
     (itself and its neighbours, `size` clients), so that no two groups of them that share only the client
-    itself could each give what unmasks it (settings.default_threshold)."""
-    return (size + 1) // 2 + 1
+    itself could each give what unmasks it (the same rule as a round's: settings.default_threshold)."""
+    return default_threshold(size)
