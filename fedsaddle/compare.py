@@ -94,18 +94,21 @@ def _known(value: Any) -> bool:
     return value is not None and value != {}
 
 
+def _one_sided(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The measurements against z* that only one of a and b could make."""
+    return [key for key in REFERENCE_FIELDS if _known(a.get(key)) != _known(b.get(key))]
+
+
 def _without_one_sided_reference(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """a and b without the measurements against z* that only one of them could make."""
-    one_sided = [key for key in REFERENCE_FIELDS if _known(a.get(key)) != _known(b.get(key))]
+    one_sided = _one_sided(a, b)
     return {k: v for k, v in a.items() if k not in one_sided}, {k: v for k, v in b.items() if k not in one_sided}
 
 
 def one_sided_reference(first: str | Path, second: str | Path) -> bool:
     """Whether one run measured against z* and the other could not (compared without those fields)."""
     entries = [_json(Path(run) / "summary.json").get("algorithms", []) for run in (first, second)]
-    return any(
-        _known(a.get(key)) != _known(b.get(key)) for a, b in zip(*entries, strict=False) for key in REFERENCE_FIELDS
-    )
+    return any(_one_sided(a, b) for a, b in zip(*entries, strict=False))
 
 
 def _compare(a: Any, b: Any, where: str) -> Iterator[str]:
