@@ -431,6 +431,14 @@ def _mean_of_draws(stream: np.random.Generator, batch: int, dim: int) -> Array:
     return total
 
 
+def no_data_files(problem: str, clients: Sequence[int]) -> str:
+    """What to say when a data problem's clients were given no data file."""
+    return (
+        f"problem {problem} needs each client's own data file; none was given for clients {some(clients)} "
+        "(give --data 'DIR/client-{i:03d}.npz'; `fedsaddle data split` makes such files)"
+    )
+
+
 class ShardCache:
     """The shards of a process's clients for a run, generated or loaded, and kept for the next run.
 
@@ -480,10 +488,7 @@ class ShardCache:
             assert isinstance(problem, DataProblem)
             missing = [i for i in indices if i not in self.data]
             if missing:
-                raise DataError(
-                    f"problem {spec.name} needs each client's own data file; none was given for clients "
-                    f"{some(missing)} (give --data 'DIR/client-{{i:03d}}.npz'; `fedsaddle data split` makes such files)"
-                )
+                raise DataError(no_data_files(spec.name, missing))
             datas = []
             for i in indices:
                 try:

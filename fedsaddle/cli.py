@@ -284,6 +284,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 def cmd_local(args: argparse.Namespace) -> int:
     """A coordinator in this process and client processes on loopback."""
     from fedsaddle.common.problems import make_problem
+    from fedsaddle.common.worker import no_data_files
     from fedsaddle.launch import loopback_federation
 
     _stop_on_sigterm()
@@ -296,10 +297,7 @@ def cmd_local(args: argparse.Namespace) -> int:
                 )
             data = _data_paths(args.data, range(config.problem.num_clients))
             if not data and not make_problem(config.problem).synthetic:  # said now, not after starting every process
-                raise UsageError(
-                    f"problem {config.problem.name} needs each client's own data file; none was given "
-                    "(give --data 'DIR/client-{i:03d}.npz'; `fedsaddle data split` makes such files)"
-                )
+                raise UsageError(no_data_files(config.problem.name, range(config.problem.num_clients)))
             loopback = loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=main)
             pool, processes = stack.enter_context(loopback)
             return pool, {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
