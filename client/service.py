@@ -202,9 +202,7 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
                 await _tell(call, session.failure(instruction, exc))
                 raise
             if session.over:
-                await call.done_writing()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(call.code(), GOODBYE_WAIT_S)  # the coordinator ends the call
+                await _close_writing(call)
                 return
     except grpc.aio.AioRpcError as exc:
         fatal, cause = diagnose(exc, options)
@@ -218,13 +216,22 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
     raise _Lost(f"the coordinator at {options.coordinator} closed the session without a goodbye", joined)
 
 
-async def _tell(call: grpc.aio.StreamStreamCall[pb.ClientMessage | bytes, object], failure: pb.ClientMessage) -> None:
-    """Send a Failure and close this side of the stream, then give the coordinator a moment to end the
-    call; as best it can (the link may be gone already: the client exits with the error either way)."""
+_Call = grpc.aio.StreamStreamCall[pb.ClientMessage | bytes, object]
+
+
+async def _close_writing(call: _Call) -> None:
+    """Close this side of the stream, then give the coordinator GOODBYE_WAIT_S to end the call."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(call.done_writing(), GOODBYE_WAIT_S)
+        await asyncio.wait_for(call.code(), GOODBYE_WAIT_S)  # the coordinator ends the call
+
+
+async def _tell(call: _Call, failure: pb.ClientMessage) -> None:
+    """Send a Failure and close this side of the stream, as best it can (the link may be gone already:
+    the client exits with the error either way)."""
     with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
         await asyncio.wait_for(call.write(failure), GOODBYE_WAIT_S)
-        await asyncio.wait_for(call.done_writing(), GOODBYE_WAIT_S)
-        await asyncio.wait_for(call.code(), GOODBYE_WAIT_S)
+        await _close_writing(call)
 
 
 class _Waiting:
