@@ -683,6 +683,8 @@ def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
         close = difflib.get_close_matches(str(ctx["tag"]), tags, n=1, cutoff=0.7)
         guess = f" (did you mean {close[0]!r}?)" if close else ""
         message = f"unknown {field_name} {ctx['tag']!r}{guess}; expected one of {ctx['expected_tags']}"
+    elif error["type"] == "union_tag_not_found":
+        message = _tag_needed(str(error["ctx"]["discriminator"]).strip("'"), _walk(model, error["loc"])[1])
     elif (
         "input" in error
         and error["type"] not in ("missing", "extra_forbidden")
@@ -690,6 +692,21 @@ def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
     ):
         message += f" (got {error['input']!r})"
     return f"{where}: {message}{_suggestion(error, model)}"
+
+
+def _tag_needed(tag: str, members: list[type[BaseModel]]) -> str:
+    """What an entry of a discriminated union that names no member lacks: 'needs kind: fixed (takes tau) or
+    kind: random (takes p)', from the members themselves (pydantic says only that it found no tag)."""
+    choices = []
+    for member in members:
+        field = member.model_fields.get(tag)
+        if field is None or get_origin(field.annotation) is not Literal:
+            continue
+        takes = [name for name in member.model_fields if name != tag]
+        choices.append(f"{tag}: {get_args(field.annotation)[0]}" + (f" (takes {', '.join(takes)})" if takes else ""))
+    if not choices:
+        return f"needs a {tag}"
+    return "needs " + (f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0])
 
 
 def describe_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> str:

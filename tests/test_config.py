@@ -114,6 +114,18 @@ def test_every_bad_field_is_reported_at_once() -> None:
     assert "algorithms[0].gamma: Input should be greater than 0" in message
 
 
+def test_an_entry_that_names_no_kind_or_rule_is_told_what_each_takes() -> None:
+    # pydantic said only "Unable to extract tag using discriminator 'kind'".
+    message = error_of({**VALID, "sync": {"p": 0.1}})
+    assert message.splitlines()[1:] == ["  sync: needs kind: fixed (takes tau) or kind: random (takes p)"]
+    catalyst = {"name": "scaffold_catalyst_s", "gamma_local": 0.1, "stop": {"rtol": 0.1}}
+    assert error_of({"algorithms": [catalyst]}).splitlines()[1:] == [
+        "  algorithms[0].stop: needs rule: fixed (takes inner_syncs), rule: objective (takes rtol, max_inner_syncs) "
+        "or rule: gradient (takes rtol, max_inner_syncs)"
+    ]
+    assert "Unable to extract tag" not in message
+
+
 def test_repeated_algorithm_names_need_labels() -> None:
     twice = {"algorithms": [{"name": "minibatch_md", "gamma": 0.1}, {"name": "minibatch_md", "gamma": 0.2}]}
     assert "algorithm names repeat: ['minibatch_md']" in error_of(twice)
