@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from fedsaddle.common import wire
 from fedsaddle.common.dp import DpSettings
@@ -78,6 +79,11 @@ class RoundConvention(StrEnum):
     def words(self) -> str:
         """How tables, plots and reports say which rounds they count."""
         return "the paper's convention" if self is RoundConvention.PAPER else "every exchange counted"
+
+
+# A check across fields that fails: the field it names (as a location: ("privacy", "dp"); () for none) and why.
+Fault = tuple[tuple[str, ...], str]
+FIELDS_DISAGREE = "fields_disagree"  # the type of such a fault's error
 
 
 class _Model(BaseModel):
@@ -516,44 +522,79 @@ class RunConfig(_Model):
         return specs
 
     @model_validator(mode="after")
-    def _what_the_problem_offers(self, info: ValidationInfo) -> RunConfig:
+    def _fields_agree(self, info: ValidationInfo) -> RunConfig:
+        """Every check across fields, each fault at the field it names, all reported at once (pydantic runs no
+        model validator after one that raises: a config with several such faults, as a private run's often
+        has, showed them one attempt at a time)."""
+        faults = [
+            *self._what_the_problem_offers(info),
+            *self._gradient_norm_is_evaluated(),
+            *self._dp_is_sound(),
+            *self._secure_aggregation_is_sound(),
+            *self._labels_unique(),
+        ]
+        if faults:
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError(FIELDS_DISAGREE, "{fault}", {"fault": fault}),
+                        loc=where,
+                        input=self._value_at(where),
+                    )
+                    for where, fault in faults
+                ],
+            )
+        return self
+
+    def _value_at(self, where: tuple[str, ...]) -> Any:
+        value: Any = self
+        for name in where:
+            value = getattr(value, name)
+        return value
+
+    def _what_the_problem_offers(self, info: ValidationInfo) -> list[Fault]:
         if info.context and info.context.get("problem_invalid"):
-            return self  # the problem's own errors are reported; nothing to check it against
+            return []  # the problem's own errors are reported; nothing to check it against
         problem = make_problem(self.problem)
+        faults: list[Fault] = []
         try:
             problem_domain(problem)  # a declared domain must fit the problem's dimensions
         except DomainError as exc:
-            raise ValueError(str(exc)) from None
+            faults.append(((), str(exc)))
         if self.evaluate_every and not problem.metric_names and not self.output.gradient_norm:
-            raise ValueError(
-                f"evaluate_every: problem {self.problem.name} has no evaluation metrics "
+            why = (
+                f"problem {self.problem.name} has no evaluation metrics "
                 "(output.gradient_norm: true evaluates ||G(z)|| on any problem)"
             )
+            faults.append((("evaluate_every",), why))
         if self.weighting == "samples" and problem.synthetic:
-            raise ValueError(f"weighting: samples needs clients with data files; {self.problem.name} is synthetic")
+            faults.append((("weighting",), f"samples needs clients with data files; {self.problem.name} is synthetic"))
         quorum = self.participation.min_clients
         if quorum is not None and quorum > self.problem.num_clients:
-            raise ValueError(f"participation.min_clients: {quorum} is more than the {self.problem.num_clients} clients")
-        return self
+            why = f"{quorum} is more than the {self.problem.num_clients} clients"
+            faults.append((("participation", "min_clients"), why))
+        return faults
 
-    @model_validator(mode="after")
-    def _gradient_norm_is_evaluated(self) -> RunConfig:
+    def _gradient_norm_is_evaluated(self) -> list[Fault]:
         if self.output.gradient_norm and not self.evaluate_every:  # it would measure nothing, silently
-            raise ValueError(
-                "output.gradient_norm: ||G(z)|| is measured at the evaluated steps, and evaluate_every is 0: "
+            why = (
+                "||G(z)|| is measured at the evaluated steps, and evaluate_every is 0: "
                 "set evaluate_every (e.g. 50; the last step is evaluated too)"
             )
-        return self
+            return [(("output", "gradient_norm"), why)]
+        return []
 
-    @model_validator(mode="after")
-    def _dp_is_sound(self) -> RunConfig:
+    def _dp_is_sound(self) -> list[Fault]:
         if self.privacy.dp is None:
-            return self
+            return []
+        faults: list[Fault] = []
         if self.weighting != "uniform":  # the weights would be released without noise
-            raise ValueError("privacy.dp: differential privacy needs weighting: uniform")
+            faults.append((("privacy", "dp"), "differential privacy needs weighting: uniform"))
         if self.evaluate_every:  # evaluation metrics are per-client data released without noise
-            raise ValueError("privacy.dp: evaluate_every would release the clients' metrics without noise; set it to 0")
-        return self
+            why = "evaluate_every would release the clients' metrics without noise; set it to 0"
+            faults.append((("privacy", "dp"), why))
+        return faults
 
     def dropouts_allowed(self) -> int:
         """How many of a round's clients a straggler quorum lets drop (0 without one)."""
@@ -566,44 +607,54 @@ class RunConfig(_Model):
         """Secure aggregation as the clients are told it (privacy.secure_aggregation must be on)."""
         return self.privacy.settings(self.problem.num_clients, self.dropouts_allowed())
 
-    @model_validator(mode="after")
-    def _secure_aggregation_is_sound(self) -> RunConfig:
+    def _secure_aggregation_is_sound(self) -> list[Fault]:
         privacy = self.privacy
         if not privacy.secure_aggregation:
-            return self
+            return []
         n = self.problem.num_clients
         per_round = max(1, round(self.participation.fraction * n))  # as sample_clients draws them
-        try:
-            check_threshold(privacy.threshold or round_threshold(privacy.settings(n), per_round), per_round)
-            check_bound(n, privacy.settings(n).bound, privacy.scale_bits)
-            check_neighbours(privacy.settings(n).neighbours)
-        except ValueError as exc:
-            raise ValueError(f"privacy: {exc}") from None
+        settings = privacy.settings(n)
+        faults: list[Fault] = []
+
+        def holds(check: Callable[[], None]) -> bool:
+            try:
+                check()
+            except ValueError as exc:
+                faults.append((("privacy",), str(exc)))
+                return False
+            return True
+
+        threshold_holds = holds(
+            lambda: check_threshold(privacy.threshold or round_threshold(settings, per_round), per_round)
+        )
+        holds(lambda: check_bound(n, settings.bound, privacy.scale_bits))
+        neighbours_hold = holds(lambda: check_neighbours(settings.neighbours))
         quorum = self.participation.min_clients
-        needed = round_threshold(privacy.settings(n), per_round)
-        if quorum is not None and quorum < needed:
-            raise ValueError(
-                f"participation.min_clients: {quorum} is fewer than the {needed} clients secure aggregation "
-                "needs to unmask a round"
-            )
+        if quorum is None:
+            return faults
+        # The quorum is checked against a threshold and neighbours that are sound (else their fault says it all).
+        needed = round_threshold(settings, per_round)
+        if threshold_holds and quorum < needed:
+            why = f"{quorum} is fewer than the {needed} clients secure aggregation needs to unmask a round"
+            faults.append((("participation", "min_clients"), why))
         k = privacy.settings(n, self.dropouts_allowed()).neighbours
-        if quorum is not None and 0 < k < per_round - 1 and per_round - quorum > k // 2 - 1:
+        if neighbours_hold and 0 < k < per_round - 1 and per_round - quorum > k // 2 - 1:
             # H(k, m) stays connected and every neighbourhood keeps the k/2 + 2 shares a self mask needs
             # (graph.neighbourhood_threshold) while at most k/2 - 1 clients drop
-            raise ValueError(
-                f"participation.min_clients: {quorum} lets {per_round - quorum} of a round's {per_round} clients "
-                f"drop, more than the {k // 2 - 1} a neighbour graph of k = {k} (privacy.neighbours) can lose and "
-                "still unmask every round; raise min_clients or neighbours"
+            why = (
+                f"{quorum} lets {per_round - quorum} of a round's {per_round} clients drop, more than the "
+                f"{k // 2 - 1} a neighbour graph of k = {k} (privacy.neighbours) can lose and still unmask every "
+                "round; raise min_clients or neighbours"
             )
-        return self
+            faults.append((("participation", "min_clients"), why))
+        return faults
 
-    @model_validator(mode="after")
-    def _labels_unique(self) -> RunConfig:
+    def _labels_unique(self) -> list[Fault]:
         names = [a.display_name for a in self.algorithms]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise ValueError(f"algorithm names repeat: {repeated}; give each a distinct `label`")
-        return self
+            return [((), f"algorithm names repeat: {repeated}; give each a distinct `label`")]
+        return []
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
@@ -687,7 +738,7 @@ def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
         message = _tag_needed(str(error["ctx"]["discriminator"]).strip("'"), _walk(model, error["loc"])[1])
     elif (
         "input" in error
-        and error["type"] not in ("missing", "extra_forbidden")
+        and error["type"] not in ("missing", "extra_forbidden", FIELDS_DISAGREE)
         and not isinstance(error["input"], dict)
     ):
         message += f" (got {error['input']!r})"

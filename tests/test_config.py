@@ -126,6 +126,44 @@ def test_an_entry_that_names_no_kind_or_rule_is_told_what_each_takes() -> None:
     assert "Unable to extract tag" not in message
 
 
+def test_every_fault_across_fields_is_reported_at_once_each_at_its_field() -> None:
+    # Each check across fields used to raise on its own, and pydantic runs no model check after one that
+    # raised: a private run's config showed its faults one attempt at a time.
+    data = {
+        **VALID,
+        "problem": {"name": "paper_regression", "num_clients": 10},
+        "weighting": "samples",
+        "evaluate_every": 5,
+        "privacy": {
+            "secure_aggregation": True,
+            "threshold": 11,
+            "bound": 1e6,
+            "neighbours": 3,
+            "dp": {"clip": 1.0, "noise_multiplier": 1.0},
+        },
+        "participation": {"straggler_deadline_s": 1, "min_clients": 3},
+    }
+    assert error_of(data).splitlines()[1:] == [
+        "  evaluate_every: problem paper_regression has no evaluation metrics (output.gradient_norm: true "
+        "evaluates ||G(z)|| on any problem)",
+        "  weighting: samples needs clients with data files; paper_regression is synthetic",
+        "  privacy.dp: differential privacy needs weighting: uniform",
+        "  privacy.dp: evaluate_every would release the clients' metrics without noise; set it to 0",
+        "  privacy: threshold 11 is unsafe for 10 clients per round: it must be within 6..10 (a majority of 10 + 1, "
+        "and no more than the clients)",
+        "  privacy: a bound of 1e+06 with scale 2^-40 lets 10 clients' sum overflow the 64-bit ring; the largest "
+        "safe bound is 262144",
+        "  privacy: neighbours must be 0 (all pairs) or an even number >= 2 (each client masks with k/2 clients on "
+        "either side of it), got 3",
+    ]
+    # With the threshold sound, the quorum is checked against it, in the same message as the rest.
+    data["privacy"] = {**data["privacy"], "threshold": None}
+    assert (
+        "  participation.min_clients: 3 is fewer than the 6 clients secure aggregation needs to unmask a round"
+        in error_of(data).splitlines()
+    )
+
+
 def test_repeated_algorithm_names_need_labels() -> None:
     twice = {"algorithms": [{"name": "minibatch_md", "gamma": 0.1}, {"name": "minibatch_md", "gamma": 0.2}]}
     assert "algorithm names repeat: ['minibatch_md']" in error_of(twice)
