@@ -166,6 +166,7 @@ class ClientSession:
         """A task: executed at once when its payload came inline, else its chunks are awaited."""
         payload = task.payload  # (each read of a bytes field is a copy)
         if payload or task.payload_length == 0:
+            wire.check_inline(task.payload_length, payload)  # refused before anything of the task is kept
             return self._execute(task, payload)
         self._check_run(task.run_id)
         assert self.run is not None

@@ -395,6 +395,17 @@ def task_message(run_id: str, round_id: int, task: Task, payload_length: int) ->
     return message
 
 
+def check_inline(payload_length: int, payload: bytes | memoryview) -> None:
+    """WireError unless a Task's inline payload carries exactly the payload_length float64 entries its header
+    declares (a payload in Chunks is assembled to that length, and refused if the chunks disagree)."""
+    if len(payload) != 8 * payload_length:
+        entries = f" ({len(payload) // 8} float64 entries)" if len(payload) % 8 == 0 else ""
+        raise WireError(
+            f"a task declares payload_length {payload_length} ({8 * payload_length} bytes) but carries an inline "
+            f"payload of {len(payload)} bytes{entries}"
+        )
+
+
 # A compute task's payload: z, then its named arrays, at most COMPUTE_PAYLOAD_LIMIT z-lengths in all.
 _NAME_LIMIT = 64
 

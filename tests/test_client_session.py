@@ -114,6 +114,30 @@ def test_tasks_are_bounded_by_the_datas_dimension_not_by_what_the_run_spec_claim
     assert pb.ClientMessage.FromString(answer).answer.payload_length == 8
 
 
+@pytest.mark.parametrize("declared", [0, 2 * DIM - 1, 2 * DIM + 1, 4 * DIM])
+def test_an_inline_task_whose_payload_length_disagrees_with_its_payload_is_refused_and_changes_nothing(
+    declared: int,
+) -> None:
+    # The header's payload_length was never compared with an inline payload: a task that declared one length
+    # and carried another was served by the payload alone.
+    state = session()
+    gradient = pb.GradientParams(batch=1)
+    z = np.ones(2 * DIM).tobytes()
+    task = pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, gradient=gradient, payload_length=declared, payload=z)
+    with pytest.raises(
+        wire.WireError,
+        match=rf"^a task declares payload_length {declared} \({8 * declared} bytes\) but carries an inline payload "
+        rf"of {16 * DIM} bytes \({2 * DIM} float64 entries\)$",
+    ):
+        state.handle(pb.Instruction(task=task))
+    # Nothing of it was kept: the same task with its true length is answered, as round 1.
+    task.payload_length = 2 * DIM
+    (header, *_) = state.handle(pb.Instruction(task=task))
+    assert isinstance(header, bytes)
+    answer = pb.ClientMessage.FromString(header).answer
+    assert answer.round_id == 1 and answer.payload_length == 2 * 2 * DIM
+
+
 @pytest.mark.parametrize(
     ("clients", "error"),
     [

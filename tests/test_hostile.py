@@ -387,6 +387,26 @@ def test_a_task_larger_than_the_clients_data_ends_the_client_with_an_error_namin
     assert "Traceback" not in output
 
 
+def test_an_inline_task_whose_payload_length_disagrees_ends_the_client_with_an_error_naming_both() -> None:
+    problem = {"name": "paper_regression", "num_clients": 1, "dim": 3, "s": 1.0}
+    task = pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=7, payload=np.ones(6).tobytes())
+    task.gradient.batch = 1
+    instructions = [
+        pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=1 << 20)),
+        pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=6)),
+        READ,  # the Ready, before what ends the client
+        pb.Instruction(task=task),
+    ]
+    status, output, received = client_against(instructions)
+    assert [m.WhichOneof("body") for m in received] == ["hello", "ready", "failure"]  # no answer: it says why
+    said = "a task declares payload_length 7 (56 bytes) but carries an inline payload of 48 bytes (6 float64 entries)"
+    failure = received[2].failure
+    assert (failure.run_id, failure.round_id, failure.reason) == ("r", 1, said)
+    assert status == 1
+    assert f"malformed instruction from the coordinator: {said}" in output
+    assert "Traceback" not in output
+
+
 def _peak_rss_until_exit(client: subprocess.Popen[str], peak: list[int]) -> None:
     """Sample the client's peak RSS (VmHWM, MiB) until it exits, for at most 60 s."""
     end = time.monotonic() + 60
