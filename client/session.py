@@ -113,6 +113,9 @@ class ClientSession:
         if kind == "task":
             return self._task_header(instruction.task)
         if kind == "welcome":
+            if self._answers is not None:  # one per session: a second would change the chunk size under a run
+                during = f" during run {self._run_name!r}" if self.run is not None else ""
+                raise ClientError(f"the coordinator sent a second Welcome{during}")
             try:
                 self._answers = wire.AnswerWriter(wire.check_chunk_bytes(instruction.welcome.chunk_bytes))
             except ValueError as exc:

@@ -51,11 +51,11 @@ class CoordinatorServicer:
         INVALID_ARGUMENT    the first message is not a valid Hello (no indices,
         repeated or out-of-range indices, another protocol
         version), or bytes that are not a ClientMessage, or a
-        message that breaks the order above (a second Ready
-        for a run, say), or 32 of its messages were refused
-        in one round since its last accepted answer, a Ready
-        for a run not under way counting as refused (details
-        name the first reason).
+        message that breaks the order above (a second Hello,
+        a second Ready for a run), or 32 of its messages were
+        refused in one round since its last accepted answer,
+        a Ready for a run not under way counting as refused
+        (details name the first reason).
         ALREADY_EXISTS      an index of the Hello is held by another live session.
         UNAUTHENTICATED     credentials are configured and the call proves no
         identity (no or unknown token, unknown certificate).

@@ -132,9 +132,12 @@ class Federation:
         return taken
 
     def answer(self, key: int, items: Iterable[pb.Instruction | wire.RawChunk]) -> list[bytes]:
-        """The honest replies (serialized) of a hand-driven stream's session to these instructions."""
+        """The honest replies (serialized) of a hand-driven stream's session to these instructions (its Welcome
+        was handed to the session as it came, in carry_out: one session takes one Welcome)."""
         replies: list[bytes] = []
         for item in items:
+            if isinstance(item, pb.Instruction) and item.HasField("welcome"):
+                continue
             for reply in self.clients[key].handle(item):
                 replies.append(reply if isinstance(reply, bytes) else reply.SerializeToString())
         return replies

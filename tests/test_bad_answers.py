@@ -283,6 +283,43 @@ def test_bad_hellos_are_refused(indices: list[int], version: int, code: grpc.Sta
         refused.close()
 
 
+def test_a_second_hello_mid_round_ends_that_session_alone_and_it_may_rejoin() -> None:
+    # A session's indices are its first Hello's. A second one (claiming the other client's index) mid-round is
+    # refused as a second Ready is: that session ends with INVALID_ARGUMENT naming it, the other client's is
+    # untouched, and with rejoins allowed the offender comes back and the run ends as if it never happened.
+    run = config(**{**RUN.model_dump(), "algorithms": [{"name": "minibatch_md", "gamma": 0.05}]})
+    outcome: dict[str, AlgorithmResult] = {}
+    with GrpcPool(2, "127.0.0.1:0", rejoin_timeout_s=10) as pool, grpc.insecure_channel(pool.address) as channel:
+        steady, offender = HandClient(channel, [0]), HandClient(channel, [1])
+        steady.welcome(), offender.welcome()
+        pool.wait_for_clients(10)
+        runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
+        runner.start()
+        task = steady.next_task()
+        assert offender.next_task().round_id == task.round_id == 1
+        steady.send(pb.ClientMessage(answer=steady.good(task)))
+        again = pb.ClientMessage(hello=pb.Hello(protocol_version=pb.PROTOCOL_VERSION_2, client_indices=[0]))
+        offender.send(again)
+        with pytest.raises(grpc.RpcError) as error:
+            offender.next()
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details() == f"a second Hello ({again.ByteSize()} bytes)"
+        back = HandClient(channel, [1])  # the same index, a new session: sent the run and the open round's task
+        back.welcome()
+        resent = back.next_task()
+        assert resent.round_id == 1 and resent.payload == task.payload
+        back.send(pb.ClientMessage(answer=back.good(resent)))
+        for _ in range(run.rounds - 1):
+            for hand in (steady, back):
+                hand.send(pb.ClientMessage(answer=hand.good(hand.next_task())))
+        runner.join(timeout=30)
+        assert not runner.is_alive()
+        steady.close(), back.close()
+    local = run_algorithm(run.algorithms[0], run, LocalPool())
+    assert outcome["r"].status == "ok" and outcome["r"].z_sha256 == local.z_sha256
+    assert outcome["r"].traffic["algorithm"]["rounds"] == run.rounds
+
+
 def raw_stream(channel: grpc.Channel) -> Any:
     """The Session method without protobuf: the test sends raw bytes."""
     return channel.stream_stream(

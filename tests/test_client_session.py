@@ -165,11 +165,28 @@ def test_a_task_must_name_hosted_clients_each_once(clients: list[int], error: st
 
 @pytest.mark.parametrize("chunk_bytes", [0, 1023, (64 << 20) + 1])
 def test_a_welcome_with_a_chunk_size_out_of_range_is_refused_and_changes_nothing(chunk_bytes: int) -> None:
-    state = session()
+    state = ClientSession((1, 4))  # (a session's first Welcome: a second is refused as such)
     welcome = pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=chunk_bytes)
     with pytest.raises(ClientError, match=f"malformed: chunk_bytes must be between 1024 .* got {chunk_bytes}$"):
         state.handle(pb.Instruction(welcome=welcome))
+    assert state.chunk_bytes == 0
+    with pytest.raises(ClientError, match="the coordinator sent a RunSpec before its Welcome"):
+        state.handle(pb.Instruction(run=pb.RunSpec(run_id="r")))  # nothing of a run is served without one
+
+
+def test_a_second_welcome_is_refused_naming_it_and_changes_nothing() -> None:
+    # One Welcome per session: a second one (a coordinator off the protocol) was taken silently, and its chunk
+    # size and federation size replaced the first's under a run.
+    state = session()
+    again = pb.Welcome(federation_id="other", num_clients=7, chunk_bytes=1 << 20)
+    with pytest.raises(ClientError, match=r"^the coordinator sent a second Welcome during run 'r'$"):
+        state.handle(pb.Instruction(welcome=again))
     assert state.chunk_bytes == 16_000
+    early = ClientSession((1,))
+    early.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
+    with pytest.raises(ClientError, match=r"^the coordinator sent a second Welcome$"):  # (no run yet)
+        early.handle(pb.Instruction(welcome=again))
+    assert early.chunk_bytes == 16_000
 
 
 def _ready_for(state: ClientSession, problem: dict[str, object]) -> pb.Ready:

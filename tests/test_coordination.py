@@ -436,6 +436,23 @@ def test_a_second_ready_ends_the_session_and_the_next_round_says_why() -> None:
         pool.gradients(np.ones(6))
 
 
+def test_a_second_hello_ends_the_session_and_the_next_round_says_why() -> None:
+    # A session's indices are its first Hello's: a second one (here claiming another index) is a protocol
+    # violation, refused as a second Ready is; it claims nothing.
+    federation = Federation(2)
+    hand, other = federation.join((0,)), federation.join((1,))
+    pool = MemoryPool(federation)
+    pool.start_run(RunInfo("twice", RUN.problem, 0, 0.0))
+    again = federation_hello((1,))
+    federation.send(hand, again)
+    said = f"a second Hello ({again.ByteSize()} bytes)"
+    assert (federation.ended[hand].code, federation.ended[hand].details) == (INVALID, said)
+    assert other not in federation.ended
+    lost = rf"client 0 \(memory at .*\) was ended by the coordinator \({re.escape(said)}\) before round 1"
+    with pytest.raises(ClientLost, match=lost):
+        pool.gradients(np.ones(6))
+
+
 def test_readys_for_a_run_not_under_way_count_as_refused() -> None:
     federation = Federation(1)
     hand = federation.join((0,))

@@ -340,6 +340,24 @@ def test_a_welcome_with_a_chunk_size_out_of_range_ends_the_client_with_an_error_
     assert "Traceback" not in output
 
 
+def test_a_second_welcome_mid_run_ends_the_client_with_an_error_naming_it() -> None:
+    # It was taken silently: its chunk size replaced the first's under the run.
+    problem = {"name": "paper_regression", "num_clients": 1, "dim": 3, "s": 1.0}
+    instructions = [
+        pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=1, chunk_bytes=1 << 20)),
+        pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=json.dumps(problem), synthetic_seed=0, dimension=6)),
+        READ,  # the Ready, before what ends the client
+        pb.Instruction(welcome=pb.Welcome(federation_id="g", num_clients=1, chunk_bytes=1024)),
+    ]
+    status, output, received = client_against(instructions)
+    assert [m.WhichOneof("body") for m in received] == ["hello", "ready", "failure"]  # it says why it goes
+    said = "the coordinator sent a second Welcome during run 'r'"
+    assert (received[2].failure.run_id, received[2].failure.reason) == ("r", said)
+    assert status == 1
+    assert said in output
+    assert "Traceback" not in output
+
+
 def test_a_task_in_tiny_chunks_ends_the_client_with_an_error_naming_them() -> None:
     # A hostile coordinator would make the client pay a message's cost per byte; the client refuses.
     problem = {"name": "paper_regression", "num_clients": 1, "dim": 100, "s": 1.0}

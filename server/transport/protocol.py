@@ -736,7 +736,12 @@ class Coordination:
             self._answer(session, message.answer, received.size, actions)
             return
         if message is None or kind is None or kind == "hello":
-            what = "bytes that are not a ClientMessage" if message is None else f"an unexpected {kind}"
+            if message is None:
+                what = "bytes that are not a ClientMessage"
+            elif kind == "hello":  # a session's indices are the first Hello's, for as long as it lasts
+                what = "a second Hello"
+            else:  # empty, or of a kind added after this coordinator was built
+                what = "a ClientMessage of no kind this coordinator knows"
             raise Refusal(checks.INVALID, f"{what} ({received.size} bytes)")
         if kind == "ready":
             self._ready(session, message.ready, now, actions)
