@@ -195,6 +195,62 @@ def test_bad_answers_are_rejected_and_the_run_ends_as_if_they_never_came() -> No
     assert outcome["r"].traffic["algorithm"]["rounds"] == RUN.rounds
 
 
+def _chunked_answer(client: HandClient, task: pb.Task) -> list[pb.ClientMessage]:
+    """The answer a real client gives a task whose payload comes in Chunks after it: its messages."""
+    replies = list(client.state.handle(pb.Instruction(task=task)))
+    while not replies:
+        replies = list(client.state.handle(client.next()))
+    return [pb.ClientMessage.FromString(m) if isinstance(m, bytes) else m for m in replies]
+
+
+def test_an_answer_refused_at_a_chunk_has_its_other_chunks_read_and_dropped_not_refused_one_by_one() -> None:
+    # Chunks of 1 KiB: a client's answer of 512 entries comes in four, and client 0's is added to the sum as
+    # it is read. A nan in its first chunk refuses the answer there, once; the three chunks after it are read
+    # and dropped (proto: Chunk), and the good answer sent after them makes the round what it would have been.
+    pool = GrpcPool(2, "127.0.0.1:0", chunk_bytes=1024)
+    run = config(problem={"name": "paper_regression", "num_clients": 2, "dim": 256}, algorithms=RUN.algorithms)
+    info = RunInfo("chunks", run.problem, run.seed, 0.0)
+    z = np.linspace(-1.0, 1.0, 512)
+    result: dict[str, Any] = {}
+    with grpc.insecure_channel(pool.address) as channel:
+        try:
+            first, second = HandClient(channel, [0]), HandClient(channel, [1])
+            first.welcome(), second.welcome()
+            pool.wait_for_clients(10)
+            rounds = threading.Thread(
+                target=lambda: (pool.start_run(info), result.setdefault("answers", pool.gradients(z)))
+            )
+            rounds.start()
+            task = first.next_task()
+            header, *chunks = _chunked_answer(first, task)
+            assert len(chunks) == 4 and header.answer.payload_length == 512
+            good = np.frombuffer(b"".join(c.chunk.data for c in chunks), dtype="<f8")
+            spoiled = good.copy()
+            spoiled[3] = np.nan
+            first.send(header)
+            first.send(pb.ClientMessage(chunk=pb.Chunk(offset=0, data=spoiled[:128].tobytes())))
+            refusal = first.next().rejected
+            for message in chunks[1:]:
+                first.send(message)
+            first.send(answer(header.answer, good))  # the whole answer inline, after the chunks
+            for message in _chunked_answer(second, second.next_task()):
+                second.send(message)
+            rounds.join(timeout=30)
+            assert not rounds.is_alive()
+            first.close(), second.close()
+            stray = []
+            while (item := first.inbox.get(timeout=10)) is not None and not isinstance(item, grpc.RpcError):
+                stray.append(item)
+        finally:
+            pool.close()
+    assert refusal.round_id == task.round_id and pb.RejectCode.Name(refusal.code) == "INVALID_ARGUMENT"
+    assert refusal.details == "client 0: entry 3 is nan (non-finite values are refused)"
+    assert [i.WhichOneof("body") for i in stray if i.WhichOneof("body") == "rejected"] == []
+    local = LocalPool()
+    local.start_run(info)
+    assert np.array_equal(result["answers"].mean(), local.gradients(z).mean())
+
+
 def test_a_straggler_refused_once_a_round_stays_and_a_flood_of_refusals_in_one_round_ends_the_session() -> None:
     pool = GrpcPool(2, "127.0.0.1:0", straggler_deadline_s=0.05, min_clients=1)
     with grpc.insecure_channel(pool.address) as channel:

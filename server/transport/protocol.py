@@ -838,12 +838,18 @@ class Coordination:
         header, assembler, total, refused, fold = pending
         try:
             assembler.add(chunk)
-            if fold is not None:
-                fold.stream_chunk(chunk.offset, chunk.data)
-        except wire.WireError as exc:
+        except wire.WireError as exc:  # the chunks themselves are out of order: what follows cannot be placed
             _drop_incoming(session)
             self._reject(session, header.round_id, checks.INVALID, str(exc), actions)
             return
+        if fold is not None:
+            try:
+                fold.stream_chunk(chunk.offset, chunk.data)
+            except wire.WireError as exc:  # a value refused (the sum is as it was before the answer): the
+                # rest of its chunks are read and dropped, not refused one by one, as for a refused header
+                fold.abort_stream()  # (once more, if the fold took it back already: it does nothing then)
+                pending, refused, fold = pending._replace(refused=True, fold=None), True, None
+                self._reject(session, header.round_id, checks.INVALID, str(exc), actions)
         if not assembler.done:
             session.incoming = pending._replace(size=total + size)
             return
