@@ -108,6 +108,30 @@ def test_clients_missing_because_their_session_was_refused_are_named_with_the_re
     ), str(missing.value)
 
 
+def test_clients_missing_because_their_hello_was_refused_are_named_with_the_reason() -> None:
+    # A client of another protocol version claims both clients: refused at its Hello. The wait says so, not
+    # only that they did not join (the reason was in the coordinator's log alone).
+    import grpc
+
+    from fedsaddle.proto import fedsaddle_pb2 as pb
+    from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
+    from fedsaddle.server.transport.events import MissingClients
+
+    hello = pb.ClientMessage(hello=pb.Hello(protocol_version=1, client_indices=[1, 0, 7], client_name="old"))
+    with GrpcPool(2, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Session(iter([hello]), timeout=30))
+        with pytest.raises(MissingClients) as missing:
+            pool.wait_for_clients(2)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.fullmatch(
+        r"clients \[0, 1\] did not join within 2 s: a session from ipv4:127\.0\.0\.1:\d+ claiming \[0, 1\] "
+        r"was refused: protocol version 1 is not supported \(this coordinator speaks 2\)",
+        str(missing.value),
+    ), str(missing.value)
+
+
 def test_a_coordinator_names_the_missing_clients_and_the_joined_ones_exit_1_when_it_gives_up(tmp_path: Path) -> None:
     path = write_config(
         tmp_path / "run.yaml",

@@ -661,6 +661,9 @@ class Coordination:
             self.registry.open(session)
         except Refusal as refusal:
             self.refusals.warn("refused a session from %s: %s", session.peer, refusal.details)
+            message = received.message
+            if message is not None and message.WhichOneof("body") == "hello":  # (its indices may be missing now)
+                self.registry.refuse(session.peer, message.hello.client_indices, refusal.details)
             session.indices = ()
             self._ended(session, actions)
             actions.append(End(session.key, refusal.code, refusal.details))

@@ -11,6 +11,8 @@ object (protocol.py) owns these, and the servicer only counts streams (Admission
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -167,16 +169,22 @@ class Registry:
                 f"client indices {some(taken)} are already connected: {holder.describe()} holds "
                 f"{'them' if len(taken) > 1 else 'it'}"
             )
-            claim = f"a session from {session.peer} claiming {some(session.indices)} was refused: {details}"
-            for i in session.indices:  # the others it claimed may now be missing because of it
-                if i not in self.owner:
-                    self.refused[i] = claim
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, details)
         for i in session.indices:
             self.owner[i] = session
             self.lost.pop(i, None)
             self.refused.pop(i, None)
         self._live = None
+
+    def refuse(self, peer: str, claimed: Iterable[int], details: str) -> None:
+        """A session that claimed these indices was refused (`details`): the ones no live session holds may
+        be missing because of it, which `why_missing` then says."""
+        # (a hostile Hello may list millions: as many as a federation could hold are looked at)
+        indices = sorted({i for i in itertools.islice(claimed, 2 * self.num_clients) if 0 <= i < self.num_clients})
+        claim = f"a session from {peer} claiming {some(indices)} was refused: {details}"
+        for i in indices:
+            if i not in self.owner:
+                self.refused[i] = claim
 
     def close(self, session: Session, reason: str) -> None:
         """The session ended; its indices are free again."""
