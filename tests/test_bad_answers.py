@@ -251,6 +251,44 @@ def test_an_answer_refused_at_a_chunk_has_its_other_chunks_read_and_dropped_not_
     assert np.array_equal(result["answers"].mean(), local.gradients(z).mean())
 
 
+def test_the_other_clients_are_told_a_client_failed_but_not_in_its_own_words() -> None:
+    # A client's Failure names its fault to the coordinator, whose error says it to the operator; the Goodbye
+    # to the rest of the federation says which client failed, and not what it said (its data, its paths).
+    pool = GrpcPool(2, "127.0.0.1:0")
+    run = config(problem={"name": "paper_regression", "num_clients": 2, "dim": 3}, algorithms=RUN.algorithms)
+    failed: dict[str, BaseException] = {}
+
+    def one_round() -> None:
+        pool.start_run(RunInfo("told", run.problem, run.seed, 0.0))
+        try:
+            pool.gradients(np.ones(6))
+        except ClientLost as exc:
+            failed["error"] = exc
+
+    with grpc.insecure_channel(pool.address) as channel:
+        try:
+            first, second = HandClient(channel, [0]), HandClient(channel, [1])
+            first.welcome(), second.welcome()
+            pool.wait_for_clients(10)
+            rounds = threading.Thread(target=one_round)
+            rounds.start()
+            task = first.next_task()
+            second.send(pb.ClientMessage(answer=second.good(second.next_task())))
+            said = "cannot read /data/site-a/patients.csv: row 17 has age 212"
+            first.send(pb.ClientMessage(failure=pb.Failure(run_id=task.run_id, round_id=task.round_id, reason=said)))
+            rounds.join(timeout=30)
+            assert not rounds.is_alive()
+            pool.failure = str(failed["error"])  # as the coordinator does (server/coordinator.py)
+        finally:
+            pool.close()
+        goodbye = second.next().goodbye
+    assert re.fullmatch(r"client 0 \(hand at .*\) failed: " + re.escape(said) + r" during round \d+", pool.failure)
+    assert goodbye.outcome == pb.FAILED
+    assert re.fullmatch(
+        r"client 0 \(hand at .*\) failed \(it told the coordinator why\) during round \d+", goodbye.reason
+    )
+
+
 def test_a_straggler_refused_once_a_round_stays_and_a_flood_of_refusals_in_one_round_ends_the_session() -> None:
     pool = GrpcPool(2, "127.0.0.1:0", straggler_deadline_s=0.05, min_clients=1)
     with grpc.insecure_channel(pool.address) as channel:

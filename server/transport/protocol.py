@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -142,6 +142,9 @@ class Coordination:
         self.phase = Phase.IDLE
         self.shutting_down = False
         self.refusals = RefusalLog(log)
+        # What clients said in their Failures (the latest few): the run's failure names it to the operator, but
+        # the Goodbye to the other clients does not carry one client's own words to the rest of the federation.
+        self._failures_said: deque[str] = deque(maxlen=16)
         # The run: its RunSpec (resent to sessions that rejoin), its dimension, the sample counts.
         self.run: RunInfo | None = None
         self._spec: bytes | None = None
@@ -438,6 +441,8 @@ class Coordination:
         """Say goodbye to every live session; each may then close its side."""
         self.abandon()
         self.phase, self.shutting_down = Phase.CLOSED, True
+        for said in self._failures_said if outcome == pb.FAILED else ():
+            reason = reason.replace(f" failed: {said} during ", " failed (it told the coordinator why) during ")
         goodbye = pb.Instruction(goodbye=pb.Goodbye(reason=reason, outcome=outcome)).SerializeToString()
         actions: list[Action] = []
         for session in self.registry.live():
@@ -750,6 +755,7 @@ class Coordination:
             self._ready(session, message.ready, now, actions)
         elif kind == "failure":  # the client cannot go on: the round fails with its reason, at once
             reason = printable(message.failure.reason, 1024) or "no reason given"
+            self._failures_said.append(reason)
             self._close(session, f"failed: {reason}", now, final=True)
             actions.append(End(session.key, None))
         elif kind == "unmasked":
