@@ -736,6 +736,9 @@ def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
         message = f"unknown {field_name} {ctx['tag']!r}{guess}; expected one of {ctx['expected_tags']}"
     elif error["type"] == "union_tag_not_found":
         message = _tag_needed(str(error["ctx"]["discriminator"]).strip("'"), _walk(model, error["loc"])[1])
+    elif error["type"] == "model_attributes_type" and (tag := _union_tag(members := _walk(model, error["loc"])[1])):
+        # (`sync: fixed`: a choice named where its mapping belongs)
+        message = f"needs a mapping, not {error['input']!r}: it {_tag_needed(tag, members)}"
     elif (
         "input" in error
         and error["type"] not in ("missing", "extra_forbidden", FIELDS_DISAGREE)
@@ -743,6 +746,17 @@ def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
     ):
         message += f" (got {error['input']!r})"
     return f"{where}: {message}{_suggestion(error, model)}"
+
+
+def _union_tag(members: list[type[BaseModel]]) -> str:
+    """The field that tells apart the members of a discriminated union standing at a place ('kind' for
+    `sync`), or '' if the place holds one model, or no such field."""
+    if len(members) < 2:
+        return ""
+    for name in members[0].model_fields:
+        if all(name in m.model_fields and get_origin(m.model_fields[name].annotation) is Literal for m in members):
+            return name
+    return ""
 
 
 def _tag_needed(tag: str, members: list[type[BaseModel]]) -> str:

@@ -124,6 +124,10 @@ def test_an_entry_that_names_no_kind_or_rule_is_told_what_each_takes() -> None:
         "or rule: gradient (takes rtol, max_inner_syncs)"
     ]
     assert "Unable to extract tag" not in message
+    # A choice named where its mapping belongs: pydantic said "Input should be a valid dictionary".
+    assert error_of({**VALID, "sync": "fixed"}).splitlines()[1:] == [
+        "  sync: needs a mapping, not 'fixed': it needs kind: fixed (takes tau) or kind: random (takes p)"
+    ]
 
 
 def test_every_fault_across_fields_is_reported_at_once_each_at_its_field() -> None:
