@@ -281,7 +281,9 @@ def test_the_other_clients_are_told_a_client_failed_but_not_in_its_own_words() -
             pool.failure = str(failed["error"])  # as the coordinator does (server/coordinator.py)
         finally:
             pool.close()
-        goodbye = second.next().goodbye
+        while not (instruction := second.next()).HasField("goodbye"):  # (its answer may come after the failure:
+            assert instruction.HasField("rejected"), instruction  # refused as stale)
+        goodbye = instruction.goodbye
     assert re.fullmatch(r"client 0 \(hand at .*\) failed: " + re.escape(said) + r" during round \d+", pool.failure)
     assert goodbye.outcome == pb.FAILED
     assert re.fullmatch(

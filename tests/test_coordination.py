@@ -22,7 +22,7 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.driver import AlgorithmResult, RunStopped, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientLost, ClientPool, PoolError, RunInfo
-from fedsaddle.server.transport.events import MissingClients, RoundResult, run_spec
+from fedsaddle.server.transport.events import MissingClients, RoundResult, Send, run_spec
 from fedsaddle.server.transport.protocol import MAX_REFUSED_IN_A_ROUND, Phase
 from fedsaddle.server.transport.sessions import Limits, State
 
@@ -326,6 +326,8 @@ def test_garbled_messages_before_each_answer_never_change_the_run_or_break_the_c
          "client indices [2] are outside [0, 2)"),
         (pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=[0, 0])).SerializeToString(), INVALID,
          "client indices repeat: [0]"),
+        (pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=[0] * 10**6)).SerializeToString(),
+         INVALID, "1000000 client indices given; the federation has 2"),
         (pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=[1])).SerializeToString(),
          grpc.StatusCode.ALREADY_EXISTS, "client indices [1] are already connected"),
         (pb.ClientMessage(hello=pb.Hello(protocol_version=1, client_indices=[0])).SerializeToString(), INVALID,
@@ -593,3 +595,76 @@ def test_session_states_follow_a_sessions_life() -> None:
     assert session.state is State.CLOSING
     federation.close(key)
     assert session.state is State.ENDED
+
+
+SAID = "cannot read /data/site-a/patients.csv: row 17 has age 212"
+
+
+def _goodbye_reason(federation: Federation, error: BaseException) -> str:
+    actions = federation.protocol.goodbye(str(error), pb.FAILED)
+    (reason,) = {pb.Instruction.FromString(a.data).goodbye.reason for a in actions if isinstance(a, Send)}
+    return reason
+
+
+def test_a_failure_between_rounds_reaches_the_operator_but_not_the_other_clients_in_its_own_words() -> None:
+    # Client 0 answers round 1, then (e.g. in prepare_next, or on a KeyDirectory) fails between rounds. No
+    # barrier waits on it, so the error comes from the next round's presence check: "... failed: SAID before
+    # round 2". The Goodbye to the others says it failed and told the coordinator why.
+    federation = Federation(2)
+    hand = federation.join((0,), honest=False)
+    federation.join((1,))
+    pool = MemoryPool(federation)
+    start(pool, RunInfo("r", RUN.problem, RUN.seed, 0.0), hand)
+
+    def answer_by_hand() -> None:
+        for reply in federation.answer(hand, federation.take(hand)):
+            federation.send(hand, reply)
+
+    pool.meanwhile = answer_by_hand
+    pool.gradients(np.ones(6))
+    federation.send(hand, pb.ClientMessage(failure=pb.Failure(run_id="r", round_id=0, reason=SAID)))
+    with pytest.raises(ClientLost) as lost:
+        pool.gradients(np.ones(6))
+    assert SAID in str(lost.value)  # the operator's error keeps it: right
+    reason = _goodbye_reason(federation, lost.value)
+    assert SAID not in reason and "failed (it told the coordinator why) before round" in reason, reason
+
+
+def test_a_ready_error_reaches_the_operator_but_not_the_other_clients_in_its_own_words() -> None:
+    # A client's Ready.error is its own words (a data path, say): the run's failure quotes it, the Goodbye not.
+
+    federation = Federation(2)
+    hand = federation.join((0,), honest=False)
+    federation.join((1,))
+    info = RunInfo("r", RUN.problem, RUN.seed, 0.0)
+    with pytest.raises(PoolError) as failed:
+        federation.operate(
+            lambda now: federation.protocol.start_run(info, run_spec(info), now),
+            lambda: federation.send(hand, pb.ClientMessage(ready=pb.Ready(run_id="r", error=SAID))),
+        )
+    assert SAID in str(failed.value)
+    reason = _goodbye_reason(federation, failed.value)
+    assert SAID not in reason and "cannot serve run r (it told the coordinator why)" in reason, reason
+
+
+def test_no_failing_clients_words_reach_the_goodbye_however_many_fail() -> None:
+    # 20 clients fail on the same task, each in its own words (its own data path). The round fails on the first,
+    # whose words the Goodbye must not carry however many Failures came after it.
+    n = 21  # clients 0..19 fail; client 20 stays, and is told the Goodbye
+    federation = Federation(n)
+    keys = [federation.join((i,), honest=False) for i in range(n)]
+    info = RunInfo("r", RUN.problem.model_copy(update={"num_clients": n}), RUN.seed, 0.0)
+    pool = MemoryPool(federation)
+    start(pool, info, *keys)
+
+    def all_fail() -> None:
+        for i, key in enumerate(keys[:-1]):
+            said = f"cannot read /data/site-{i}/patients.csv"
+            federation.send(key, pb.ClientMessage(failure=pb.Failure(run_id="r", round_id=1, reason=said)))
+
+    pool.meanwhile = all_fail
+    with pytest.raises(ClientLost) as lost:
+        pool.gradients(np.ones(6))
+    assert "/data/site-0/" in str(lost.value)
+    reason = _goodbye_reason(federation, lost.value)
+    assert "/data/site-" not in reason, reason

@@ -162,7 +162,7 @@ def test_refusals_are_short_and_the_log_is_not_flooded(caplog: pytest.LogCapture
         hello = pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=range(10_000), client_name=name))
         code, details = first_status(stub(iter([hello.SerializeToString()])))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
-        assert details.startswith("client indices [10, 11, 12, 13, 14, 15, 16, 17, ... and 9982 more] are outside")
+        assert details == "10000 client indices given; the federation has 10"  # (counted, not read)
         assert len(details) < 200
         for _ in range(60):  # a flood of refusals
             first_status(stub(iter([b"\xff not a protobuf"])))

@@ -117,7 +117,7 @@ def test_clients_missing_because_their_hello_was_refused_are_named_with_the_reas
     from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
     from fedsaddle.server.transport.events import MissingClients
 
-    hello = pb.ClientMessage(hello=pb.Hello(protocol_version=1, client_indices=[1, 0, 7], client_name="old"))
+    hello = pb.ClientMessage(hello=pb.Hello(protocol_version=1, client_indices=[1, 0], client_name="old"))
     with GrpcPool(2, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:
         stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
         with pytest.raises(grpc.RpcError) as refused:

@@ -27,6 +27,8 @@ def hello_indices(hello: pb.Hello, num_clients: int) -> tuple[int, ...]:
         raise Refusal(
             INVALID, f"protocol version {hello.protocol_version} is not supported (this coordinator speaks 2)"
         )
+    if len(hello.client_indices) > num_clients:  # (before reading them: a hostile Hello may list millions)
+        raise Refusal(INVALID, f"{len(hello.client_indices)} client indices given; the federation has {num_clients}")
     indices = tuple(int(i) for i in hello.client_indices)
     if not indices:
         raise Refusal(INVALID, "no client indices given")

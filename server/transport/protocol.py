@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -142,9 +142,10 @@ class Coordination:
         self.phase = Phase.IDLE
         self.shutting_down = False
         self.refusals = RefusalLog(log)
-        # What clients said in their Failures (the latest few): the run's failure names it to the operator, but
-        # the Goodbye to the other clients does not carry one client's own words to the rest of the federation.
-        self._failures_said: deque[str] = deque(maxlen=16)
+        # What clients said in their own words (a Failure's reason, a Ready's error), by client index: the run's
+        # failure quotes it to the operator, but the Goodbye to the other clients says instead that the client
+        # told the coordinator why (the phrase quoting it, what replaces it). At most n entries.
+        self._said: dict[int, tuple[str, str]] = {}
         # The run: its RunSpec (resent to sessions that rejoin), its dimension, the sample counts.
         self.run: RunInfo | None = None
         self._spec: bytes | None = None
@@ -441,8 +442,8 @@ class Coordination:
         """Say goodbye to every live session; each may then close its side."""
         self.abandon()
         self.phase, self.shutting_down = Phase.CLOSED, True
-        for said in self._failures_said if outcome == pb.FAILED else ():
-            reason = reason.replace(f" failed: {said} during ", " failed (it told the coordinator why) during ")
+        for phrase, instead in set(self._said.values()) if outcome == pb.FAILED else ():
+            reason = reason.replace(phrase, instead)
         goodbye = pb.Instruction(goodbye=pb.Goodbye(reason=reason, outcome=outcome)).SerializeToString()
         actions: list[Action] = []
         for session in self.registry.live():
@@ -588,7 +589,10 @@ class Coordination:
     def _problem_with(self, session: Session, ready: pb.Ready, run: RunInfo) -> str | None:
         """Why a session's Ready does not let the run go on, or None."""
         if ready.error:
-            return f"{session.describe()} cannot serve run {run.run_id}: {printable(ready.error, 512)}"
+            said = f"cannot serve run {run.run_id}: {printable(ready.error, 512)}"
+            for index in session.indices:
+                self._said[index] = (said, f"cannot serve run {run.run_id} (it told the coordinator why)")
+            return f"{session.describe()} {said}"
         if ready.dimension != run.dimension:
             return (
                 f"{session.describe()} has data of dimension {ready.dimension}, "
@@ -755,7 +759,8 @@ class Coordination:
             self._ready(session, message.ready, now, actions)
         elif kind == "failure":  # the client cannot go on: the round fails with its reason, at once
             reason = printable(message.failure.reason, 1024) or "no reason given"
-            self._failures_said.append(reason)
+            for index in session.indices:
+                self._said[index] = (f" failed: {reason}", " failed (it told the coordinator why)")
             self._close(session, f"failed: {reason}", now, final=True)
             actions.append(End(session.key, None))
         elif kind == "unmasked":

@@ -11,8 +11,7 @@ object (protocol.py) owns these, and the servicer only counts streams (Admission
 from __future__ import annotations
 
 import enum
-import itertools
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -176,11 +175,12 @@ class Registry:
             self.refused.pop(i, None)
         self._live = None
 
-    def refuse(self, peer: str, claimed: Iterable[int], details: str) -> None:
+    def refuse(self, peer: str, claimed: Sequence[int], details: str) -> None:
         """A session that claimed these indices was refused (`details`): the ones no live session holds may
         be missing because of it, which `why_missing` then says."""
-        # (a hostile Hello may list millions: as many as a federation could hold are looked at)
-        indices = sorted({i for i in itertools.islice(claimed, 2 * self.num_clients) if 0 <= i < self.num_clients})
+        if len(claimed) > self.num_clients:  # no honest claim (a hostile Hello may list millions): not read
+            return
+        indices = sorted({i for i in claimed if 0 <= i < self.num_clients})
         claim = f"a session from {peer} claiming {some(indices)} was refused: {details}"
         for i in indices:
             if i not in self.owner:
