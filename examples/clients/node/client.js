@@ -465,12 +465,13 @@ class Session {
       `a ${task.kind} task of ${task.payload_length} entries; ${entries} expected`);
     const answer = { run_id: task.run_id, round_id: task.round_id, client_indices: indices };
     let rows;
+    let objective = [];
     if (task.kind === 'GRADIENT') {
       // No gradient noise in a run served here: the mean of `batch` estimates is G_i(z) itself.
       length(dimension);
       const z = decodeVector(payload, dimension);
       rows = clients.map((c) => c.gradient(z, lam));
-      if (task.gradient?.want_objective) answer.objective = encodeVectors([clients.map((c) => c.objective(z, lam))]);
+      if (task.gradient?.want_objective) objective = clients.map((c) => c.objective(z, lam));
     } else if (task.kind === 'LOCAL_STEPS') {
       const local = task.local;
       must(['NONE', 'SCAFFOLD'].includes(local.correction), `unknown correction ${local.correction}`);
@@ -483,20 +484,26 @@ class Session {
       const vectors = decodeVector(payload, task.payload_length);
       const [start, control] = [vectors.subarray(0, dimension), scaffold ? vectors.subarray(dimension) : null];
       rows = clients.map((c) => localSteps(c, lam, local, start, control));
-      // A step size too large overflows: say the run diverged, with an empty payload.
-      if (!rows.every((row) => row.every(Number.isFinite))) return this.send({ answer: { ...answer, diverged: true } });
     } else if (task.kind === 'EVALUATE') {
       must(task.metric_names.join() === 'test_mse', `metrics [${task.metric_names}] are not linear_regression's`);
       length(dimension);
       const z = decodeVector(payload, dimension);
-      // A client without held-out rows answers 0 with a count of 0 (a NaN would be refused).
-      rows = clients.map((c) => [c.testRows ? c.testMse(z) : 0]);
-      answer.sample_counts = clients.map((c) => c.testRows);
+      // A client whose test_mse is undefined (no held-out rows) or overflowed answers 0 with a
+      // count of 0, as fedsaddle's client does (a NaN would be refused).
+      const values = clients.map((c) => (c.testRows ? c.testMse(z) : NaN));
+      rows = values.map((value) => [Number.isFinite(value) ? value : 0]);
+      answer.sample_counts = clients.map((c, k) => (Number.isFinite(values[k]) ? c.testRows : 0));
     } else if (task.kind === 'COMPUTE') {
       must(false, `this client has no local computation '${task.compute?.name}'`);
     } else {
       must(false, `unknown task kind ${task.kind}`);
     }
+    // A step size too large overflows: the answer then says the run diverged, with an empty payload
+    // (the arithmetic page, "Vectors": non-finite values are refused).
+    if (!rows.every((row) => row.every(Number.isFinite)) || !objective.every(Number.isFinite)) {
+      return this.send({ answer: { ...answer, diverged: true } });
+    }
+    if (objective.length) answer.objective = encodeVectors([objective]);
     this.sendAnswer(answer, encodeVectors(rows));
   }
 
