@@ -170,23 +170,38 @@ class Short(DataProblem):
 """
 
 
+def run_on_plugin(
+    tmp_path: Path,
+    module: str,
+    source: str,
+    config: dict[str, Any],
+    *,
+    features: int,
+    command: str = "local",
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """`fedsaddle COMMAND` (simulate or local) on a plug-in problem: its module, each client's data file (4 rows
+    of `features` ones) and the config written to tmp_path, the run's outputs under tmp_path / COMMAND."""
+    (tmp_path / f"{module}.py").write_text(source)
+    for i in range(config["problem"]["num_clients"]):
+        np.savez(tmp_path / f"client-{i}.npz", X=np.ones((4, features)), y=np.ones(4))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {**CLIENT_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    args = [sys.executable, "-m", "fedsaddle", command, "--config", str(tmp_path / "run.yaml")]
+    args += ["--data", str(tmp_path / "client-{i}.npz"), "--out", str(tmp_path / command)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 def test_a_federation_on_a_broken_plugin_fails_before_round_one_naming_the_client_and_the_fault(
     tmp_path: Path,
 ) -> None:
-    (tmp_path / "short_problem.py").write_text(PLUGIN)
-    for i in range(3):
-        np.savez(tmp_path / f"client-{i}.npz", X=np.ones((4, 3)), y=np.ones(4))
     config = {
         "problem": {"name": "short", "plugin": "short_problem:Short", "num_clients": 3},
         "rounds": 5,
         "algorithms": [{"name": "minibatch_md", "gamma": 0.1}],
         "output": {"plot": False},
     }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    env = {**CLIENT_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(tmp_path / "run.yaml")]
-    command += ["--data", str(tmp_path / "client-{i}.npz"), "--out", str(tmp_path / "runs")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    done = run_on_plugin(tmp_path, "short_problem", PLUGIN, config, features=3)
     assert done.returncode == 1, done.stderr
     assert "cannot serve run" in done.stderr
     assert (
@@ -213,9 +228,6 @@ def test_a_mistake_a_client_meets_mid_run_is_named_by_the_coordinator_not_taken_
     # The start-up checks pass, at z = 0 and z0 = (1, ..., 1); the second round's z does not. The client
     # process tells the coordinator why it stops (a Failure), which fails the round at once naming the client
     # and the fault, instead of "disconnected" and a wait for a rejoin that will not come.
-    (tmp_path / "late_problem.py").write_text(LATE_SHORT)
-    for i in range(2):
-        np.savez(tmp_path / f"client-{i}.npz", X=np.ones((4, 3)), y=np.ones(4))
     config = {
         "problem": {"name": "late", "plugin": "late_problem:Late", "num_clients": 2},
         "rounds": 5,
@@ -223,17 +235,13 @@ def test_a_mistake_a_client_meets_mid_run_is_named_by_the_coordinator_not_taken_
         "transport": {"rejoin_timeout_s": 60},
         "output": {"plot": False},
     }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    env = {**CLIENT_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(tmp_path / "run.yaml")]
-    command += ["--data", str(tmp_path / "client-{i}.npz"), "--out", str(tmp_path / "runs")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=50, env=env)
+    done = run_on_plugin(tmp_path, "late_problem", LATE_SHORT, config, features=3, timeout=50)
     assert done.returncode == 1, done.stderr
     fault = r"problem 'late': gradient\(\) on client (\d)'s data returned shape \(3,\)"
     named = re.search(r"run failed: client (\d) \(.*\) failed: " + fault + r".* during round 2\n", done.stderr)
     assert named is not None and named[1] == named[2], done.stderr  # (either client may fail first)
     assert "disconnected" not in done.stderr
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    (run_dir,) = (tmp_path / "local").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert re.search(fault, summary["transport"]["failure"]), summary["transport"]
 
@@ -258,9 +266,6 @@ def test_a_signal_that_lands_inside_a_problem_method_is_not_taken_for_its_mistak
 def test_a_nan_that_appears_later_on_a_simplex_ends_the_run_as_diverged_not_as_a_crash(tmp_path: Path) -> None:
     # The projection onto a simplex of an iterate with a NaN in it used to raise an IndexError, which
     # ended `simulate` with "error: index -1 is out of bounds" and a client process mid-round.
-    (tmp_path / "late_nan.py").write_text(LATE_NAN)
-    for i in range(2):
-        np.savez(tmp_path / f"client-{i}.npz", X=np.ones((4, 2)), y=np.ones(4))
     config = {
         "problem": {"name": "late_nan", "plugin": "late_nan:LateNan", "num_clients": 2},
         "rounds": 6,
@@ -269,12 +274,8 @@ def test_a_nan_that_appears_later_on_a_simplex_ends_the_run_as_diverged_not_as_a
         "algorithms": [{"name": "minibatch_md", "gamma": 0.1}, {"name": "scaffold_s", "gamma_local": 0.1}],
         "output": {"plot": False},
     }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    env = {**CLIENT_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     for command in ("simulate", "local"):
-        args = [sys.executable, "-m", "fedsaddle", command, "--config", str(tmp_path / "run.yaml")]
-        args += ["--data", str(tmp_path / "client-{i}.npz"), "--out", str(tmp_path / command)]
-        done = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+        done = run_on_plugin(tmp_path, "late_nan", LATE_NAN, config, features=2, command=command)
         assert done.returncode == 0, done.stderr
         assert "error" not in done.stderr and "disconnected" not in done.stderr, done.stderr
         (run_dir,) = (tmp_path / command).iterdir()
