@@ -119,14 +119,13 @@ class ProblemShards:
                     f"({nan.size} of its {self.dimension} entries are nan)"
                 )
 
-    def _not_numbers(self, name: str, j: int, value: Any) -> ProblemError | None:
+    def _require_numbers(self, name: str, j: int, value: Any) -> None:
         """ProblemError naming what `name` returned if its entries are not real numbers (None, text, ...)."""
-        kind = np.asarray(value).dtype.kind
-        if kind in "biuf":
-            return None
+        if np.asarray(value).dtype.kind in "biuf":
+            return
         shown = repr(value)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        return ProblemError(f"{self._where(name, j)} returned {shown} ({type(value).__name__}); it must return numbers")
+        raise ProblemError(f"{self._where(name, j)} returned {shown} ({type(value).__name__}); it must return numbers")
 
     def _where(self, name: str, j: int) -> str:
         return f"problem {self.problem.spec.name!r}: {name}() on client {self.indices[j]}'s data"
@@ -150,8 +149,7 @@ class ProblemShards:
                     f"{self._where('gradient', j)} returned shape {np.shape(g)}; "
                     f"G_i(z) has dim_x + dim_y = {dim_x} + {dim_y} = {self.dimension} entries"
                 )
-            if (fault := self._not_numbers("gradient", j, g)) is not None:
-                raise fault
+            self._require_numbers("gradient", j, g)
             target: tuple[slice | int, ...] = (slice(None), *where)
             out[target] = g
         return out
@@ -164,8 +162,7 @@ class ProblemShards:
                 raise ProblemError(
                     f"{self._where('objective', j)} returned shape {np.shape(value)}; f_i(z) is a number"
                 )
-            if (fault := self._not_numbers("objective", j, value)) is not None:
-                raise fault
+            self._require_numbers("objective", j, value)
             values[where] = value
         return values
 
@@ -182,8 +179,7 @@ class ProblemShards:
                         f"{self._where('metrics', j)} returned shape {np.shape(found)}; "
                         f"it must give one value per metric name {list(names)}"
                     )
-                if (fault := self._not_numbers("metrics", j, found)) is not None:
-                    raise fault
+                self._require_numbers("metrics", j, found)
                 values[j] = found
                 counts[j] = data.heldout
         return values, counts
