@@ -60,9 +60,8 @@ def _differences(a: Path, b: Path) -> Iterator[str]:
     if list(algorithms_a) != list(algorithms_b):
         yield f"summary.json: algorithms {list(algorithms_a)} vs {list(algorithms_b)}"
     for name in algorithms_a.keys() & algorithms_b.keys():
-        entry_a, entry_b = _without_one_sided_reference(_strip(algorithms_a[name]), _strip(algorithms_b[name]))
-        yield from _compare(entry_a, entry_b, f"summary.json {name}")
         entry_a, entry_b = algorithms_a[name], algorithms_b[name]
+        yield from _compare(*_without_one_sided_reference(_strip(entry_a), _strip(entry_b)), f"summary.json {name}")
         yield from _compare_iterates(a, b, name, entry_a, entry_b)
     yield from _compare_records(a / "metrics.jsonl", b / "metrics.jsonl")
 
