@@ -758,10 +758,10 @@ class Coordination:
         if kind == "ready":
             self._ready(session, message.ready, now, actions)
         elif kind == "failure":  # the client cannot go on: the round fails with its reason, at once
-            reason = printable(message.failure.reason, 1024) or "no reason given"
+            failed = f"failed: {printable(message.failure.reason, 1024) or 'no reason given'}"
             for index in session.indices:
-                self._said[index] = (f" failed: {reason}", " failed (it told the coordinator why)")
-            self._close(session, f"failed: {reason}", now, final=True)
+                self._said[index] = (f" {failed}", " failed (it told the coordinator why)")
+            self._close(session, failed, now, final=True)
             actions.append(End(session.key, None))
         elif kind == "unmasked":
             unmasking = self._unmasking

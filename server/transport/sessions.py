@@ -164,11 +164,11 @@ class Registry:
         taken = [i for i in session.indices if i in self.owner]
         if taken:
             holder = self.owner[taken[0]]
-            details = (
+            raise Refusal(
+                grpc.StatusCode.ALREADY_EXISTS,
                 f"client indices {some(taken)} are already connected: {holder.describe()} holds "
-                f"{'them' if len(taken) > 1 else 'it'}"
+                f"{'them' if len(taken) > 1 else 'it'}",
             )
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, details)
         for i in session.indices:
             self.owner[i] = session
             self.lost.pop(i, None)
