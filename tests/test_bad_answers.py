@@ -115,6 +115,14 @@ class HandClient:
         return pb.RejectCode.Name(instruction.rejected.code)
 
 
+def two_joined(pool: GrpcPool, channel: grpc.Channel) -> tuple[HandClient, HandClient]:
+    """Hand-driven sessions for clients 0 and 1, welcomed, and the pool holding both."""
+    first, second = HandClient(channel, [0]), HandClient(channel, [1])
+    first.welcome(), second.welcome()
+    pool.wait_for_clients(10)
+    return first, second
+
+
 def answer(header: pb.Answer, values: np.ndarray[Any, Any] | None = None, **fields: Any) -> pb.ClientMessage:
     bad = pb.Answer()
     bad.CopyFrom(header)
@@ -151,9 +159,7 @@ def test_bad_answers_are_rejected_and_the_run_ends_as_if_they_never_came() -> No
     outcome: dict[str, AlgorithmResult] = {}
     channel = grpc.insecure_channel(pool.address)
     try:
-        first, second = HandClient(channel, [0]), HandClient(channel, [1])
-        first.welcome(), second.welcome()
-        pool.wait_for_clients(10)
+        first, second = two_joined(pool, channel)
         runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(RUN.algorithms[0], RUN, pool)))
         runner.start()
         codes: list[tuple[str, str]] = []
@@ -214,9 +220,7 @@ def test_an_answer_refused_at_a_chunk_has_its_other_chunks_read_and_dropped_not_
     result: dict[str, Any] = {}
     with grpc.insecure_channel(pool.address) as channel:
         try:
-            first, second = HandClient(channel, [0]), HandClient(channel, [1])
-            first.welcome(), second.welcome()
-            pool.wait_for_clients(10)
+            first, second = two_joined(pool, channel)
             rounds = threading.Thread(
                 target=lambda: (pool.start_run(info), result.setdefault("answers", pool.gradients(z)))
             )
@@ -267,9 +271,7 @@ def test_the_other_clients_are_told_a_client_failed_but_not_in_its_own_words() -
 
     with grpc.insecure_channel(pool.address) as channel:
         try:
-            first, second = HandClient(channel, [0]), HandClient(channel, [1])
-            first.welcome(), second.welcome()
-            pool.wait_for_clients(10)
+            first, second = two_joined(pool, channel)
             rounds = threading.Thread(target=one_round)
             rounds.start()
             task = first.next_task()
@@ -294,9 +296,7 @@ def test_the_other_clients_are_told_a_client_failed_but_not_in_its_own_words() -
 def test_a_straggler_refused_once_a_round_stays_and_a_flood_of_refusals_in_one_round_ends_the_session() -> None:
     pool = GrpcPool(2, "127.0.0.1:0", straggler_deadline_s=0.05, min_clients=1)
     with grpc.insecure_channel(pool.address) as channel:
-        straggler, prompt = HandClient(channel, [0]), HandClient(channel, [1])
-        straggler.welcome(), prompt.welcome()
-        pool.wait_for_clients(10)
+        straggler, prompt = two_joined(pool, channel)
         run = config(problem={"name": "paper_regression", "num_clients": 2, "dim": 3}, algorithms=RUN.algorithms)
         rounds = threading.Thread(
             target=lambda: (
@@ -343,9 +343,7 @@ def test_an_answer_with_huge_finite_entries_is_used_and_numpy_does_not_warn() ->
         grpc.insecure_channel(pool.address) as channel,
     ):
         warnings.simplefilter("always")
-        first, second = HandClient(channel, [0]), HandClient(channel, [1])
-        first.welcome(), second.welcome()
-        pool.wait_for_clients(10)
+        first, second = two_joined(pool, channel)
         runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
         runner.start()
         good = first.good(first.next_task())
@@ -386,9 +384,7 @@ def test_a_second_hello_mid_round_ends_that_session_alone_and_it_may_rejoin() ->
     run = config(**{**RUN.model_dump(), "algorithms": [{"name": "minibatch_md", "gamma": 0.05}]})
     outcome: dict[str, AlgorithmResult] = {}
     with GrpcPool(2, "127.0.0.1:0", rejoin_timeout_s=10) as pool, grpc.insecure_channel(pool.address) as channel:
-        steady, offender = HandClient(channel, [0]), HandClient(channel, [1])
-        steady.welcome(), offender.welcome()
-        pool.wait_for_clients(10)
+        steady, offender = two_joined(pool, channel)
         runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
         runner.start()
         task = steady.next_task()
@@ -555,9 +551,7 @@ def test_a_client_that_sends_anything_before_its_answers_cannot_change_the_run_o
 
     channel = grpc.insecure_channel(pool.address)
     try:
-        hostile, honest = HandClient(channel, [0]), HandClient(channel, [1])
-        hostile.welcome(), honest.welcome()
-        pool.wait_for_clients(10)
+        hostile, honest = two_joined(pool, channel)
         runner = threading.Thread(target=run)
         runner.start()
         hostile_alive = True

@@ -247,16 +247,14 @@ def test_a_session_lost_mid_round_is_replaced_and_sent_the_task_again() -> None:
 
     import grpc
     import numpy as np
-    from test_bad_answers import HandClient
+    from test_bad_answers import HandClient, two_joined
 
     from fedsaddle.proto import fedsaddle_pb2 as pb
     from fedsaddle.server.transport.grpc_pool import GrpcPool
 
     run = config(problem={**PROBLEM, "num_clients": 2}, algorithms=[{"name": "minibatch_md", "gamma": 0.1}])
     with GrpcPool(2, "127.0.0.1:0", rejoin_timeout_s=10) as pool, grpc.insecure_channel(pool.address) as channel:
-        steady, leaving = HandClient(channel, [0]), HandClient(channel, [1])
-        steady.welcome(), leaving.welcome()
-        pool.wait_for_clients(10)
+        steady, leaving = two_joined(pool, channel)
         outcome: dict[str, Any] = {}
         runner = threading.Thread(target=lambda: outcome.setdefault("r", run_algorithm(run.algorithms[0], run, pool)))
         runner.start()
