@@ -4,8 +4,12 @@ A grpc.aio server; one process per client dials out and holds one bidirectional
 stream of raw bytes (no protobuf, no numpy); each round the server writes P
 bytes to every stream and waits for P bytes back from each. Nothing is
 computed: this is what moving the same bytes through gRPC in Python costs.
+Its event loops are asyncio's own, as a bare grpc.aio program's are; `--loop
+uvloop` runs server and clients on uvloop's, as fedsaddle's run where it is
+installed (common/eventloop.py).
 
     python bench/anchor.py --clients 10 --bytes 160 16000000 --rounds 100
+    python bench/anchor.py --loop uvloop
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ import grpc
 
 METHOD = "/anchor.Anchor/Exchange"
 OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+LOOPS = ("asyncio", "uvloop")
+
+
+def new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 def _same(data: bytes) -> bytes:
@@ -87,8 +100,9 @@ class Floor:
     let both see the same machine.
     """
 
-    def __init__(self, clients: int) -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, clients: int, loop: str = "asyncio") -> None:
+        self.kind = loop
+        self.loop = new_loop(loop)
         self.anchor = Anchor(clients)
         self.processes: list[subprocess.Popen[bytes]] = []
         self.server: grpc.aio.Server | None = None
@@ -105,7 +119,8 @@ class Floor:
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         self.processes = [
-            subprocess.Popen([sys.executable, __file__, "client", f"127.0.0.1:{port}"]) for _ in range(clients)
+            subprocess.Popen([sys.executable, __file__, "client", f"127.0.0.1:{port}", self.kind])
+            for _ in range(clients)
         ]
         await asyncio.wait_for(self.anchor.ready.wait(), 120)
 
@@ -140,9 +155,11 @@ class Floor:
             await asyncio.sleep(0.01)
 
 
-def measure(clients: int, sizes: list[int], rounds: int, warmup: int = 3) -> dict[int, list[float]]:
+def measure(
+    clients: int, sizes: list[int], rounds: int, warmup: int = 3, loop: str = "asyncio"
+) -> dict[int, list[float]]:
     """Round times for each payload size, with `clients` client processes."""
-    floor = Floor(clients)
+    floor = Floor(clients, loop)
     try:
         times: dict[int, list[float]] = {}
         for size in sizes:
@@ -154,15 +171,17 @@ def measure(clients: int, sizes: list[int], rounds: int, warmup: int = 3) -> dic
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "client":
-        asyncio.run(client(sys.argv[2]))
+    if len(sys.argv) > 3 and sys.argv[1] == "client":
+        with asyncio.Runner(loop_factory=lambda: new_loop(sys.argv[3])) as runner:
+            runner.run(client(sys.argv[2]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--bytes", type=int, nargs="+", default=[160, 16_000_000])
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--loop", choices=LOOPS, default="asyncio", help="the event loops of server and clients")
     args = parser.parse_args()
-    for size, times in measure(args.clients, args.bytes, args.rounds).items():
+    for size, times in measure(args.clients, args.bytes, args.rounds, loop=args.loop).items():
         print(f"{size:>10} bytes: median {1e3 * statistics.median(times):.3f} ms")
 
 

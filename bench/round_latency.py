@@ -13,6 +13,11 @@ if set).
     python bench/round_latency.py --dims 1e6 --rounds 20 --chunk-bytes 4194304
     python bench/round_latency.py --dims 1e6 --rounds 20 --receive-window-mib 1
     python bench/round_latency.py --dims 1e6 --rounds 20 --client-window-mib 0   # the clients' window: gRPC's own
+    python bench/round_latency.py --dims 10 --anchor-loop uvloop   # the anchor on uvloop too
+    FEDSADDLE_EVENT_LOOP=asyncio python bench/round_latency.py --dims 10   # fedsaddle on asyncio's own loop
+
+fedsaddle's processes run on uvloop where it is installed (common/eventloop.py);
+the anchor's on asyncio's own loop unless --anchor-loop says otherwise.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from anchor import Floor
+from anchor import LOOPS, Floor
 from procfs import thread_cpu_seconds
 
-from fedsaddle.common import wire
+from fedsaddle.common import eventloop, wire
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.launch import reap, start_clients
@@ -75,13 +80,14 @@ def main() -> None:
         default=None,
         help="the clients' own receive window (fedsaddle client --receive-window-mib; 0: gRPC's own)",
     )
+    parser.add_argument("--anchor-loop", choices=LOOPS, default="asyncio", help="the anchor's event loops")
     args = parser.parse_args()
     try:  # before any process starts
         wire.check_chunk_bytes(args.chunk_bytes)
     except ValueError as exc:
         parser.error(f"--chunk-bytes: {exc}")
     n, dims = args.clients, [int(v) for v in args.dims]
-    floor = Floor(n)
+    floor = Floor(n, args.anchor_loop)
     window = Limits(receive_window_mib=args.receive_window_mib)
     pool = GrpcPool(n, "127.0.0.1:0", round_timeout_s=600, chunk_bytes=args.chunk_bytes, limits=window)
     client_window = [] if args.client_window_mib is None else ["--receive-window-mib", str(args.client_window_mib)]
@@ -120,6 +126,7 @@ def main() -> None:
         reap(processes)
         floor.close()
     print(f"{n} client processes on 127.0.0.1, {len(rows[0][1]) if rows else 0} rounds each; ms, median [q1, q3]")
+    print(f"event loops: fedsaddle {eventloop.chosen()}, bare gRPC {floor.kind}")
     header = (
         f"{'d':>9} {'fedsaddle gRPC':>26} {'in-process':>24} {'transport':>10} {'bare gRPC':>24} "
         f"{'ratio':>6} {'MB/round':>9}"

@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 
 from fedsaddle.client.probe import TlsFiles, probe
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
-from fedsaddle.common import blas, wire
+from fedsaddle.common import blas, eventloop, wire
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.stop import Stopped
 from fedsaddle.common.text import printable
@@ -356,6 +356,7 @@ def serve(options: ClientOptions) -> None:
     """Run the client; SIGTERM ends it cleanly (the stream closes, the coordinator is told)."""
 
     tune_malloc()
+    log.debug("event loop: %s", eventloop.chosen())  # (an unknown choice is refused here, before anything starts)
     blas.apply()  # the count every process of the run uses, whatever the environment held (common/blas.py)
     # A diverging run overflows; its answers say so (Answer.diverged), so numpy need not warn.
     np.seterr(over="ignore", invalid="ignore")
@@ -398,4 +399,4 @@ def serve(options: ClientOptions) -> None:
             if sigint is not None:
                 signal.signal(signal.SIGINT, sigint)
 
-    asyncio.run(session())
+    eventloop.run(session())

@@ -1216,12 +1216,13 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     for library in ("matplotlib", "PIL"):  # -v is fedsaddle's debug details, not a font search's hundred lines
         logging.getLogger(library).setLevel(max(level, logging.INFO))
+    from fedsaddle.common.eventloop import EventLoopChoiceError
     from fedsaddle.common.stop import Stopped
     from fedsaddle.server.config import ConfigError
 
     try:
         code: int = args.func(args)
-    except (ConfigError, UsageError) as exc:
+    except (ConfigError, UsageError, EventLoopChoiceError) as exc:
         print(f"fedsaddle: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Stopped:

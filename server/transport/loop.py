@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from fedsaddle.common import eventloop
+
 T = TypeVar("T")
 log = logging.getLogger("fedsaddle.coordinator")
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -44,7 +46,8 @@ class LoopRunner:
     """An event loop run by whichever thread calls `run`, and by a keeper thread in between."""
 
     def __init__(self, idle_s: float = 0.02) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = eventloop.new_event_loop()
+        log.debug("event loop: %s", eventloop.chosen())
         self.idle_s = idle_s
         self._owner = threading.Lock()  # held by the thread that runs the loop
         self._state = threading.Lock()  # guards the two fields below
