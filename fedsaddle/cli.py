@@ -1019,7 +1019,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seeds",
         type=positive_int,
-        help="seeds per setting (default 5; 1 with --transport grpc; the docs use 20; 10 for dp; 3 for compare)",
+        help="seeds per setting (default 5, or 1 with --transport grpc; the docs use 20; 10 for dp and agnostic; "
+        "3 for compare)",
     )
     p.add_argument(
         "--s",
@@ -1030,7 +1031,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds",
         type=positive_int,
-        help="communication budget per run (default 500; 1000 for problems; 20 for dp; 300 for compare)",
+        help="communication budget per run (default 500; 1000 for problems; 20 for dp; 2000 for agnostic; 300 for "
+        "compare)",
     )
     p.add_argument(
         "--epsilons", type=positive_float, nargs="+", help="dp: target epsilons (default 0.5 1 2 4 8; delta 1e-5)"
