@@ -1126,7 +1126,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how rows are dealt: equal shares, Dirichlet label skew, or one client per value of --by",
     )
     p.add_argument("--by", metavar="COLUMN", help="the site column of --partition by-column (one client per value)")
-    p.add_argument("--clients", type=positive_int, help="number of clients (files); by-column: the sites'")
+    p.add_argument("--clients", type=positive_int, help="number of clients (files); by-column: the number of sites")
     p.add_argument("--alpha", type=positive_float, default=0.5, help="Dirichlet concentration of label-skew")
     p.add_argument("--test-fraction", type=positive_float, default=0.2, help="share of rows held out for evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed of the split")
