@@ -668,3 +668,24 @@ def test_no_failing_clients_words_reach_the_goodbye_however_many_fail() -> None:
     assert "/data/site-0/" in str(lost.value)
     reason = _goodbye_reason(federation, lost.value)
     assert "/data/site-" not in reason, reason
+
+
+def test_a_failure_whose_words_begin_anothers_does_not_uncover_the_rest_of_them() -> None:
+    # Client 1 fails in words that are the start of client 0's ("cannot"): replacing its phrase first inside
+    # client 0's would leave the rest of client 0's words ("read /data/...") in the Goodbye to everyone.
+    federation = Federation(3)
+    keys = [federation.join((i,), honest=False) for i in range(3)]
+    info = RunInfo("r", RUN.problem.model_copy(update={"num_clients": 3}), RUN.seed, 0.0)
+    pool = MemoryPool(federation)
+    start(pool, info, *keys)
+
+    def both_fail() -> None:
+        for key, said in ((keys[0], SAID), (keys[1], "cannot")):
+            federation.send(key, pb.ClientMessage(failure=pb.Failure(run_id="r", round_id=1, reason=said)))
+
+    pool.meanwhile = both_fail
+    with pytest.raises(ClientLost) as lost:
+        pool.gradients(np.ones(6))
+    assert SAID in str(lost.value)
+    reason = _goodbye_reason(federation, lost.value)  # (before the fix it leaked under half the hash seeds)
+    assert "patients" not in reason and "failed (it told the coordinator why)" in reason, reason

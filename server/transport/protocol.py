@@ -442,7 +442,10 @@ class Coordination:
         """Say goodbye to every live session; each may then close its side."""
         self.abandon()
         self.phase, self.shutting_down = Phase.CLOSED, True
-        for phrase, instead in set(self._said.values()) if outcome == pb.FAILED else ():
+        # Longest first: a client's words may begin another's (a hostile client's "cannot" inside an honest
+        # one's "cannot read /data/..."), and replacing the shorter first would leave the rest in the open.
+        said = sorted(set(self._said.values()), key=lambda pair: -len(pair[0])) if outcome == pb.FAILED else []
+        for phrase, instead in said:
             reason = reason.replace(phrase, instead)
         goodbye = pb.Instruction(goodbye=pb.Goodbye(reason=reason, outcome=outcome)).SerializeToString()
         actions: list[Action] = []
