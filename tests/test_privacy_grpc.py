@@ -58,14 +58,19 @@ def test_simulate_and_the_federation_agree_bit_for_bit_for_every_algorithm(tmp_p
         assert theirs.traffic["privacy"]["bytes_up"] > 0 and theirs.traffic["privacy"]["bytes_down"] > 0
 
 
-def test_algorithms_of_compute_tasks_go_through_secure_aggregation_bit_for_bit(tmp_path: Path) -> None:
-    # Local Extragradient and Local SGDA+ answer named local computations: masked like any answer.
+def test_the_newer_baselines_go_through_secure_aggregation_bit_for_bit(tmp_path: Path) -> None:
+    # Local Extragradient and Local SGDA+ answer named local computations, masked like any answer; FedGDA-GT's
+    # local steps start from the gathered G(z_t), itself a masked sum.
     config = yaml.safe_load((EXAMPLES / "paper-s10.yaml").read_text())
     config.update(
         rounds=20,
         privacy={"secure_aggregation": True},
         output={"plot": False},
-        algorithms=[{"name": "local_extragradient", "gamma": 0.01}, {"name": "local_sgda_plus", "eta_x": 0.01}],
+        algorithms=[
+            {"name": "local_extragradient", "gamma": 0.01},
+            {"name": "local_sgda_plus", "eta_x": 0.01},
+            {"name": "fedgda_gt", "eta": 0.01},
+        ],
     )
     alone = api.run(config, out=tmp_path)
     federated = api.run(config, transport="grpc", clients_per_process=3, out=tmp_path)
