@@ -224,6 +224,7 @@ def test_grpcs_late_event_for_a_closed_loop_is_no_error_and_other_callbacks_erro
         runner.close()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "another_callback" in errors[0].getMessage(), caplog.text
-    assert [r.getMessage() for r in caplog.records if r.name == "fedsaddle.coordinator"] == [
+    said = [r.getMessage() for r in caplog.records if r.name == "fedsaddle.coordinator"]
+    assert [m for m in said if not m.startswith("event loop: ")] == [
         "dropped a gRPC event of an event loop closed earlier"
     ]
