@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,8 @@ import pytest
 from fedsaddle.common import blas
 
 blas.set_environment()  # as every fedsaddle process does, before numpy loads (common/blas.py)
+
+import numpy as np  # noqa: E402
 
 from fedsaddle import launch  # noqa: E402
 from fedsaddle.launch import CLIENT_ENV  # noqa: E402
@@ -68,6 +71,24 @@ def listening_address(coordinator: subprocess.Popen[str]) -> str:
         if "coordinator listening on " in line:
             return line.split("coordinator listening on ")[1].split(";")[0].strip()
     raise AssertionError("the coordinator did not say where it listens")
+
+
+def linear_regression_files(
+    folder: Path, clients: int, features: int, seed: int, rows: tuple[int, int], held_out: tuple[int, int]
+) -> list[Path]:
+    """Each client's own data file for linear_regression (client-I.npz): its own true weights (heterogeneous
+    clients), rows[0] + I * rows[1] rows and held_out[0] + I * held_out[1] held-out ones (its test_mse's)."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(clients):
+        count, tests = rows[0] + rows[1] * i, held_out[0] + held_out[1] * i
+        x, x_test = rng.standard_normal((count, features)), rng.standard_normal((tests, features))
+        w = rng.standard_normal(features) + i
+        path = folder / f"client-{i}.npz"
+        y, y_test = x @ w + rng.standard_normal(count), x_test @ w + rng.standard_normal(tests)
+        np.savez(path, X=x, y=y, X_test=x_test, y_test=y_test)
+        paths.append(path)
+    return paths
 
 
 def config(**fields: Any) -> RunConfig:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import CLIENT_ENV, listening_address, stop_processes
+from conftest import CLIENT_ENV, linear_regression_files, listening_address, stop_processes
 
 from fedsaddle import api
 
@@ -56,22 +56,6 @@ def node_modules(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             pytest.skip(f"npm ci failed (no registry?): {next((s for s in said if 'Error' in s), said[0])}")
         (folder / "installed").write_text("npm ci finished\n")
     return folder / "node_modules"
-
-
-def write_client_files(folder: Path) -> None:
-    """Each client's own rows and true weights (heterogeneous clients), with held-out rows."""
-    rng = np.random.default_rng(7)
-    for i in range(CLIENTS):
-        rows, held_out = 60 + 20 * i, 10 + 5 * i
-        x, x_test = rng.standard_normal((rows, FEATURES)), rng.standard_normal((held_out, FEATURES))
-        w = rng.standard_normal(FEATURES) + i
-        np.savez(
-            folder / f"client-{i}.npz",
-            X=x,
-            y=x @ w + rng.standard_normal(rows),
-            X_test=x_test,
-            y_test=x_test @ w + rng.standard_normal(held_out),
-        )
 
 
 def run_config() -> dict[str, Any]:
@@ -132,7 +116,7 @@ def federate(folder: Path, config: dict[str, Any], node_modules: Path) -> tuple[
 def test_a_node_client_beside_a_fedsaddle_client_gives_the_in_process_counts_and_iterates(
     node_modules: Path, tmp_path: Path
 ) -> None:
-    write_client_files(tmp_path)
+    linear_regression_files(tmp_path, CLIENTS, FEATURES, seed=7, rows=(60, 20), held_out=(10, 5))
     api.run(run_config(), data=str(tmp_path / "client-{i}.npz"), out=tmp_path / "in-process")
     code, said, codes, logs = federate(tmp_path, run_config(), node_modules)
     assert code == 0, said
@@ -158,7 +142,7 @@ def test_a_node_client_beside_a_fedsaddle_client_gives_the_in_process_counts_and
 def test_a_node_client_refuses_a_run_with_gradient_noise_and_the_coordinator_names_it(
     node_modules: Path, tmp_path: Path
 ) -> None:
-    write_client_files(tmp_path)
+    linear_regression_files(tmp_path, CLIENTS, FEATURES, seed=7, rows=(60, 20), held_out=(10, 5))
     code, said, codes, logs = federate(tmp_path, {**run_config(), "gradient_noise": 0.1}, node_modules)
     assert code == 1 and codes == [1, 1], (said, logs)
     assert "clients [0, 2]" in said and "cannot serve run" in said, said

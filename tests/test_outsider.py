@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import stop_processes
+from conftest import linear_regression_files, stop_processes
 
 from fedsaddle import api
 from fedsaddle.launch import CLIENT_ENV
@@ -40,27 +40,6 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     code = protoc.main(["protoc", f"-I{proto.parent}", f"--python_out={out}", f"--grpc_python_out={out}", str(proto)])
     assert code == 0
     return out
-
-
-def client_files(folder: Path) -> list[Path]:
-    """Each client's rows: its own number of them, its own true weights (heterogeneous clients)."""
-    rng = np.random.default_rng(3)
-    paths = []
-    for i in range(CLIENTS):
-        rows = 150 + 40 * i
-        held_out = 20 + 10 * i  # the weights of each client's test_mse
-        x, x_test = rng.standard_normal((rows, FEATURES)), rng.standard_normal((held_out, FEATURES))
-        w = rng.standard_normal(FEATURES) + i
-        path = folder / f"client-{i}.npz"
-        np.savez(
-            path,
-            X=x,
-            y=x @ w + rng.standard_normal(rows),
-            X_test=x_test,
-            y_test=x_test @ w + rng.standard_normal(held_out),
-        )
-        paths.append(path)
-    return paths
 
 
 def run_config() -> dict[str, Any]:
@@ -91,7 +70,7 @@ def run_config() -> dict[str, Any]:
 
 
 def test_a_client_written_from_the_proto_alone_runs_every_algorithm(generated: Path, tmp_path: Path) -> None:
-    paths = client_files(tmp_path)
+    paths = linear_regression_files(tmp_path, CLIENTS, FEATURES, seed=3, rows=(150, 40), held_out=(20, 10))
     config = run_config()
     expected = api.run(config, data=str(tmp_path / "client-{i}.npz"), out=tmp_path / "in-process").results
 
