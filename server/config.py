@@ -614,6 +614,7 @@ class RunConfig(_Model):
         n = self.problem.num_clients
         per_round = max(1, round(self.participation.fraction * n))  # as sample_clients draws them
         settings = privacy.settings(n)
+        needed = round_threshold(settings, per_round)
         faults: list[Fault] = []
 
         def holds(check: Callable[[], None]) -> bool:
@@ -624,16 +625,13 @@ class RunConfig(_Model):
                 return False
             return True
 
-        threshold_holds = holds(
-            lambda: check_threshold(privacy.threshold or round_threshold(settings, per_round), per_round)
-        )
+        threshold_holds = holds(lambda: check_threshold(privacy.threshold or needed, per_round))
         holds(lambda: check_bound(n, settings.bound, privacy.scale_bits))
         neighbours_hold = holds(lambda: check_neighbours(settings.neighbours))
         quorum = self.participation.min_clients
         if quorum is None:
             return faults
         # The quorum is checked against a threshold and neighbours that are sound (else their fault says it all).
-        needed = round_threshold(settings, per_round)
         if threshold_holds and quorum < needed:
             why = f"{quorum} is fewer than the {needed} clients secure aggregation needs to unmask a round"
             faults.append((("participation", "min_clients"), why))
