@@ -33,10 +33,15 @@ def strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-def fedsaddle(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`fedsaddle ARGS` in a fresh process, to its end: exit code and text output."""
+def fedsaddle(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`fedsaddle ARGS` in a fresh process, to its end: exit code and text output. `env`: variables set for it
+    beside the clients' usual environment."""
     return subprocess.run(
-        [sys.executable, "-m", "fedsaddle", *args], capture_output=True, text=True, timeout=timeout, env=CLIENT_ENV
+        [sys.executable, "-m", "fedsaddle", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**CLIENT_ENV, **(env or {})},
     )
 
 

@@ -237,19 +237,13 @@ def test_simulate_and_local_warn_once_about_a_wrong_statistic(tmp_path: Path) ->
 
 
 def test_parquet_without_pyarrow_says_how_to_get_it(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    from fedsaddle.launch import CLIENT_ENV
-
     blocker = tmp_path / "blocker" / "pyarrow"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('pyarrow is not installed here')\n")
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
-    done = subprocess.run(
-        [sys.executable, "-m", "fedsaddle", "data", "split", str(tmp_path / "t.parquet"), "--target", "y",
-         "--clients", "2", "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=60, env={**CLIENT_ENV, "PYTHONPATH": str(tmp_path / "blocker")},
+    done = fedsaddle(
+        "data", "split", str(tmp_path / "t.parquet"), "--target", "y", "--clients", "2", "--out", str(tmp_path / "out"),
+        timeout=60, env={"PYTHONPATH": str(tmp_path / "blocker")},
     )  # fmt: skip
     assert done.returncode == 2
     assert "reading Parquet needs pyarrow: pip install 'fedsaddle[data]'" in done.stderr, done.stderr

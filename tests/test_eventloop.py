@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import CLIENT_ENV
+from conftest import fedsaddle
 
 from fedsaddle.common import eventloop
 
@@ -28,13 +27,7 @@ def _local(tmp_path: Path, choice: str) -> tuple[subprocess.CompletedProcess[str
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(RUN))
     out = tmp_path / choice
-    done = subprocess.run(
-        [sys.executable, "-m", "fedsaddle", "-v", "local", "--config", str(config), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**CLIENT_ENV, eventloop.VARIABLE: choice},
-    )
+    done = fedsaddle("-v", "local", "--config", str(config), "--out", str(out), env={eventloop.VARIABLE: choice})
     assert done.returncode == 0, done.stderr
     (run_dir,) = list(out.iterdir())
     return done, json.loads((run_dir / "summary.json").read_text())
@@ -58,26 +51,14 @@ def test_a_client_process_runs_on_the_loop_its_environment_chooses(choice: str) 
     if choice == "uvloop":
         pytest.importorskip("uvloop")
     command = ["-v", "client", "--coordinator", "127.0.0.1:9", "--clients", "0", "--connect-timeout", "0.5"]
-    done = subprocess.run(
-        [sys.executable, "-m", "fedsaddle", *command],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**CLIENT_ENV, eventloop.VARIABLE: choice},
-    )
+    done = fedsaddle(*command, timeout=60, env={eventloop.VARIABLE: choice})
     assert done.returncode == 1  # (no coordinator there)
     assert f"fedsaddle.client DEBUG event loop: {choice}" in done.stderr
 
 
 @pytest.mark.parametrize("command", [["local"], ["client", "--coordinator", "127.0.0.1:9", "--clients", "0"]])
 def test_an_event_loop_of_no_known_name_is_refused_naming_it(command: list[str]) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "fedsaddle", *command],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**CLIENT_ENV, eventloop.VARIABLE: "tokio"},
-    )
+    done = fedsaddle(*command, timeout=60, env={eventloop.VARIABLE: "tokio"})
     assert done.returncode == 2
     assert "FEDSADDLE_EVENT_LOOP='tokio' names no event loop: give uvloop, asyncio or auto" in done.stderr
     assert "Traceback" not in done.stderr
