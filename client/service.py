@@ -163,13 +163,14 @@ class _Garbled(NamedTuple):
     size: int
 
 
-def _parse(data: bytes) -> pb.Instruction | wire.RawChunk | _Garbled:
-    """A Chunk is read by hand, as a view into the message (no copy); anything else by protobuf."""
+def _parse(data: bytes) -> pb.Instruction | wire.RawChunk | wire.InlineTask | _Garbled:
+    """A Chunk, and a Task's large inline payload, are read by hand, as views into the message (no
+    copy); anything else by protobuf."""
     chunk = wire.read_chunk(data)
     if chunk is not None:
         return chunk
     try:
-        return pb.Instruction.FromString(data)
+        return wire.read_inline_task(data) or pb.Instruction.FromString(data)
     except DecodeError:
         return _Garbled(len(data))
 

@@ -100,18 +100,24 @@ class ClientSession:
             hello=pb.Hello(protocol_version=pb.PROTOCOL_VERSION_2, client_indices=list(self.indices), client_name=name)
         )
 
-    def handle(self, instruction: pb.Instruction | wire.RawChunk) -> Iterable[pb.ClientMessage | bytes]:
-        """Act on one instruction (a Chunk may come read by hand: wire.read_chunk); the messages to send
-        in reply, as protobuf messages or already serialized."""
+    def handle(
+        self, instruction: pb.Instruction | wire.RawChunk | wire.InlineTask
+    ) -> Iterable[pb.ClientMessage | bytes]:
+        """Act on one instruction (a Chunk, or a Task's inline payload, may come read by hand:
+        wire.read_chunk, wire.read_inline_task); the messages to send in reply, as protobuf messages or
+        already serialized."""
         if isinstance(instruction, wire.RawChunk):
             return self._chunk(instruction)
+        inline = None
+        if isinstance(instruction, wire.InlineTask):
+            instruction, inline = instruction
         kind = instruction.WhichOneof("body")
         if self._answers is None and kind in _AFTER_WELCOME:
             # Nothing of a run can be served before the Welcome gives the chunk size: an answer cut into
             # chunks of no size would never end (a hostile or broken coordinator's first message).
             raise ClientError(self._before_welcome(instruction, kind))
         if kind == "task":
-            return self._task_header(instruction.task)
+            return self._task_header(instruction.task, inline)
         if kind == "welcome":
             if self._answers is not None:  # one per session: a second would change the chunk size under a run
                 during = f" during run {self._run_name!r}" if self.run is not None else ""
@@ -149,9 +155,13 @@ class ClientSession:
             return []
         raise ClientError(f"unknown instruction {kind!r}")
 
-    def failure(self, instruction: pb.Instruction | wire.RawChunk, error: Exception) -> pb.ClientMessage:
+    def failure(
+        self, instruction: pb.Instruction | wire.RawChunk | wire.InlineTask, error: Exception
+    ) -> pb.ClientMessage:
         """What to tell the coordinator when `handle` raised `error` on `instruction`: this client cannot go
         on, and why (Failure: the coordinator fails the round at once, naming it)."""
+        if isinstance(instruction, wire.InlineTask):
+            instruction = instruction.instruction
         task = instruction.task if isinstance(instruction, pb.Instruction) and instruction.HasField("task") else None
         # The project's own errors name the fault in their text; any other is named by its type too.
         reason = str(error) if isinstance(error, ClientError | ValueError) else f"{type(error).__name__}: {error}"
@@ -165,9 +175,10 @@ class ClientSession:
             return f"task for run {run_id!r} before its RunSpec: the coordinator sent it before its Welcome"
         return f"the coordinator sent {_AFTER_WELCOME[kind]} before its Welcome"
 
-    def _task_header(self, task: pb.Task) -> Iterable[pb.ClientMessage | bytes]:
-        """A task: executed at once when its payload came inline, else its chunks are awaited."""
-        payload = task.payload  # (each read of a bytes field is a copy)
+    def _task_header(self, task: pb.Task, inline: memoryview | None = None) -> Iterable[pb.ClientMessage | bytes]:
+        """A task: executed at once when its payload came inline (`inline`, if read by hand), else its
+        chunks are awaited."""
+        payload = task.payload if inline is None else inline  # (each read of a bytes field is a copy)
         if payload or task.payload_length == 0:
             wire.check_inline(task.payload_length, payload)  # refused before anything of the task is kept
             return self._execute(task, payload)

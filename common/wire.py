@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 from google.protobuf.message import Message
@@ -271,6 +271,83 @@ def _tag(message: type[Message], field: str) -> bytes:
 
 _INSTRUCTION_TASK, _TASK_PAYLOAD = _tag(pb.Instruction, "task"), _tag(pb.Task, "payload")
 _MESSAGE_ANSWER, _ANSWER_PAYLOAD = _tag(pb.ClientMessage, "answer"), _tag(pb.Answer, "payload")
+M = TypeVar("M", bound=Message)
+
+
+# A large inline payload is read by hand too: protobuf copies it out of the received bytes into
+# its message, and again into a bytes object when the field is read; by hand it is a view, and only
+# the other fields (a few dozen bytes) go through protobuf, which checks them as it always does.
+
+
+class InlineTask(NamedTuple):
+    """A Task instruction whose inline payload was read by hand: `instruction` holds the Task without
+    its payload (the field is empty), and `payload` is a view into the received message, not a copy."""
+
+    instruction: pb.Instruction
+    payload: memoryview
+
+
+def read_inline_task(message: bytes) -> InlineTask | None:
+    """A Task instruction with a payload of at least BY_HAND_ABOVE bytes inline, read as protobuf
+    reads it but for the payload's copies; None for any other message, which protobuf then parses."""
+    read = _read_inline(message, pb.Instruction, "task", _INSTRUCTION_TASK, _TASK_PAYLOAD)
+    return None if read is None else InlineTask(*read)
+
+
+def read_inline_answer(message: bytes) -> tuple[pb.ClientMessage, memoryview] | None:
+    """An Answer with a payload of at least BY_HAND_ABOVE bytes inline: the ClientMessage without its
+    payload, and the payload as a view into `message`; None for any other message (see above)."""
+    return _read_inline(message, pb.ClientMessage, "answer", _MESSAGE_ANSWER, _ANSWER_PAYLOAD)
+
+
+def _read_inline(
+    message: bytes, kind: type[M], field: str, outer_tag: bytes, payload_tag: bytes
+) -> tuple[M, memoryview] | None:
+    """`message` if it is only the submessage `field` (key `outer_tag`), holding the payload (key
+    `payload_tag`) once and BY_HAND_ABOVE bytes at least: the message parsed by protobuf without the
+    payload's field, and the payload's view. None when the bytes are anything else (a field twice,
+    a group, a length past the end): protobuf then reads them, or refuses them, as before.
+
+    DecodeError as protobuf raises it, if the other fields are not valid."""
+    if len(message) < BY_HAND_ABOVE or message[0] != outer_tag[0]:
+        return None
+    end, key_wanted = len(message), payload_tag[0]
+    try:
+        size, start = _read_varint(message, 1)
+        if start + size != end:
+            return None
+        pos, span = start, None
+        while pos < end:
+            field_start, key = pos, message[pos]
+            key, pos = (key, pos + 1) if key < 0x80 else _read_varint(message, pos)  # (one byte: the usual key)
+            wire_type = key & 7
+            if wire_type == 0:
+                _, pos = _read_varint(message, pos)
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            elif wire_type == 2:
+                length, body = _read_varint(message, pos)
+                pos = body + length
+                if key == key_wanted:
+                    if span is not None:  # (protobuf keeps the last: left to it)
+                        return None
+                    span = (field_start, body, pos)
+            else:  # groups, and wire types that do not exist
+                return None
+            if pos > end:
+                return None
+    except (IndexError, ValueError):
+        return None
+    if span is None:
+        return None
+    field_start, body, field_end = span
+    parsed = kind()
+    inner = getattr(parsed, field)
+    inner.SetInParent()  # (set even when the payload was its only field)
+    inner.MergeFromString(message[start:field_start] + message[field_end:])
+    return parsed, memoryview(message)[body:field_end]
 
 
 def chunks(parts: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:

@@ -135,6 +135,19 @@ def test_chunked_local_steps_with_noise_match_the_in_process_run_bit_for_bit(alg
     assert remote.traffic["algorithm"]["bytes_down"] > 9 * 2 * 8 * 300_000  # every task really went
 
 
+@pytest.mark.parametrize("algorithm", FIVE, ids=lambda a: a["name"])
+def test_large_inline_payloads_read_by_hand_match_the_in_process_run_bit_for_bit(algorithm: dict[str, Any]) -> None:
+    # dim 2e4: z is 320 kB, over the 64 KiB from which an inline payload is read by hand (a view into the
+    # received message, not protobuf's copies), and under the 2 MiB chunk: tasks and answers go inline.
+    problem = {"name": "paper_regression", "num_clients": 3, "dim": 20_000, "s": 5.0}
+    run = config(problem=problem, algorithms=[algorithm], rounds=6, seed=4)
+    with federation(3) as pool:
+        remote = run_algorithm(run.algorithms[0], run, pool)
+    assert_same_run(remote, run_algorithm(run.algorithms[0], run, LocalPool()))
+    traffic = remote.traffic["algorithm"]
+    assert traffic["messages_up"] >= 3 and traffic["bytes_up"] > traffic["messages_up"] * 8 * 40_000  # whole z
+
+
 def test_a_vector_of_ten_million_entries_travels_end_to_end() -> None:
     # dim 5e6: z = (x, y) has 1e7 float64 entries, 80 MB, 40 chunks of 2 MiB each way.
     problem = {"name": "paper_regression", "num_clients": 2, "dim": 5_000_000, "s": 1.0}

@@ -40,11 +40,13 @@ class Received(NamedTuple):
     """A message as it came off the wire: parsed (None if the bytes are not a ClientMessage) and its size.
 
     A message that is only a Chunk is read by hand (wire.read_chunk): then `chunk` holds it
-    and `message` is None."""
+    and `message` is None. An Answer with a large inline payload is read by hand too
+    (wire.read_inline_answer): `message` holds it without the payload, and `payload` the payload."""
 
     message: pb.ClientMessage | None
     size: int
     chunk: wire.RawChunk | None = None
+    payload: memoryview | None = None
 
 
 def parse(data: bytes) -> Received:
@@ -52,6 +54,9 @@ def parse(data: bytes) -> Received:
     if chunk is not None:
         return Received(None, len(data), chunk)
     try:
+        inline = wire.read_inline_answer(data)
+        if inline is not None:
+            return Received(inline[0], len(data), None, inline[1])
         return Received(pb.ClientMessage.FromString(data), len(data))
     except DecodeError:
         return Received(None, len(data))

@@ -748,7 +748,7 @@ class Coordination:
                     before = "a new Answer before the chunks"
                     self._reject(session, pending.header.round_id, checks.INVALID, before, actions)
                 _drop_incoming(session)
-            self._answer(session, message.answer, received.size, actions)
+            self._answer(session, message.answer, received.size, actions, received.payload)
             return
         if message is None or kind is None or kind == "hello":
             if message is None:
@@ -812,7 +812,10 @@ class Coordination:
             self._resend(session, round_.task_for(session), actions, len(round_.expected[session.key].indices))
         return True
 
-    def _answer(self, session: Session, header: pb.Answer, size: int, actions: list[Action]) -> None:
+    def _answer(
+        self, session: Session, header: pb.Answer, size: int, actions: list[Action], inline: memoryview | None
+    ) -> None:
+        """An Answer; `inline`: its payload, when it was read by hand (then the header's own is empty)."""
         round_ = self._round
         expected = round_.expectation(session) if round_ is not None else None
         try:
@@ -823,13 +826,13 @@ class Coordination:
             run = self.run
             # (a masked row holds two more entries: the objective and the weight)
             most = len(session.indices) * (run.dimension + (2 if run.secure is not None else 0) if run else 0)
-            if header.payload or not 0 < header.payload_length <= most:
+            if inline is not None or header.payload or not 0 < header.payload_length <= most:
                 return  # (chunks that follow are refused one by one)
             # Its chunks may be on their way (a late answer, say): read them, but refuse only once.
             skipped = wire.Assembler(8 * header.payload_length, min_piece=self.min_piece, keep=False)
             session.incoming = Incoming(header, skipped, size, refused=True)
             return
-        payload = header.payload  # (each read of a bytes field is a copy)
+        payload = header.payload if inline is None else inline  # (each read of a bytes field is a copy)
         if length and not payload:  # chunks follow
             fold = round_.streams_into() if round_ is not None else None
             if (
