@@ -277,15 +277,28 @@ def test_an_inline_payload_is_left_to_protobuf_unless_it_is_there_once_in_a_plai
         pb.ClientMessage.FromString(outer(bad_text + payload))
 
 
-def test_an_inline_payload_read_by_hand_is_what_protobuf_reads_in_any_mutation_of_one() -> None:
+def _inline_answer() -> tuple[bytes, Any, Any, str]:
+    vectors = np.random.default_rng(2).standard_normal((1, wire.BY_HAND_ABOVE // 8 + 1))
+    (made,) = wire.AnswerWriter(1 << 20).encode("run-7", 3, Answer((5,), vectors, np.array([1.5])))
+    return made, wire.read_inline_answer, pb.ClientMessage, "answer"
+
+
+def _inline_task() -> tuple[bytes, Any, Any, str]:
+    z, control = np.random.default_rng(3).standard_normal((2, wire.BY_HAND_ABOVE // 16 + 1))
+    task = LocalStepsTask(z, 3, 0.1, 7, "inverse_sqrt", control=control, theta=0.5)
+    (made,) = wire.encode_task("run-7", 3, task, 1 << 20, (5, 6), (1, 5, 6))  # fields after the payload too
+    return made, wire.read_inline_task, pb.Instruction, "task"
+
+
+@pytest.mark.parametrize("make", [_inline_answer, _inline_task], ids=["answer", "task"])
+def test_an_inline_payload_read_by_hand_is_what_protobuf_reads_in_any_mutation_of_one(make: Any) -> None:
     # Whatever the reader takes, protobuf reads the same; what protobuf refuses, the reader refuses or leaves.
+    base, read, kind, field = make()
     rng = np.random.default_rng(1)
-    vectors = rng.standard_normal((1, wire.BY_HAND_ABOVE // 8 + 1))
-    base = bytes(next(iter(wire.AnswerWriter(1 << 20).encode("run-7", 3, Answer((5,), vectors, np.array([1.5]))))))
     read_by_hand = 0
     for _ in range(3000):
         made = bytearray(base)
-        for _ in range(int(rng.integers(1, 4))):  # near the front (the header) or the back (the objective)
+        for _ in range(int(rng.integers(1, 4))):  # near the front (the header) or the back (the fields after it)
             at = int(rng.integers(24)) if rng.random() < 0.5 else len(made) - int(rng.integers(1, 24))
             byte = int(rng.integers(256))
             if rng.random() < 0.4:
@@ -296,17 +309,17 @@ def test_an_inline_payload_read_by_hand_is_what_protobuf_reads_in_any_mutation_o
                 made.insert(at, byte)
         message = bytes(made)
         try:
-            inline = wire.read_inline_answer(message)
+            inline = read(message)
         except DecodeError:
             with pytest.raises(DecodeError):
-                pb.ClientMessage.FromString(message)
+                kind.FromString(message)
             continue
         if inline is None:
             continue
         read_by_hand += 1
-        parsed = pb.ClientMessage.FromString(message)
-        assert inline[0] == _without_payload(parsed, "answer"), message[:24]
-        assert bytes(inline[1]) == parsed.answer.payload, message[:24]
+        parsed = kind.FromString(message)
+        assert inline[0] == _without_payload(parsed, field), message[:24]
+        assert bytes(inline[1]) == getattr(parsed, field).payload, message[:24]
     assert read_by_hand > 250  # (most mutations break the framing: those are left to protobuf)
 
 
