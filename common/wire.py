@@ -668,18 +668,22 @@ class AnswerWriter:
         if 8 * vectors.size < BY_HAND_ABOVE:
             header.payload = vectors.astype(FLOAT64, copy=False).tobytes()  # C order, contiguous or not
             return iter([self._message.SerializeToString()])
-        # Fields 1-4, the payload (5), then objective (6) and sample_counts (8); diverged (7) has none.
-        front = pb.Answer(
-            run_id=header.run_id,
-            round_id=header.round_id,
-            client_indices=header.client_indices,
-            payload_length=header.payload_length,
-        )
+        # Then objective (6) and sample_counts (8); diverged (7) has none.
         back = pb.Answer(objective=header.objective, sample_counts=header.sample_counts)
-        serialized = with_payload(
-            _MESSAGE_ANSWER, front.SerializeToString(), _ANSWER_PAYLOAD, _parts([vectors]), back.SerializeToString()
-        )
-        return iter([serialized])
+        return iter([answer_with_payload(header, _parts([vectors]), back)])
+
+
+def answer_with_payload(header: pb.Answer, parts: Sequence[memoryview], back: pb.Answer) -> bytes:
+    """The serialized ClientMessage of an Answer: `header`'s fields 1-4 (run id, round, clients, payload
+    length), the payload (the concatenation of `parts`, copied once), then `back`'s fields, which must
+    all be numbered above the payload's: the bytes protobuf writes for that Answer."""
+    front = pb.Answer(
+        run_id=header.run_id,
+        round_id=header.round_id,
+        client_indices=header.client_indices,
+        payload_length=header.payload_length,
+    )
+    return with_payload(_MESSAGE_ANSWER, front.SerializeToString(), _ANSWER_PAYLOAD, parts, back.SerializeToString())
 
 
 def decode_answer(

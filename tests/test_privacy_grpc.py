@@ -247,6 +247,14 @@ def test_one_message_answers_join_the_sum_beside_answers_streaming_in_chunks() -
     assert all(kept == 0 for _, _, kept in pool.seen)
 
 
+def test_masked_rows_of_over_64_kib_in_one_message_are_written_and_read_by_hand_with_the_same_bits() -> None:
+    # d = 6000: a row is 12002 ring elements (96 kB), over the 64 KiB from which a payload is written and read
+    # by hand, under the 2 MiB chunk: every answer is one message, taken whole, equal to simulate bit for bit.
+    pool, federated = watched_run(["0-2", "3-4", "5"], 2 << 20, dim=6000)
+    assert federated.traffic["algorithm"]["rounds"] > 0 and len(pool.seen) % 3 == 0  # three answers a round
+    assert {how for how, _, _ in pool.seen} == {"whole"} and all(kept == 0 for _, _, kept in pool.seen)
+
+
 class Curious(GrpcPool):
     """A coordinator that follows the protocol and keeps every vector its transport receives."""
 

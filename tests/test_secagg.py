@@ -8,10 +8,12 @@ import random
 import numpy as np
 import pytest
 
+from fedsaddle.common import wire
 from fedsaddle.common.secagg import crypto, fixedpoint, graph, messages, shamir
-from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound
+from fedsaddle.common.secagg.aggregator import SEALED_SHARE_BYTES, KeyDirectory, MaskedRound
 from fedsaddle.common.secagg.fixedpoint import FixedPointOverflow
-from fedsaddle.common.secagg.party import Party, UnmaskRequest
+from fedsaddle.common.secagg.party import MaskedRow, Party, UnmaskRequest
+from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.secagg.settings import (
     SecAggError,
     SecAggSettings,
@@ -685,3 +687,30 @@ def test_masks_of_every_short_length_and_block_boundary_are_the_ctr_keystream() 
         stream.update_into(memoryview(bytes(piece)), memoryview(out)[at : at + piece])
         at += piece
     assert bytes(out) == whole[:8000]
+
+
+@pytest.mark.parametrize("entries", [100, wire.BY_HAND_ABOVE // 8 - 1, wire.BY_HAND_ABOVE // 8, 40_000])
+def test_a_masked_answer_inline_is_protobufs_bytes_whether_written_by_hand_or_not(entries: int) -> None:
+    # From 64 KiB up the rows are joined by hand (protobuf would copy them twice); the bytes are protobuf's own.
+    rng = np.random.default_rng(entries)
+    rows = tuple(
+        MaskedRow(
+            client,
+            rng.integers(0, 2**63, entries, dtype=np.uint64),
+            {j: bytes([j]) * SEALED_SHARE_BYTES for j in (0, 2, 5) if j != client},
+        )
+        for client in (5, 2)
+    )
+    (made,) = messages.masked_answer("run", 4, MaskedAnswer(rows), 1 << 22)
+    expected = pb.Answer(run_id="run", round_id=4, masked=True, client_indices=[2, 5], payload_length=2 * entries)
+    for row in sorted(rows, key=lambda r: r.client):
+        holders = sorted(row.shares)
+        expected.shares.add(holders=holders, sealed=[row.shares[j] for j in holders])
+    expected.payload = np.concatenate([rows[1].masked, rows[0].masked]).astype("<u8").tobytes()
+    assert made == pb.ClientMessage(answer=expected).SerializeToString()
+    read = pb.ClientMessage.FromString(made).answer
+    inline = wire.read_inline_answer(made)
+    payload = read.payload if inline is None else inline[1]
+    assert (inline is None) == (len(made) < wire.BY_HAND_ABOVE)
+    answer = messages.read_masked_answer(read if inline is None else inline[0].answer, payload, entries)
+    assert answer.indices == (2, 5) and answer.vectors.view(np.uint64).tobytes() == expected.payload

@@ -88,8 +88,12 @@ def masked_answer(run_id: str, round_id: int, answer: MaskedAnswer, chunk_bytes:
     if 8 * masked.size > chunk_bytes:
         parts = [masked.data.cast("B")]
         return itertools.chain([pb.ClientMessage(answer=header).SerializeToString()], wire.chunks(parts, chunk_bytes))
-    header.payload = masked.tobytes()
-    return iter([pb.ClientMessage(answer=header).SerializeToString()])
+    if 8 * masked.size < wire.BY_HAND_ABOVE:
+        header.payload = masked.tobytes()
+        return iter([pb.ClientMessage(answer=header).SerializeToString()])
+    # Large, but inline: written by hand (protobuf would copy the rows into the message, then into its bytes).
+    back = pb.Answer(masked=True, shares=header.shares)  # (fields 9 and 10)
+    return iter([wire.answer_with_payload(header, [masked.data.cast("B")], back)])
 
 
 def read_masked_answer(header: pb.Answer, payload: bytes | memoryview, row_length: int) -> Answer:
