@@ -320,6 +320,8 @@ def _read_inline(
         while pos < end:
             field_start, key = pos, message[pos]
             key, pos = (key, pos + 1) if key < 0x80 else _read_varint(message, pos)  # (one byte: the usual key)
+            if pos - field_start > 5:  # protobuf refuses a key longer than a 32-bit varint, however small its value
+                return None
             wire_type = key & 7
             if wire_type == 0:
                 _, pos = _read_varint(message, pos)

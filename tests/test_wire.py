@@ -277,6 +277,37 @@ def test_an_inline_payload_is_left_to_protobuf_unless_it_is_there_once_in_a_plai
         pb.ClientMessage.FromString(outer(bad_text + payload))
 
 
+def _read_as_protobuf_reads(message: bytes, read: Any, kind: Any, field: str) -> None:
+    """The reader takes the message as protobuf does, leaves it to protobuf, or refuses it where protobuf does."""
+    try:
+        parsed = kind.FromString(message)
+    except DecodeError:
+        with pytest.raises(DecodeError):
+            if read(message) is None:
+                kind.FromString(message)
+        return
+    inline = read(message)
+    if inline is not None:
+        assert inline[0] == _without_payload(parsed, field)
+        assert bytes(inline[1]) == getattr(parsed, field).payload
+
+
+@pytest.mark.parametrize("size", [2, 5, 6, 10])
+def test_a_payload_key_written_in_more_bytes_than_it_needs_is_read_as_protobuf_reads_it(size: int) -> None:
+    # Protobuf takes a key of up to 5 bytes, however long its varint need be (0x3A as BA 80 .. 00), and
+    # refuses a longer one: the message is then corrupt, not a Task with a payload.
+    key = bytes([0xBA] + [0x80] * (size - 2) + [0x00])
+    payload = b"\x01" * wire.BY_HAND_ABOVE
+    inner = pb.Task(run_id="r", round_id=2).SerializeToString() + key + wire.varint(len(payload)) + payload
+    message = bytes([0x1A]) + wire.varint(len(inner)) + inner
+    _read_as_protobuf_reads(message, wire.read_inline_task, pb.Instruction, "task")
+    answer = pb.Answer(run_id="r", round_id=2).SerializeToString() + bytes([0xAA]) + key[1:]
+    inner = answer + wire.varint(len(payload)) + payload
+    _read_as_protobuf_reads(
+        bytes([0x1A]) + wire.varint(len(inner)) + inner, wire.read_inline_answer, pb.ClientMessage, "answer"
+    )
+
+
 def _inline_answer() -> tuple[bytes, Any, Any, str]:
     vectors = np.random.default_rng(2).standard_normal((1, wire.BY_HAND_ABOVE // 8 + 1))
     (made,) = wire.AnswerWriter(1 << 20).encode("run-7", 3, Answer((5,), vectors, np.array([1.5])))
