@@ -345,11 +345,10 @@ def _read_inline(
     if span is None:
         return None
     field_start, body, field_end = span
-    parsed = kind()
-    inner = getattr(parsed, field)
-    inner.SetInParent()  # (set even when the payload was its only field)
-    inner.MergeFromString(message[start:field_start] + message[field_end:])
-    return parsed, memoryview(message)[body:field_end]
+    # The whole message again without the payload's field, not the submessage alone: protobuf's limit on
+    # nesting counts the outer message, and its errors name it. (Set even when the payload was its only field.)
+    rest = message[start:field_start] + message[field_end:]
+    return kind.FromString(outer_tag + varint(len(rest)) + rest), memoryview(message)[body:field_end]
 
 
 def chunks(parts: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:

@@ -308,6 +308,18 @@ def test_a_payload_key_written_in_more_bytes_than_it_needs_is_read_as_protobuf_r
     )
 
 
+def test_fields_nested_as_deep_as_protobuf_allows_and_one_deeper_are_read_as_protobuf_reads_them() -> None:
+    # Unknown groups nested in the Task's GradientParams (field 4): protobuf counts the Instruction and the Task
+    # in its depth limit; the reader must leave them counted when protobuf reads the fields beside the payload.
+    payload = b"\x01" * wire.BY_HAND_ABOVE
+    for depth in range(90, 110):
+        groups = bytes([0xA3, 0x06]) * depth + bytes([0xA4, 0x06]) * depth  # field 100: start, then end
+        inner = b"\x22" + wire.varint(len(groups)) + groups + b"\x3a" + wire.varint(len(payload)) + payload
+        _read_as_protobuf_reads(
+            bytes([0x1A]) + wire.varint(len(inner)) + inner, wire.read_inline_task, pb.Instruction, "task"
+        )
+
+
 def _inline_answer() -> tuple[bytes, Any, Any, str]:
     vectors = np.random.default_rng(2).standard_normal((1, wire.BY_HAND_ABOVE // 8 + 1))
     (made,) = wire.AnswerWriter(1 << 20).encode("run-7", 3, Answer((5,), vectors, np.array([1.5])))
