@@ -342,7 +342,7 @@ def _read_inline(
                 return None
     except (IndexError, ValueError):
         return None
-    if span is None:
+    if span is None or span[1] == span[2]:  # (an empty payload is none: protobuf reads it as if left out)
         return None
     field_start, body, field_end = span
     # The whole message again without the payload's field, not the submessage alone: protobuf's limit on

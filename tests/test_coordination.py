@@ -18,6 +18,7 @@ from conftest import config
 from federation import Federation, MemoryPool
 from test_bad_answers import REFUSED_WITH, _garbled, answer
 
+from fedsaddle.common import wire
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.driver import AlgorithmResult, RunStopped, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
@@ -205,6 +206,37 @@ def test_a_refused_answers_chunks_are_read_and_refused_once_and_tiny_chunks_are_
         "stale answer for round 0; the coordinator is waiting on round 1",
         "a Chunk without an Answer before it",
     ]
+
+
+@pytest.mark.parametrize("empty_payload", [False, True], ids=["no payload field", "an empty payload field"])
+def test_a_refused_answer_padded_past_64_kib_has_its_chunks_read_and_dropped_whether_its_payload_is_empty_or_absent(
+    empty_payload: bool,
+) -> None:
+    # An empty bytes field is no payload to protobuf, whether it is written or left out: a stale header whose
+    # other fields (an unknown one here) take it past the 64 KiB from which a payload is read by hand is
+    # refused once, and the chunks that follow it are read and dropped, as for any refused header.
+    federation = Federation(1, chunk_bytes=1024)
+    hand = federation.join((0,), honest=False)
+    problem = config(problem={"name": "paper_regression", "num_clients": 1, "dim": 100}, algorithms=RUN.algorithms)
+    pool = MemoryPool(federation)
+    start(pool, RunInfo("r", problem.problem, 0, 0.0), hand)
+    details: list[str] = []
+
+    def meanwhile() -> None:
+        good = [pb.ClientMessage.FromString(r) for r in federation.answer(hand, federation.take(hand))]
+        stale = answer(good[0].answer, round_id=good[0].answer.round_id - 1).answer.SerializeToString()
+        padding = bytes([0xFA, 0x06]) + wire.varint(wire.BY_HAND_ABOVE) + bytes(wire.BY_HAND_ABOVE)  # field 111
+        inner = stale + (bytes([0x2A, 0x00]) if empty_payload else b"") + padding
+        federation.send(hand, bytes([0x1A]) + wire.varint(len(inner)) + inner)
+        for message in good[1:]:
+            federation.send(hand, message)
+        details.extend(r.details for r in federation.rejected(hand))
+        for message in good:
+            federation.send(hand, message)
+
+    pool.meanwhile = meanwhile
+    pool.gradients(np.ones(200))
+    assert details == ["stale answer for round 0; the coordinator is waiting on round 1"]
 
 
 def test_the_32nd_refusal_in_a_round_ends_the_session_and_names_the_first() -> None:
