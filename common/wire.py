@@ -288,15 +288,15 @@ class InlineTask(NamedTuple):
 
 
 def read_inline_task(message: bytes) -> InlineTask | None:
-    """A Task instruction with a payload of at least BY_HAND_ABOVE bytes inline, read as protobuf
-    reads it but for the payload's copies; None for any other message, which protobuf then parses."""
+    """A Task instruction of at least BY_HAND_ABOVE bytes, nearly all of them its inline payload, read as
+    protobuf reads it but for the payload's copies; None for any other message, which protobuf then parses."""
     read = _read_inline(message, pb.Instruction, "task", _INSTRUCTION_TASK, _TASK_PAYLOAD)
     return None if read is None else InlineTask(*read)
 
 
 def read_inline_answer(message: bytes) -> tuple[pb.ClientMessage, memoryview] | None:
-    """An Answer with a payload of at least BY_HAND_ABOVE bytes inline: the ClientMessage without its
-    payload, and the payload as a view into `message`; None for any other message (see above)."""
+    """An Answer of at least BY_HAND_ABOVE bytes, nearly all of them its inline payload: the ClientMessage
+    without its payload, and the payload as a view into `message`; None for any other message (see above)."""
     return _read_inline(message, pb.ClientMessage, "answer", _MESSAGE_ANSWER, _ANSWER_PAYLOAD)
 
 
@@ -304,9 +304,10 @@ def _read_inline(
     message: bytes, kind: type[M], field: str, outer_tag: bytes, payload_tag: bytes
 ) -> tuple[M, memoryview] | None:
     """`message` if it is only the submessage `field` (key `outer_tag`), holding the payload (key
-    `payload_tag`) once and BY_HAND_ABOVE bytes at least: the message parsed by protobuf without the
-    payload's field, and the payload's view. None when the bytes are anything else (a field twice,
-    a group, a length past the end): protobuf then reads them, or refuses them, as before.
+    `payload_tag`) once and BY_HAND_ABOVE bytes at least, nearly all of them the payload's: the message
+    parsed by protobuf without the payload's field, and the payload's view. None when the bytes are
+    anything else (a field twice, a group, a length past the end, other fields past a sixteenth of the
+    payload): protobuf then reads them, or refuses them, as before.
 
     DecodeError as protobuf raises it, if the other fields are not valid."""
     if len(message) < BY_HAND_ABOVE or message[0] != outer_tag[0]:
@@ -342,9 +343,15 @@ def _read_inline(
                 return None
     except (IndexError, ValueError):
         return None
-    if span is None or span[1] == span[2]:  # (an empty payload is none: protobuf reads it as if left out)
+    if span is None:
         return None
     field_start, body, field_end = span
+    # The view keeps the whole message alive, for as long as an answer waits for its turn in the sum, or a
+    # round keeps its answers: by hand only when the payload is nearly all of it (the rest at most a sixteenth
+    # of it). A message padded with other fields, or with an empty payload (none, to protobuf), is left to
+    # protobuf, whose copy keeps the payload alone.
+    if 16 * (end - (field_end - body)) > field_end - body:
+        return None
     # The whole message again without the payload's field, not the submessage alone: protobuf's limit on
     # nesting counts the outer message, and its errors name it. (Set even when the payload was its only field.)
     rest = message[start:field_start] + message[field_end:]

@@ -239,6 +239,44 @@ def test_a_refused_answer_padded_past_64_kib_has_its_chunks_read_and_dropped_whe
     assert details == ["stale answer for round 0; the coordinator is waiting on round 1"]
 
 
+def _kept(vectors: np.ndarray) -> int:
+    """The bytes an answer's vectors keep alive: the buffer under their views (a message, if they view one)."""
+    base: Any = vectors
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return len(base) if isinstance(base, bytes | bytearray) else int(base.nbytes)
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "kept whole"])
+def test_an_answer_padded_with_other_fields_keeps_no_more_than_its_payload_while_it_waits(fold: bool) -> None:
+    # Client 1 answers before client 0, with its 48 payload bytes in a message padded to 1 MiB by an unknown
+    # field: its answer waits (in the fold's reorder buffer, or with the round's answers when they are not
+    # added up as they come), and must keep its payload alone, not the whole message.
+    federation = Federation(2)
+    first, second = federation.join((0,), honest=False), federation.join((1,), honest=False)
+    pool = MemoryPool(federation)
+    pool.fold = fold
+    start(pool, RunInfo("r", RUN.problem, RUN.seed, 0.0), first, second)
+    kept: list[tuple[int, int]] = []
+
+    def meanwhile() -> None:
+        early = answer_to(federation, second, federation.take(second)).SerializeToString()
+        padding = bytes([0xFA, 0x06]) + wire.varint(1 << 20) + bytes(1 << 20)  # field 111, unknown
+        federation.send(second, bytes([0x1A]) + wire.varint(len(early) + len(padding)) + early + padding)
+        round_ = federation.protocol._round
+        assert round_ is not None and (round_.fold is not None) == fold
+        (held,) = round_.fold._blocks.values() if round_.fold is not None else round_.answers.values()
+        kept.append((_kept(held.vectors), held.vectors.nbytes))
+        federation.send(first, pb.ClientMessage(answer=good_answer(federation, first)))
+
+    pool.meanwhile = meanwhile
+    pool.gradients(np.ones(6))
+    ((pinned, payload),) = kept
+    assert payload == 48 and pinned <= payload + payload // 16
+
+
 def test_the_32nd_refusal_in_a_round_ends_the_session_and_names_the_first() -> None:
     federation = Federation(1)
     hand = federation.join((0,), honest=False)

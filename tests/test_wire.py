@@ -263,6 +263,8 @@ def test_an_inline_payload_is_left_to_protobuf_unless_it_is_there_once_in_a_plai
         outer(answer + payload)[:-1],  # cut short
         outer(answer + payload + bytes([0x3A, 0xFF, 0xFF, 0x7F])),  # a length past the end
         outer(pb.Answer(run_id="r" * len(big)).SerializeToString()),  # as large, but no payload
+        outer(answer + payload + bytes([0xFA, 0x06]) + wire.varint(len(big) // 8) + big[: len(big) // 8]),  # padded
+        outer(answer + bytes([0x2A, 0x00]) + bytes([0xFA, 0x06]) + wire.varint(len(big)) + big),  # empty, padded
         pb.ClientMessage(chunk=pb.Chunk(data=big)).SerializeToString(),
         b"",
     ]
