@@ -216,6 +216,15 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
             raise ValueError("varint too long")
 
 
+def _read_length(data: bytes, pos: int) -> tuple[int, int]:
+    """A length (of a submessage, of bytes) at `pos`, as `_read_varint` reads it; ValueError past 5 bytes,
+    which protobuf refuses however small the value."""
+    length, end = _read_varint(data, pos)
+    if end - pos > 5:
+        raise ValueError("length longer than 5 bytes")
+    return length, end
+
+
 def with_payload(outer: bytes, front: bytes, payload_tag: bytes, parts: Sequence[memoryview], back: bytes) -> bytes:
     """A serialized message holding one submessage (key `outer`) made of `front`, the payload as a
     bytes field, then `back`: each part serialized, in field-number order, so the bytes are
@@ -240,7 +249,7 @@ def read_chunk(message: bytes) -> RawChunk | None:
     try:
         if not message or message[0] != CHUNK_TAG:
             return None
-        size, pos = _read_varint(message, 1)
+        size, pos = _read_length(message, 1)
         if pos + size != len(message):
             return None
         offset = 0
@@ -248,7 +257,7 @@ def read_chunk(message: bytes) -> RawChunk | None:
             offset, pos = _read_varint(message, pos + 1)
         if message[pos] != _DATA_TAG:
             return None
-        length, pos = _read_varint(message, pos + 1)
+        length, pos = _read_length(message, pos + 1)
         if pos + length != len(message):
             return None
         return RawChunk(offset, memoryview(message)[pos:])
@@ -314,7 +323,7 @@ def _read_inline(
         return None
     end, key_wanted = len(message), payload_tag[0]
     try:
-        size, start = _read_varint(message, 1)
+        size, start = _read_length(message, 1)
         if start + size != end:
             return None
         pos, span = start, None
@@ -331,7 +340,7 @@ def _read_inline(
             elif wire_type == 5:
                 pos += 4
             elif wire_type == 2:
-                length, body = _read_varint(message, pos)
+                length, body = _read_length(message, pos)
                 pos = body + length
                 if key == key_wanted:
                     if span is not None:  # (protobuf keeps the last: left to it)

@@ -310,6 +310,41 @@ def test_a_payload_key_written_in_more_bytes_than_it_needs_is_read_as_protobuf_r
     )
 
 
+def _padded(value: int, size: int) -> bytes:
+    """`value` as a varint of at least `size` bytes: its shortest form, padded with 0x80 bytes and a 0x00."""
+    shortest = wire.varint(value)
+    if len(shortest) >= size:
+        return shortest
+    return shortest[:-1] + bytes([0x80 | shortest[-1]] + [0x80] * (size - len(shortest) - 1) + [0x00])
+
+
+@pytest.mark.parametrize("size", [1, 5, 6, 10])
+def test_lengths_written_in_more_bytes_than_they_need_are_read_as_protobuf_reads_them(size: int) -> None:
+    # Protobuf takes the length of a submessage or of bytes in up to 5 bytes, and refuses a longer one.
+    payload = b"\x01" * wire.BY_HAND_ABOVE
+    head = pb.Task(run_id="r", round_id=2).SerializeToString()
+    for inner, outer_size in (
+        (head + b"\x3a" + _padded(len(payload), size) + payload, 1),  # the payload's length
+        (b"\x0a" + _padded(1, size) + b"r" + b"\x3a" + wire.varint(len(payload)) + payload, 1),  # the run id's
+        (head + b"\x3a" + wire.varint(len(payload)) + payload, size),  # the Task's
+    ):
+        message = b"\x1a" + _padded(len(inner), outer_size) + inner
+        _read_as_protobuf_reads(message, wire.read_inline_task, pb.Instruction, "task")
+    data = b"\x02" * 300
+    data_field = b"\x12" + _padded(len(data), size) + data
+    for chunk in (
+        b"\x22" + _padded(2 + len(data_field), 1) + b"\x08\x07" + data_field,  # the data's length
+        b"\x22" + _padded(2 + 3 + len(data), size) + b"\x08\x07\x12" + wire.varint(len(data)) + data,  # the Chunk's
+    ):
+        try:
+            parsed = pb.ClientMessage.FromString(chunk)
+        except DecodeError:
+            assert wire.read_chunk(chunk) is None
+            continue
+        read = wire.read_chunk(chunk)
+        assert read is not None and (read.offset, bytes(read.data)) == (parsed.chunk.offset, parsed.chunk.data)
+
+
 def test_fields_nested_as_deep_as_protobuf_allows_and_one_deeper_are_read_as_protobuf_reads_them() -> None:
     # Unknown groups nested in the Task's GradientParams (field 4): protobuf counts the Instruction and the Task
     # in its depth limit; the reader must leave them counted when protobuf reads the fields beside the payload.
