@@ -279,19 +279,21 @@ def test_an_inline_payload_is_left_to_protobuf_unless_it_is_there_once_in_a_plai
         pb.ClientMessage.FromString(outer(bad_text + payload))
 
 
-def _read_as_protobuf_reads(message: bytes, read: Any, kind: Any, field: str) -> None:
-    """The reader takes the message as protobuf does, leaves it to protobuf, or refuses it where protobuf does."""
+def _read_as_protobuf_reads(message: bytes, read: Any, kind: Any, field: str) -> bool:
+    """The reader takes the message as protobuf does, leaves it to protobuf, or refuses it where protobuf does;
+    whether it took it."""
     try:
         parsed = kind.FromString(message)
     except DecodeError:
         with pytest.raises(DecodeError):
             if read(message) is None:
                 kind.FromString(message)
-        return
+        return False
     inline = read(message)
     if inline is not None:
         assert inline[0] == _without_payload(parsed, field)
         assert bytes(inline[1]) == getattr(parsed, field).payload
+    return inline is not None
 
 
 @pytest.mark.parametrize("size", [2, 5, 6, 10])
@@ -302,12 +304,11 @@ def test_a_payload_key_written_in_more_bytes_than_it_needs_is_read_as_protobuf_r
     payload = b"\x01" * wire.BY_HAND_ABOVE
     inner = pb.Task(run_id="r", round_id=2).SerializeToString() + key + wire.varint(len(payload)) + payload
     message = bytes([0x1A]) + wire.varint(len(inner)) + inner
-    _read_as_protobuf_reads(message, wire.read_inline_task, pb.Instruction, "task")
+    assert _read_as_protobuf_reads(message, wire.read_inline_task, pb.Instruction, "task") == (size <= 5)
     answer = pb.Answer(run_id="r", round_id=2).SerializeToString() + bytes([0xAA]) + key[1:]
     inner = answer + wire.varint(len(payload)) + payload
-    _read_as_protobuf_reads(
-        bytes([0x1A]) + wire.varint(len(inner)) + inner, wire.read_inline_answer, pb.ClientMessage, "answer"
-    )
+    message = bytes([0x1A]) + wire.varint(len(inner)) + inner
+    assert _read_as_protobuf_reads(message, wire.read_inline_answer, pb.ClientMessage, "answer") == (size <= 5)
 
 
 def _padded(value: int, size: int) -> bytes:
@@ -329,7 +330,7 @@ def test_lengths_written_in_more_bytes_than_they_need_are_read_as_protobuf_reads
         (head + b"\x3a" + wire.varint(len(payload)) + payload, size),  # the Task's
     ):
         message = b"\x1a" + _padded(len(inner), outer_size) + inner
-        _read_as_protobuf_reads(message, wire.read_inline_task, pb.Instruction, "task")
+        assert _read_as_protobuf_reads(message, wire.read_inline_task, pb.Instruction, "task") == (size <= 5)
     data = b"\x02" * 300
     data_field = b"\x12" + _padded(len(data), size) + data
     for chunk in (
@@ -349,12 +350,58 @@ def test_fields_nested_as_deep_as_protobuf_allows_and_one_deeper_are_read_as_pro
     # Unknown groups nested in the Task's GradientParams (field 4): protobuf counts the Instruction and the Task
     # in its depth limit; the reader must leave them counted when protobuf reads the fields beside the payload.
     payload = b"\x01" * wire.BY_HAND_ABOVE
+    taken = []
     for depth in range(90, 110):
         groups = bytes([0xA3, 0x06]) * depth + bytes([0xA4, 0x06]) * depth  # field 100: start, then end
         inner = b"\x22" + wire.varint(len(groups)) + groups + b"\x3a" + wire.varint(len(payload)) + payload
-        _read_as_protobuf_reads(
-            bytes([0x1A]) + wire.varint(len(inner)) + inner, wire.read_inline_task, pb.Instruction, "task"
-        )
+        message = bytes([0x1A]) + wire.varint(len(inner)) + inner
+        taken.append(_read_as_protobuf_reads(message, wire.read_inline_task, pb.Instruction, "task"))
+    assert taken[0] and not taken[-1]  # (read by hand below the limit, and refused past it)
+
+
+def _field(rng: np.random.Generator, numbers: list[int], payload: bytes, payload_number: int) -> bytes:
+    """A field as a hostile peer may write it: any number (0 and unknown ones too), any wire type (groups and
+    the two that do not exist), keys and lengths in more bytes than they need, submessages holding fields."""
+    number = int(rng.choice([*numbers, payload_number, payload_number, 0, 99, (1 << 29) - 1]))
+    wire_type = int(rng.choice([0, 0, 1, 2, 2, 2, 2, 5, 3, 4, 6, 7]))
+    key = _padded((number << 3) | wire_type, int(rng.choice([1, 1, 1, 2, 5, 6, 10])))
+    if wire_type == 0:
+        return key + _padded(int(rng.choice([0, 1, 300, (1 << 63), (1 << 64) - 1])), int(rng.choice([1, 1, 10])))
+    if wire_type in (1, 5):
+        return key + bytes(8 if wire_type == 1 else 4)
+    if wire_type != 2:
+        return key
+    if number == payload_number and rng.random() < 0.7:
+        data = payload
+    elif rng.random() < 0.3:  # a submessage (or bytes that look like one) holding a field of its own
+        data = _field(rng, [1, 2, 3], b"", 7)
+    else:
+        data = bytes(int(rng.choice([0, 1, 3, 10])))
+    return key + _padded(len(data), int(rng.choice([1, 1, 1, 5, 6]))) + data
+
+
+@pytest.mark.parametrize("kind", [pb.Instruction, pb.ClientMessage], ids=["task", "answer"])
+def test_an_inline_payload_read_by_hand_is_what_protobuf_reads_in_any_message_a_hostile_peer_writes(
+    kind: Any,
+) -> None:
+    # Messages built field by field, with the encodings protobuf takes and those it refuses: whatever the
+    # reader takes, protobuf reads the same; what protobuf refuses, the reader refuses or leaves to it.
+    read, field = (wire.read_inline_task, "task") if kind is pb.Instruction else (wire.read_inline_answer, "answer")
+    inner_kind = getattr(kind(), field)
+    payload_number = inner_kind.DESCRIPTOR.fields_by_name["payload"].number
+    numbers = [f.number for f in inner_kind.DESCRIPTOR.fields if f.number != payload_number]
+    rng = np.random.default_rng(8)
+    taken = 0
+    for _ in range(3000):
+        payload = bytes([int(rng.integers(256))]) * int(rng.choice([0, 8, wire.BY_HAND_ABOVE + 1]))
+        inner = b"".join(_field(rng, numbers, payload, payload_number) for _ in range(int(rng.integers(6))))
+        if rng.random() < 0.8:
+            inner += bytes([(payload_number << 3) | 2]) + wire.varint(len(payload)) + payload
+        message = b"\x1a" + _padded(len(inner), int(rng.choice([1, 1, 1, 5, 6]))) + inner
+        if rng.random() < 0.1:  # another field of the outer message after it (the oneof set twice, say)
+            message += _field(rng, [1, 2, 4], b"", 3)
+        taken += _read_as_protobuf_reads(message, read, kind, field)
+    assert taken > 100
 
 
 def _inline_answer() -> tuple[bytes, Any, Any, str]:
