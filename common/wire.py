@@ -281,6 +281,9 @@ def _tag(message: type[Message], field: str) -> bytes:
 _INSTRUCTION_TASK, _TASK_PAYLOAD = _tag(pb.Instruction, "task"), _tag(pb.Task, "payload")
 _MESSAGE_ANSWER, _ANSWER_PAYLOAD = _tag(pb.ClientMessage, "answer"), _tag(pb.Answer, "payload")
 M = TypeVar("M", bound=Message)
+# The fields the inline reader walks at most: a Task or an Answer holds a dozen (and an Answer one more for
+# each hosted client's sealed shares, a Task one for each metric's name); past that protobuf reads it.
+_INLINE_FIELDS = 64
 
 
 # A large inline payload is read by hand too: protobuf copies it out of the received bytes into
@@ -326,8 +329,11 @@ def _read_inline(
         size, start = _read_length(message, 1)
         if start + size != end:
             return None
-        pos, span = start, None
+        pos, span, fields = start, None, 0
         while pos < end:
+            fields += 1
+            if fields > _INLINE_FIELDS:  # (a peer's message of many small fields: protobuf reads them in C)
+                return None
             field_start, key = pos, message[pos]
             key, pos = (key, pos + 1) if key < 0x80 else _read_varint(message, pos)  # (one byte: the usual key)
             if pos - field_start > 5:  # protobuf refuses a key longer than a 32-bit varint, however small its value
