@@ -342,3 +342,38 @@ def test_a_key_directory_or_unmask_request_of_another_run_is_refused_naming_what
     request = pb.UnmaskRequest(run_id="other", round_id=1, client=1, answered=[0, 1, 2])
     with pytest.raises(ClientError, match=r"^unmask request for run 'other' before its RunSpec$"):
         state.handle(pb.Instruction(unmask=request))
+
+
+def test_a_large_inline_task_read_by_hand_is_answered_and_refused_as_protobufs_reading_of_it() -> None:
+    # 12000 entries (z and the control), 96 kB inline: the client runtime reads the payload as a view into the
+    # message (wire.read_inline_task). Its answer, and each refusal and the Failure that names it, are the same.
+    rng = np.random.default_rng(5)
+    z, control = rng.standard_normal((2, 2 * DIM))
+    task = LocalStepsTask(z, steps=3, gamma_local=0.05, step_offset=0, decay="constant", control=control, theta=0.5)
+
+    def both(piece: bytes) -> list[pb.Instruction | wire.InlineTask]:
+        by_hand = wire.read_inline_task(piece)
+        assert by_hand is not None and by_hand.payload.obj is piece
+        return [by_hand, pb.Instruction.FromString(piece)]
+
+    def outcome(state: ClientSession, instruction: pb.Instruction | wire.InlineTask) -> object:
+        try:
+            replies = list(state.handle(instruction))
+        except Exception as exc:
+            return type(exc).__name__, str(exc), state.failure(instruction, exc)
+        return [r if isinstance(r, bytes) else r.SerializeToString() for r in replies]
+
+    (piece,) = wire.encode_task("r", 1, task, 1 << 20)
+    (elsewhere,) = wire.encode_task("other", 1, task, 1 << 20)
+    short = pb.Instruction.FromString(piece)
+    short.task.payload_length -= 1
+    cases = [
+        (piece, session, "answered"),
+        (piece, lambda: ClientSession((1, 4)), "ClientError"),  # before the Welcome
+        (elsewhere, session, "ClientError"),  # for another run
+        (short.SerializeToString(), session, "WireError"),  # a payload_length its payload disagrees with
+    ]
+    for made, fresh, expected in cases:
+        first, second = (outcome(fresh(), instruction) for instruction in both(made))
+        assert first == second
+        assert (first[0] if isinstance(first, tuple) else "answered") == expected
