@@ -319,7 +319,7 @@ def _read_inline(
     `payload_tag`) once and BY_HAND_ABOVE bytes at least, nearly all of them the payload's: the message
     parsed by protobuf without the payload's field, and the payload's view. None when the bytes are
     anything else (a field twice, a group, a length past the end, other fields past a sixteenth of the
-    payload): protobuf then reads them, or refuses them, as before.
+    payload or more than _INLINE_FIELDS fields): protobuf then reads them, or refuses them, as before.
 
     DecodeError as protobuf raises it, if the other fields are not valid."""
     if len(message) < BY_HAND_ABOVE or message[0] != outer_tag[0]:
