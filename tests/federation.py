@@ -44,10 +44,13 @@ from fedsaddle.server.transport.protocol import (
 CHUNK_BYTES = 1 << 20
 
 
-def instruction(data: bytes) -> pb.Instruction | wire.RawChunk:
-    """An Instruction as the client runtime parses it (a Chunk read by hand)."""
+Instruction = pb.Instruction | wire.RawChunk | wire.InlineTask
+
+
+def instruction(data: bytes) -> Instruction:
+    """An Instruction as the client runtime parses it (a Chunk, and a large inline Task, read by hand)."""
     chunk = wire.read_chunk(data)
-    return chunk if chunk is not None else pb.Instruction.FromString(data)
+    return chunk if chunk is not None else wire.read_inline_task(data) or pb.Instruction.FromString(data)
 
 
 class Federation:
@@ -60,7 +63,7 @@ class Federation:
         self.chunk_bytes = chunk_bytes
         self.clients: dict[int, ClientSession] = {}  # every stream's session: it computes the good answers
         self.honest: set[int] = set()  # the streams whose session answers by itself
-        self.inbox: dict[int, list[pb.Instruction | wire.RawChunk]] = {}  # what the others were sent
+        self.inbox: dict[int, list[Instruction]] = {}  # what the others were sent
         self.ended: dict[int, End] = {}
         self.greeted: set[int] = set()
         self.outcomes: list[Settled | Failed] = []
@@ -126,12 +129,12 @@ class Federation:
             else:
                 self.outcomes.append(action)
 
-    def take(self, key: int) -> list[pb.Instruction | wire.RawChunk]:
+    def take(self, key: int) -> list[Instruction]:
         """What a hand-driven stream was sent since the last take."""
         taken, self.inbox[key] = self.inbox[key], []
         return taken
 
-    def answer(self, key: int, items: Iterable[pb.Instruction | wire.RawChunk]) -> list[bytes]:
+    def answer(self, key: int, items: Iterable[Instruction]) -> list[bytes]:
         """The honest replies (serialized) of a hand-driven stream's session to these instructions (its Welcome
         was handed to the session as it came, in carry_out: one session takes one Welcome)."""
         replies: list[bytes] = []
