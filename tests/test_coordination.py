@@ -174,13 +174,19 @@ def test_bad_answers_are_rejected_with_precise_codes_and_the_run_ends_as_if_they
     assert first not in federation.ended
 
 
-def test_a_refused_answers_chunks_are_read_and_refused_once_and_tiny_chunks_are_refused() -> None:
-    # chunk_bytes 1 KiB (so at least 1 KiB per chunk but the last); answers of 200 entries, 1600 bytes.
-    federation = Federation(1, chunk_bytes=1024)
+def one_hand_driven_client(chunk_bytes: int) -> tuple[Federation, int, MemoryPool]:
+    """A federation of one hand-driven client, its run started (d = 100: answers of 200 entries, 1600 bytes)."""
+    federation = Federation(1, chunk_bytes=chunk_bytes)
     hand = federation.join((0,), honest=False)
     problem = config(problem={"name": "paper_regression", "num_clients": 1, "dim": 100}, algorithms=RUN.algorithms)
     pool = MemoryPool(federation)
     start(pool, RunInfo("r", problem.problem, 0, 0.0), hand)
+    return federation, hand, pool
+
+
+def test_a_refused_answers_chunks_are_read_and_refused_once_and_tiny_chunks_are_refused() -> None:
+    # chunk_bytes 1 KiB (so at least 1 KiB per chunk but the last); answers of 200 entries, 1600 bytes.
+    federation, hand, pool = one_hand_driven_client(chunk_bytes=1024)
     details: list[str] = []
 
     def meanwhile() -> None:
@@ -215,11 +221,7 @@ def test_a_refused_answer_padded_past_64_kib_has_its_chunks_read_and_dropped_whe
     # An empty bytes field is no payload to protobuf, whether it is written or left out: a stale header whose
     # other fields (an unknown one here) take it past the 64 KiB from which a payload is read by hand is
     # refused once, and the chunks that follow it are read and dropped, as for any refused header.
-    federation = Federation(1, chunk_bytes=1024)
-    hand = federation.join((0,), honest=False)
-    problem = config(problem={"name": "paper_regression", "num_clients": 1, "dim": 100}, algorithms=RUN.algorithms)
-    pool = MemoryPool(federation)
-    start(pool, RunInfo("r", problem.problem, 0, 0.0), hand)
+    federation, hand, pool = one_hand_driven_client(chunk_bytes=1024)
     details: list[str] = []
 
     def meanwhile() -> None:

@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 
 from fedsaddle.common import wire
 from fedsaddle.common.numeric import all_finite
-from fedsaddle.common.tasks import Answer, ComputeTask, EvaluateTask, GradientTask, LocalStepsTask
+from fedsaddle.common.tasks import Answer, ComputeTask, EvaluateTask, GradientTask, LocalStepsTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
@@ -176,19 +176,23 @@ def test_an_answer_writer_keeps_nothing_of_one_answer_in_the_next() -> None:
             assert b"".join(bytes(wire.read_chunk(p).data) for p in pieces[1:]) == answer.vectors.tobytes()  # type: ignore[union-attr]
 
 
+def _every_kind_of_task(rng: np.random.Generator, entries: int) -> list[Task]:
+    """A task of each kind whose payload has `entries` float64 entries."""
+    z, control = rng.standard_normal(entries // 2), rng.standard_normal(entries - entries // 2)
+    return [
+        GradientTask(np.concatenate([z, control]), batch=2, want_objective=True),
+        LocalStepsTask(z, 3, 0.1, 7, "inverse_sqrt", control=control, theta=0.5),
+        EvaluateTask(np.concatenate([z, control]), ("test_auc", "test_mse")),
+        ComputeTask("mine", z, (("anchor", control),), (("steps", 3.0), ("mu", 0.25))),
+    ]
+
+
 def test_large_inline_payloads_written_by_hand_are_protobufs_bytes() -> None:
     # From 64 KiB up, a payload that fits in one message is joined by hand, not copied twice by protobuf.
     rng = np.random.default_rng(5)
     chunk_bytes = 4 << 20
     for entries in (wire.BY_HAND_ABOVE // 8 - 1, wire.BY_HAND_ABOVE // 8, 200_000):
-        z, control = rng.standard_normal(entries // 2), rng.standard_normal(entries - entries // 2)
-        tasks = [
-            GradientTask(np.concatenate([z, control]), batch=2, want_objective=True),
-            LocalStepsTask(z, 3, 0.1, 7, "inverse_sqrt", control=control, theta=0.5),
-            EvaluateTask(np.concatenate([z, control]), ("test_auc", "test_mse")),
-            ComputeTask("mine", z, (("anchor", control),), (("steps", 3.0), ("mu", 0.25))),
-        ]
-        for task in tasks:
+        for task in _every_kind_of_task(rng, entries):
             for indices in ((), (2, 5)):
                 (piece,) = wire.encode_task("run", 11, task, chunk_bytes, indices)
                 message = wire.task_message("run", 11, task, entries)
@@ -217,14 +221,7 @@ def test_large_inline_payloads_read_by_hand_are_what_protobuf_reads() -> None:
     # From 64 KiB up, an inline payload is read as a view into the message, and the other fields by protobuf.
     rng = np.random.default_rng(6)
     for entries in (wire.BY_HAND_ABOVE // 8 - 2, wire.BY_HAND_ABOVE // 8, 200_000):
-        z, control = rng.standard_normal(entries // 2), rng.standard_normal(entries - entries // 2)
-        tasks = [
-            GradientTask(np.concatenate([z, control]), batch=2, want_objective=True),
-            LocalStepsTask(z, 3, 0.1, 7, "inverse_sqrt", control=control, theta=0.5),
-            EvaluateTask(np.concatenate([z, control]), ("test_auc", "test_mse")),
-            ComputeTask("mine", z, (("anchor", control),), (("steps", 3.0), ("mu", 0.25))),
-        ]
-        for task in tasks:
+        for task in _every_kind_of_task(rng, entries):
             (piece,) = wire.encode_task("run", 11, task, 4 << 20, (2, 5), (1, 2, 5))
             read = wire.read_inline_task(piece)
             if len(piece) < wire.BY_HAND_ABOVE:
