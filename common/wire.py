@@ -361,11 +361,12 @@ def _read_inline(
     if span is None:
         return None
     field_start, body, field_end = span
+    payload_size = field_end - body
     # The view keeps the whole message alive, for as long as an answer waits for its turn in the sum, or a
     # round keeps its answers: by hand only when the payload is nearly all of it (the rest at most a sixteenth
     # of it). A message padded with other fields, or with an empty payload (none, to protobuf), is left to
     # protobuf, whose copy keeps the payload alone.
-    if 16 * (end - (field_end - body)) > field_end - body:
+    if 16 * (end - payload_size) > payload_size:
         return None
     # The whole message again without the payload's field, not the submessage alone: protobuf's limit on
     # nesting counts the outer message, and its errors name it. (Set even when the payload was its only field.)
