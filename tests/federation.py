@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from fedsaddle.client.service import _Garbled as Garbled
+from fedsaddle.client.service import _parse as parse_instruction
 from fedsaddle.client.session import ClientSession
 from fedsaddle.common import wire
 from fedsaddle.common.secagg import messages
@@ -48,9 +50,11 @@ Instruction = pb.Instruction | wire.RawChunk | wire.InlineTask
 
 
 def instruction(data: bytes) -> Instruction:
-    """An Instruction as the client runtime parses it (a Chunk, and a large inline Task, read by hand)."""
-    chunk = wire.read_chunk(data)
-    return chunk if chunk is not None else wire.read_inline_task(data) or pb.Instruction.FromString(data)
+    """An Instruction as the client runtime parses it (client/service.py: a Chunk, and a large inline Task,
+    read by hand)."""
+    parsed = parse_instruction(data)
+    assert not isinstance(parsed, Garbled), f"the coordinator sent {parsed.size} bytes that are not an Instruction"
+    return parsed
 
 
 class Federation:
