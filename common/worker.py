@@ -7,6 +7,7 @@ same arithmetic on the same data.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import OrderedDict
@@ -101,6 +102,16 @@ class Worker:
 
     def _answer_buffer(self, shape: tuple[int, ...]) -> Array | None:
         return self._buffer("answer", shape) if self.reuse_answers else None
+
+    def lone_gradient(self) -> Callable[[Array], Array] | None:
+        """`execute`'s arithmetic for a GradientTask of the one client this worker hosts, with no noise drawn
+        and no objective asked: a function from z, as a column (dimension, 1), to G_i(z) in the answer
+        buffer. None unless the worker hosts one client, alone (no batch), draws no gradient noise and
+        reuses its answers (a client process's worker). The usual small round takes it (client/session.py)."""
+        if self.batched or len(self.indices) != 1 or self.noise_scale > 0 or not self.reuse_answers:
+            return None
+        shape = (self.shards.dimension, 1)
+        return functools.partial(self.shards.gradient, out=self._buffer("answer", shape))
 
     @property
     def indices(self) -> tuple[int, ...]:

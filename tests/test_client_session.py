@@ -251,8 +251,11 @@ def test_a_run_spec_with_gradient_noise_that_is_no_deviation_is_refused_in_ready
     assert not _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 4}).error
 
 
-def test_a_running_session_says_in_its_log_how_far_it_is(caplog: pytest.LogCaptureFixture) -> None:
-    state = session()
+@pytest.mark.parametrize("indices", [(1, 4), (3,)], ids=["two-clients", "one-client"])
+def test_a_running_session_says_in_its_log_how_far_it_is(
+    caplog: pytest.LogCaptureFixture, indices: tuple[int, ...]
+) -> None:
+    state = session(indices)  # (one client: its gradient tasks take the few-calls path, LoneGradient)
     state.heartbeat_s = 0.0  # a line per task (60 s in a real client)
     with caplog.at_level("INFO", logger="fedsaddle.client"):
         for round_id in (1, 2, 3):
@@ -377,3 +380,92 @@ def test_a_large_inline_task_read_by_hand_is_answered_and_refused_as_protobufs_r
         first, second = (outcome(fresh(), instruction) for instruction in both(made))
         assert first == second
         assert (first[0] if isinstance(first, tuple) else "answered") == expected
+
+
+def small_session(indices: tuple[int, ...] = (3,), noise: float = 0.0) -> ClientSession:
+    """A session of run "r" at d = 10 (z has 20 entries)."""
+    state = ClientSession(indices)
+    state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
+    spec = PaperRegressionSpec(num_clients=5, dim=10, s=2.0)
+    run = pb.RunSpec(run_id="r", problem_json=spec.model_dump_json(), dimension=20, gradient_noise=noise)
+    run.synthetic_seed = 7
+    (ready,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(ready, pb.ClientMessage) and not ready.ready.error
+    return state
+
+
+def test_the_usual_small_gradient_task_is_answered_in_a_few_calls_with_the_general_paths_bytes_and_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One hosted client, no noise: a gradient task with its z inline skips the worker's dispatch and the
+    # general encoder (LoneGradient). Any other task, and a gradient that is not finite, goes the general way.
+    rng = np.random.default_rng(3)
+
+    def task(z: np.ndarray, round_id: int = 1, run_id: str = "r", **fields: object) -> pb.Instruction:
+        (piece,) = wire.encode_task(run_id, round_id, GradientTask(z, exact=bool(fields.pop("exact", False))), 1 << 20)
+        instruction = pb.Instruction.FromString(piece)
+        for name, value in fields.items():
+            if name == "client_indices":
+                instruction.task.client_indices.extend(value)
+            elif name in ("batch", "want_objective"):
+                setattr(instruction.task.gradient, name, value)
+            else:
+                setattr(instruction.task, name, value)
+        return instruction
+
+    def outcome(state: ClientSession, instruction: pb.Instruction) -> object:
+        try:
+            replies = list(state.handle(instruction))
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+        return [r if isinstance(r, bytes) else r.SerializeToString() for r in replies]
+
+    def counting(state: ClientSession) -> list[int]:
+        """Counts the worker's general calls (execute) of a session."""
+        calls = [0]
+        worker = state.worker
+        assert worker is not None
+        general = worker.execute
+
+        def execute(*args: object, **kwargs: object) -> object:
+            calls[0] += 1
+            return general(*args, **kwargs)
+
+        worker.execute = execute
+        return calls
+
+    z = rng.standard_normal(20)
+    cases = [  # (the instruction, the way it goes)
+        *((task(rng.standard_normal(20), round_id), "few calls") for round_id in (1, 2, 3)),
+        (task(z, 4, exact=True), "few calls"),  # (no noise: an exact gradient is the same)
+        (task(z, 5, want_objective=True), "general"),
+        (task(z, 6, client_indices=[3]), "general"),  # it names its one client
+        (task(z, 7, batch=0), "WireError"),
+        (task(z, 8, payload_length=19), "WireError"),  # the payload disagrees
+        (task(z, 9, run_id="other"), "ClientError"),
+        (task(np.full(20, np.inf), 10), "general"),  # diverged
+        (task(np.full(20, 1e200), 11), "general"),  # finite, but its squares overflow: tested entry by entry
+    ]
+    lone = small_session()
+    with monkeypatch.context() as patched:
+        patched.setattr(Worker, "lone_gradient", lambda self: None)
+        general = small_session()
+    taken, general_calls = counting(lone), counting(general)
+    with np.errstate(over="ignore", invalid="ignore"):  # (as in a client process: the answers say what diverged)
+        for instruction, way in cases:
+            before = taken[0]
+            result = outcome(lone, instruction)
+            assert result == outcome(general, instruction)
+            assert (result[0] if isinstance(result, tuple) else "answered") == (way if "Error" in way else "answered")
+            assert taken[0] - before == (way == "general"), instruction.task
+        assert general_calls[0] == len(cases) - 3  # (the three refused before the worker is asked)
+        diverged = outcome(lone, task(np.full(20, np.inf), 12))
+        assert pb.ClientMessage.FromString(diverged[0]).answer.diverged  # type: ignore[index]
+        answers = [outcome(lone, task(z, 13)), outcome(general, task(z, 13))]
+        assert answers[0] == answers[1] and len(pb.ClientMessage.FromString(answers[0][0]).answer.payload) == 160  # type: ignore[index]
+
+    # Gradient noise, or two clients hosted: every task goes the general way.
+    for state in (small_session(noise=0.5), small_session((1, 4))):
+        calls = counting(state)
+        list(state.handle(task(z, 1, exact=True)))
+        assert calls == [1]
