@@ -392,6 +392,8 @@ def test_garbled_messages_before_each_answer_never_change_the_run_or_break_the_c
     ("first", "code", "message"),
     [
         (b"\xff\xff\xff\xff not a protobuf", INVALID, "bytes that are not a ClientMessage"),
+        (pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=[0])).SerializeToString()[:-1], INVALID,
+         "6 bytes that are not a ClientMessage: field hello at byte 0: its length says 5 bytes, 4 remain"),
         (pb.ClientMessage(ready=pb.Ready(run_id="x")).SerializeToString(), INVALID, "must start with a Hello"),
         (pb.ClientMessage(hello=pb.Hello(protocol_version=2)).SerializeToString(), INVALID, "no client indices given"),
         (pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=[2])).SerializeToString(), INVALID,
@@ -416,6 +418,19 @@ def test_bad_first_messages_are_refused_and_change_nothing(first: bytes, code: g
     assert stream in federation.greeted  # admission no longer counts it as waiting
     assert federation.protocol.missing() == [0] and holder not in federation.ended
     assert federation.protocol.next_deadline() is None  # its Hello deadline is gone with it
+
+
+def test_a_joined_sessions_bytes_that_are_not_protobuf_end_it_naming_the_fault() -> None:
+    # An Answer cut short (a client's own serializer, say): the details say which field and byte, as protobuf does not.
+    federation = Federation(2)
+    holder = federation.join((0,))
+    answer = pb.ClientMessage(answer=pb.Answer(run_id="r", round_id=1, payload_length=1, payload=bytes(8)))
+    federation.send(holder, answer.SerializeToString()[:-3])
+    end = federation.ended[holder]
+    assert end.code == INVALID
+    assert end.details == (
+        "bytes that are not a ClientMessage (16 bytes): field answer at byte 0: its length says 17 bytes, 14 remain"
+    )
 
 
 def test_a_stream_without_a_hello_is_ended_at_its_deadline_and_not_before() -> None:

@@ -16,6 +16,7 @@ from fedsaddle.common import wire
 from fedsaddle.common.numeric import all_finite
 from fedsaddle.common.tasks import Answer, ComputeTask, EvaluateTask, GradientTask, LocalStepsTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.transport import events
 
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
 
@@ -644,3 +645,74 @@ def test_all_finite_finds_any_non_finite_entry_in_any_layout(layout: str, rows: 
             values[row, col] = bad
             seen = layout != "strided" or (row % 2 == 0 and col % 2 == 0)  # the view holds the entry
             assert all_finite(view(values)) is not seen, (bad, row, col)
+
+
+# -- bytes protobuf refuses -------------------------------------------------------------------
+
+
+def _as_written(number: int, wire_type: int, body: bytes = b"") -> bytes:
+    """A field as a hand-written client may write it: key, then `body` (with its length, if length-delimited)."""
+    key = wire.varint(number << 3 | wire_type)
+    return key + (wire.varint(len(body)) + body if wire_type == 2 else body)
+
+
+_RUN = _as_written(1, 2, b"r-1")  # Answer.run_id
+_PAYLOAD = bytes(8 * 10_000)  # over BY_HAND_ABOVE: the inline reader's path too
+
+
+@pytest.mark.parametrize(
+    ("message", "fault"),
+    [
+        (_as_written(3, 2, _RUN + b"\x10\x80"), "field answer.round_id at byte 7: the message ends inside its varint"),
+        (_as_written(3, 2, _RUN + b"\x10" + b"\x80" * 10 + b"\x01"),
+         "field answer.round_id at byte 7: a varint longer than 10 bytes"),
+        (_as_written(3, 2, _RUN + _as_written(5, 2, _PAYLOAD))[:-5],
+         "field answer at byte 0: its length says 80009 bytes, 80004 remain"),
+        (_as_written(3, 2, _RUN + b"\x2a" + wire.varint(80_001) + _PAYLOAD),
+         "field answer.payload at byte 9: its length says 80001 bytes, 80000 remain"),
+        (_as_written(3, 2, _RUN + b"\x2a\x80\xf1\x84\x80\x80\x00" + _PAYLOAD),
+         "field answer.payload at byte 9: its length is written in 6 bytes (protobuf reads at most 5)"),
+        (_as_written(3, 2, _as_written(1, 2, b"\xff\xfe") + _as_written(5, 2, _PAYLOAD)),
+         "field answer.run_id at byte 4: not valid UTF-8 (byte 6)"),
+        (_as_written(3, 2, _RUN + b"\x1a\x02\x01\x80"),
+         "field answer.client_indices at byte 7: its packed values end inside a varint"),
+        (_as_written(3, 2, _RUN + _as_written(5, 2, _PAYLOAD) + b"\x00\x00"),
+         "byte 80013: field number 0, which no field has"),
+        (_as_written(3, 2, _RUN + _as_written(5, 2, _PAYLOAD) + _as_written(99, 4)),
+         "field answer.99 at byte 80013: an end-group with no group of field 99 open"),
+        (_as_written(3, 2, _RUN + _as_written(99, 3) + _as_written(5, 2, _PAYLOAD)),
+         "byte 80015: the group of field 99 is not closed before its message ends"),
+        (_as_written(3, 2, _RUN + _as_written(99, 3) * 101),
+         "field answer.99.99.99.99.99.99.99.99 at byte 206: groups and messages nested more than 100 deep"),
+        (_as_written(3, 2, _RUN + b"\x0e"), "field answer.run_id at byte 7: wire type 6, which does not exist"),
+        (_as_written(3, 2, _RUN + b"\x39\x00\x00"),
+         "field answer.diverged at byte 7: a 64-bit value needs 8 bytes, 2 remain"),
+        (_as_written(4, 2, _as_written(1, 0, b"\x05") + _as_written(2, 2, _PAYLOAD))[:-1],
+         "field chunk at byte 0: its length says 80006 bytes, 80005 remain"),
+        (_as_written(4, 2, b"\x08" + b"\xff" * 10 + b"\x01" + _as_written(2, 2, _PAYLOAD)),
+         "field chunk.offset at byte 4: a varint longer than 10 bytes"),
+        (b"\x1a", "field answer at byte 0: the message ends inside its length"),
+        (b"\x80", "byte 0: the message ends inside a field's key"),
+        (b"\x80\x80\x80\x80\x80\x01", "byte 0: a field's key longer than 5 bytes"),
+        (b"\xff\xff\xff\xff not a protobuf", "byte 0: a field's key beyond 32 bits"),
+    ],
+)  # fmt: skip
+def test_bytes_protobuf_refuses_are_refused_naming_the_first_fault(message: bytes, fault: str) -> None:
+    # A client written from the proto by hand needs to know what is wrong with its bytes: protobuf says only
+    # that they are not a ClientMessage. The coordinator's error names the field, its byte and the fault.
+    with pytest.raises(DecodeError):
+        pb.ClientMessage.FromString(message)
+    assert wire.wire_fault(message, pb.ClientMessage) == fault
+    received = events.parse(message)
+    assert (received.message, received.chunk, received.fault) == (None, None, fault)
+
+
+def test_the_fault_finder_gives_up_on_a_hostile_peers_megabytes_of_tiny_fields_in_bounded_time() -> None:
+    # 1.5 million one-varint fields, then one that protobuf refuses: the walk stops after _FAULT_STEPS fields.
+    message = _as_written(3, 2, b"\x10\x01" * 750_000 + b"\x10")
+    with pytest.raises(DecodeError):
+        pb.ClientMessage.FromString(message)
+    started = time.process_time()
+    fault = wire.wire_fault(message, pb.ClientMessage)
+    assert time.process_time() - started < 0.5
+    assert fault == "protobuf refuses it (its first 4096 fields are well-formed)"

@@ -47,6 +47,7 @@ class Received(NamedTuple):
     size: int
     chunk: wire.RawChunk | None = None
     payload: memoryview | None = None
+    fault: str = ""  # when message is None and chunk too: what is wrong with the bytes (wire.wire_fault)
 
 
 def parse(data: bytes) -> Received:
@@ -59,7 +60,7 @@ def parse(data: bytes) -> Received:
             return Received(inline[0], len(data), None, inline[1])
         return Received(pb.ClientMessage.FromString(data), len(data))
     except DecodeError:
-        return Received(None, len(data))
+        return Received(None, len(data), fault=wire.wire_fault(data, pb.ClientMessage))
 
 
 # -- actions ------------------------------------------------------------------------------

@@ -658,7 +658,7 @@ class Coordination:
         """The first message of a stream: a Hello, or the stream is refused."""
         try:
             if received.message is None:
-                raise Refusal(checks.INVALID, f"{received.size} bytes that are not a ClientMessage")
+                raise Refusal(checks.INVALID, f"{received.size} bytes that are not a ClientMessage: {received.fault}")
             if received.message.WhichOneof("body") != "hello":
                 raise Refusal(checks.INVALID, "a session must start with a Hello")
             hello = received.message.hello
@@ -757,7 +757,8 @@ class Coordination:
                 what = "a second Hello"
             else:  # empty, or of a kind added after this coordinator was built
                 what = "a ClientMessage of no kind this coordinator knows"
-            raise Refusal(checks.INVALID, f"{what} ({received.size} bytes)")
+            fault = f": {received.fault}" if message is None else ""
+            raise Refusal(checks.INVALID, f"{what} ({received.size} bytes){fault}")
         if kind == "ready":
             self._ready(session, message.ready, now, actions)
         elif kind == "failure":  # the client cannot go on: the round fails with its reason, at once
