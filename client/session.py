@@ -162,7 +162,10 @@ class ClientSession:
                 raise RunFailed(f"the coordinator ended the run as failed: {reason}")
             log.info("coordinator says goodbye (%d tasks answered in the last run): %s", self._tasks, reason)
             return []
-        raise ClientError(f"unknown instruction {kind!r}")
+        # (None: an empty Instruction, or one of a kind a later protocol added, which protobuf keeps aside)
+        raise ClientError(
+            "unknown instruction: none of the kinds this client knows (an empty one, or a later protocol's)"
+        )
 
     def failure(
         self, instruction: pb.Instruction | wire.RawChunk | wire.InlineTask, error: Exception

@@ -469,3 +469,11 @@ def test_the_usual_small_gradient_task_is_answered_in_a_few_calls_with_the_gener
         calls = counting(state)
         list(state.handle(task(z, 1, exact=True)))
         assert calls == [1]
+
+
+def test_an_empty_instruction_or_one_of_a_later_kind_ends_the_session_saying_so() -> None:
+    state = session()
+    later = pb.Instruction.FromString(wire.varint(15 << 3 | 2) + b"\x00")  # a kind a later protocol may add
+    for instruction in (pb.Instruction(), later):
+        with pytest.raises(ClientError, match=r"^unknown instruction: none of the kinds this client knows \(an empty"):
+            state.handle(instruction)
