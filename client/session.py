@@ -289,7 +289,10 @@ class ClientSession:
         # said a trillion and went on despite this Ready would have this process allocate terabytes.
         self._dimension = shards.dimension
         gradient = worker.lone_gradient()
-        if gradient is not None and not self._parties and 8 * self._dimension < wire.BY_HAND_ABOVE:
+        # Its answer goes inline as protobuf writes it: within the Welcome's chunk size (a longer one goes in
+        # Chunks) and below BY_HAND_ABOVE (a larger one is written by hand).
+        inline = 8 * self._dimension <= self.chunk_bytes and 8 * self._dimension < wire.BY_HAND_ABOVE
+        if gradient is not None and not self._parties and inline:
             self._lone = LoneGradient(run.run_id, self.indices[0], self._dimension, gradient)
         self._tasks, self._said = 0, time.monotonic()
         stack = blas.numeric_stack()
@@ -434,7 +437,8 @@ class LoneGradient:
 
     A run takes it only where the general path would do just this: one client hosted, no secure
     aggregation (nor its differential privacy), no gradient noise (Worker.lone_gradient), and answers
-    small enough for protobuf to write (below wire.BY_HAND_ABOVE). A task takes it only when it is a
+    small enough to go inline as protobuf writes them (within the Welcome's chunk size and below
+    wire.BY_HAND_ABOVE). A task takes it only when it is a
     GRADIENT of the run naming no clients, asking no objective, with a batch of at least 1 and exactly
     the run's entries inline; and its answer only when it is finite and of the run's shape. Anything
     else (a diverged gradient too, which the general path then computes again and reports) goes the

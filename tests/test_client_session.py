@@ -382,12 +382,14 @@ def test_a_large_inline_task_read_by_hand_is_answered_and_refused_as_protobufs_r
         assert (first[0] if isinstance(first, tuple) else "answered") == expected
 
 
-def small_session(indices: tuple[int, ...] = (3,), noise: float = 0.0) -> ClientSession:
-    """A session of run "r" at d = 10 (z has 20 entries)."""
+def small_session(
+    indices: tuple[int, ...] = (3,), noise: float = 0.0, dim: int = 10, chunk_bytes: int = 16_000
+) -> ClientSession:
+    """A session of run "r" at d = `dim` (z has 2 * dim entries; 20 unless told)."""
     state = ClientSession(indices)
-    state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
-    spec = PaperRegressionSpec(num_clients=5, dim=10, s=2.0)
-    run = pb.RunSpec(run_id="r", problem_json=spec.model_dump_json(), dimension=20, gradient_noise=noise)
+    state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=chunk_bytes)))
+    spec = PaperRegressionSpec(num_clients=5, dim=dim, s=2.0)
+    run = pb.RunSpec(run_id="r", problem_json=spec.model_dump_json(), dimension=2 * dim, gradient_noise=noise)
     run.synthetic_seed = 7
     (ready,) = state.handle(pb.Instruction(run=run))
     assert isinstance(ready, pb.ClientMessage) and not ready.ready.error
@@ -477,3 +479,38 @@ def test_an_empty_instruction_or_one_of_a_later_kind_ends_the_session_saying_so(
     for instruction in (pb.Instruction(), later):
         with pytest.raises(ClientError, match=r"^unknown instruction: none of the kinds this client knows \(an empty"):
             state.handle(instruction)
+
+
+def general_and_few_calls(monkeypatch: pytest.MonkeyPatch, **options: object) -> tuple[ClientSession, ClientSession]:
+    """Two sessions of the same small run: one as the client runs it, one whose tasks all go the general way."""
+    lone = small_session(**options)  # type: ignore[arg-type]
+    with monkeypatch.context() as patched:
+        patched.setattr(Worker, "lone_gradient", lambda self: None)
+        general = small_session(**options)  # type: ignore[arg-type]
+    return lone, general
+
+
+def replies(state: ClientSession, instruction: pb.Instruction) -> object:
+    """The serialized replies to an instruction, or the error it raised (its type and text)."""
+    try:
+        return [r if isinstance(r, bytes) else r.SerializeToString() for r in state.handle(instruction)]
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def gradient_instruction(z: np.ndarray, round_id: int = 1) -> pb.Instruction:
+    (piece,) = wire.encode_task("r", round_id, GradientTask(z), 1 << 20)
+    return pb.Instruction.FromString(piece)
+
+
+def test_a_gradient_answer_longer_than_the_welcomes_chunk_size_still_comes_in_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # At d = 100 an answer is 1600 bytes, above a Welcome's chunk size of 1 KiB: the header, then two chunks
+    # (proto/fedsaddle.proto, Answer.payload), whichever way the client computes it.
+    lone, general = general_and_few_calls(monkeypatch, dim=100, chunk_bytes=1024)
+    z = np.random.default_rng(5).standard_normal(200)
+    for round_id in (1, 2):
+        answer = replies(lone, gradient_instruction(z, round_id))
+        assert answer == replies(general, gradient_instruction(z, round_id))
+        assert isinstance(answer, list) and len(answer) == 3
