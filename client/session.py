@@ -29,7 +29,7 @@ from fedsaddle.common.secagg import SecAggError, messages
 from fedsaddle.common.secagg.party import Party
 from fedsaddle.common.secagg.rows import mask_answer, row_length
 from fedsaddle.common.secagg.settings import check_bound
-from fedsaddle.common.tasks import COMPUTE_PAYLOAD_LIMIT, ComputeTask, EvaluateTask, Task
+from fedsaddle.common.tasks import COMPUTE_PAYLOAD_LIMIT, Answer, ComputeTask, EvaluateTask, Task
 from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.common.worker import ShardCache, UnknownComputation, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
@@ -114,7 +114,7 @@ class ClientSession:
             answer = lone.answer(task)
             if answer is not None:
                 self._answered(task.round_id)
-                return (answer,)
+                return answer
         if isinstance(instruction, wire.RawChunk):
             return self._chunk(instruction)
         inline = None
@@ -293,7 +293,10 @@ class ClientSession:
         # Chunks) and below BY_HAND_ABOVE (a larger one is written by hand).
         inline = 8 * self._dimension <= self.chunk_bytes and 8 * self._dimension < wire.BY_HAND_ABOVE
         if gradient is not None and not self._parties and inline:
-            self._lone = LoneGradient(run.run_id, self.indices[0], self._dimension, gradient)
+            assert self._answers is not None  # (the Welcome came before the run)
+            self._lone = LoneGradient(
+                run.run_id, self.indices[0], self._dimension, gradient, worker.answer, self._answers
+            )
         self._tasks, self._said = 0, time.monotonic()
         stack = blas.numeric_stack()
         log.info(
@@ -440,22 +443,31 @@ class LoneGradient:
     small enough to go inline as protobuf writes them (within the Welcome's chunk size and below
     wire.BY_HAND_ABOVE). A task takes it only when it is a
     GRADIENT of the run naming no clients, asking no objective, with a batch of at least 1 and exactly
-    the run's entries inline; and its answer only when it is finite and of the run's shape. Anything
-    else (a diverged gradient too, which the general path then computes again and reports) goes the
-    general way, with the general path's errors. The bytes are the same
-    (tests/test_client_session.py compares them)."""
+    the run's entries inline; any other task goes the general way, with the general path's errors. A
+    gradient that is not a finite float64 column of the run's length (a diverged one; a plug-in's of
+    another shape or type) is not computed again: it is answered as the general path answers it
+    (Worker.answer, then the session's AnswerWriter), so that shards with a state of their own see one
+    call per task. The bytes are the same (tests/test_client_session.py compares them)."""
 
-    def __init__(self, run_id: str, index: int, dimension: int, gradient: Callable[[Array], Array]) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        index: int,
+        dimension: int,
+        gradient: Callable[[Array], Array],
+        general: Callable[[Array], Answer],
+        writer: wire.AnswerWriter,
+    ) -> None:
         self.run_id, self.dimension, self.size, self.shape = run_id, dimension, 8 * dimension, (dimension, 1)
-        self.gradient = gradient
+        self.gradient, self.general, self.writer = gradient, general, writer
         self.message = pb.ClientMessage()
         header = self.message.answer  # the fields every answer of the run shares, set once
         header.run_id = run_id
         header.client_indices.append(index)
         header.payload_length = dimension
 
-    def answer(self, task: pb.Task) -> bytes | None:
-        """The serialized answer, or None if the task (or its gradient) is not one this path takes."""
+    def answer(self, task: pb.Task) -> Iterable[bytes] | None:
+        """The serialized answer, or None if the task is not one this path takes (nothing computed)."""
         if (
             task.kind != pb.GRADIENT
             or task.run_id != self.run_id
@@ -467,12 +479,12 @@ class LoneGradient:
         if len(payload) != self.size or params.batch < 1 or params.want_objective:
             return None
         g = self.gradient(np.frombuffer(payload, np.float64)[:, None])
-        if g.shape != self.shape or g.dtype != np.float64:
-            return None
+        if type(g) is not np.ndarray or g.shape != self.shape or g.dtype != np.float64:
+            return self.writer.encode(self.run_id, task.round_id, self.general(g))
         flat = g.ravel()
         if not math.isfinite(flat.dot(flat)):  # (as numeric.all_finite tests a short vector)
-            return None
+            return self.writer.encode(self.run_id, task.round_id, self.general(g))
         header = self.message.answer
         header.round_id = task.round_id
         header.payload = g.tobytes()
-        return self.message.SerializeToString()
+        return (self.message.SerializeToString(),)

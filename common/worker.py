@@ -107,7 +107,8 @@ class Worker:
         """`execute`'s arithmetic for a GradientTask of the one client this worker hosts, with no noise drawn
         and no objective asked: a function from z, as a column (dimension, 1), to G_i(z) in the answer
         buffer. None unless the worker hosts one client, alone (no batch), draws no gradient noise and
-        reuses its answers (a client process's worker). The usual small round takes it (client/session.py)."""
+        reuses its answers (a client process's worker). The usual small round takes it (client/session.py),
+        and hands what it does not send as it is to `answer`."""
         if self.batched or len(self.indices) != 1 or self.noise_scale > 0 or not self.reuse_answers:
             return None
         shape = (self.shards.dimension, 1)
@@ -145,6 +146,11 @@ class Worker:
             vectors, objective = self._compute(task, round_id), None
         else:
             vectors, objective = self._local_steps(task, round_id), None
+        return self.answer(vectors, objective, clients)
+
+    def answer(self, vectors: Array, objective: Array | None = None, clients: tuple[int, ...] | None = None) -> Answer:
+        """`execute`'s answer from what the hosted clients computed, as columns (D, k[, B]) (and their objective
+        values, (k[, B])): the answering clients' rows, or `diverged` if one of them is not finite."""
         vectors = vectors.T  # columns (D, k[, B]) -> rows ([B,] k, D)
         if objective is not None:
             objective = objective.T

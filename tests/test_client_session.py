@@ -400,7 +400,8 @@ def test_the_usual_small_gradient_task_is_answered_in_a_few_calls_with_the_gener
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # One hosted client, no noise: a gradient task with its z inline skips the worker's dispatch and the
-    # general encoder (LoneGradient). Any other task, and a gradient that is not finite, goes the general way.
+    # general encoder (LoneGradient). Any other task goes the general way; a gradient that is not finite is
+    # answered as the general path answers it.
     rng = np.random.default_rng(3)
 
     def task(z: np.ndarray, round_id: int = 1, run_id: str = "r", **fields: object) -> pb.Instruction:
@@ -445,8 +446,10 @@ def test_the_usual_small_gradient_task_is_answered_in_a_few_calls_with_the_gener
         (task(z, 7, batch=0), "WireError"),
         (task(z, 8, payload_length=19), "WireError"),  # the payload disagrees
         (task(z, 9, run_id="other"), "ClientError"),
-        (task(np.full(20, np.inf), 10), "general"),  # diverged
-        (task(np.full(20, 1e200), 11), "general"),  # finite, but its squares overflow: tested entry by entry
+        # Diverged, and finite with squares that overflow (tested entry by entry): answered as the general
+        # path answers them (Worker.answer), from the one computation of the gradient.
+        (task(np.full(20, np.inf), 10), "few calls"),
+        (task(np.full(20, 1e200), 11), "few calls"),
     ]
     lone = small_session()
     with monkeypatch.context() as patched:
@@ -514,3 +517,49 @@ def test_a_gradient_answer_longer_than_the_welcomes_chunk_size_still_comes_in_ch
         answer = replies(lone, gradient_instruction(z, round_id))
         assert answer == replies(general, gradient_instruction(z, round_id))
         assert isinstance(answer, list) and len(answer) == 3
+
+
+@pytest.mark.parametrize(
+    "returns",
+    [
+        lambda z: [0.0] * len(z),  # not an array: the general path's error names what it lacks
+        lambda z: None,
+        lambda z: z[:, 0].copy(),  # another shape
+    ],
+    ids=["a-list", "none", "a-row"],
+)
+def test_shards_whose_gradient_is_not_a_float64_column_give_the_general_paths_answer_or_error(
+    monkeypatch: pytest.MonkeyPatch, returns: object
+) -> None:
+    from fedsaddle.common.problems.synthetic import PaperRegressionShards
+
+    monkeypatch.setattr(PaperRegressionShards, "gradient", lambda self, z, out=None: returns(z))  # type: ignore[operator]
+    lone, general = general_and_few_calls(monkeypatch)
+    z = np.random.default_rng(6).standard_normal(20)
+    assert replies(lone, gradient_instruction(z)) == replies(general, gradient_instruction(z))
+
+
+def test_a_gradient_the_few_calls_path_leaves_to_the_general_one_is_computed_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Shards with a state of their own (a plug-in's stream, a count of calls) that answer in float32: each
+    # task's gradient is computed once, as before, so the answers are the general path's task after task.
+    from fedsaddle.common.problems.synthetic import PaperRegressionShards
+
+    calls: dict[int, int] = {}
+
+    def gradient(self: PaperRegressionShards, z: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return (z * calls[id(self)]).astype(np.float32)
+
+    monkeypatch.setattr(PaperRegressionShards, "gradient", gradient)
+    lone, general = general_and_few_calls(monkeypatch)
+    z = np.random.default_rng(7).standard_normal(20)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for round_id in (1, 2, 3):
+            assert replies(lone, gradient_instruction(z, round_id)) == replies(
+                general, gradient_instruction(z, round_id)
+            )
+        diverged = np.full(20, np.inf)  # a diverged gradient too: the answer says so, from one computation
+        assert replies(lone, gradient_instruction(diverged, 4)) == replies(general, gradient_instruction(diverged, 4))
+    assert sorted(calls.values()) == [4, 4]
