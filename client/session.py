@@ -288,11 +288,12 @@ class ClientSession:
         # Tasks are bounded by what the data gives, not by what the RunSpec claims: a coordinator that
         # said a trillion and went on despite this Ready would have this process allocate terabytes.
         self._dimension = shards.dimension
-        gradient = worker.lone_gradient()
         # Its answer goes inline as protobuf writes it: within the Welcome's chunk size (a longer one goes in
-        # Chunks) and below BY_HAND_ABOVE (a larger one is written by hand).
+        # Chunks) and below BY_HAND_ABOVE (a larger one is written by hand). (Asked last: the worker sets its
+        # answer buffer aside for it.)
         inline = 8 * self._dimension <= self.chunk_bytes and 8 * self._dimension < wire.BY_HAND_ABOVE
-        if gradient is not None and not self._parties and inline:
+        gradient = worker.lone_gradient() if inline and not self._parties else None
+        if gradient is not None:
             assert self._answers is not None  # (the Welcome came before the run)
             self._lone = LoneGradient(
                 run.run_id, self.indices[0], self._dimension, gradient, worker.answer, self._answers

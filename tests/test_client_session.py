@@ -563,3 +563,29 @@ def test_a_gradient_the_few_calls_path_leaves_to_the_general_one_is_computed_onc
         diverged = np.full(20, np.inf)  # a diverged gradient too: the answer says so, from one computation
         assert replies(lone, gradient_instruction(diverged, 4)) == replies(general, gradient_instruction(diverged, 4))
     assert sorted(calls.values()) == [4, 4]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"dim": 100, "chunk_bytes": 1024}, {"dim": 4096}],
+    ids=["answers-in-chunks", "answers-of-64-KiB"],
+)
+def test_a_run_that_does_not_take_the_few_calls_path_sets_no_buffer_aside_for_it(options: dict[str, int]) -> None:
+    # Its answer buffer is made by the first task that needs one, as in every other run.
+    state = small_session(**options)  # type: ignore[arg-type]
+    assert state.worker is not None and state._lone is None and not state.worker._buffers
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["secure-aggregation", "and-dp"])
+def test_a_secure_run_of_one_hosted_client_never_takes_the_few_calls_path(dp: bool) -> None:
+    state = ClientSession((3,))
+    state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
+    spec = PaperRegressionSpec(num_clients=5, dim=10, s=2.0)
+    run = pb.RunSpec(run_id="r", problem_json=spec.model_dump_json(), dimension=20)
+    run.synthetic_seed = 7
+    run.secure_aggregation.CopyFrom(pb.SecureAggregation(threshold=3, scale_bits=30, bound=1e6))
+    if dp:
+        run.dp.clip, run.dp.noise_multiplier = 1.0, 0.5
+    (ready,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(ready, pb.ClientMessage) and not ready.ready.error and len(ready.ready.public_keys) == 1
+    assert state.worker is not None and state._lone is None and not state.worker._buffers
