@@ -296,7 +296,7 @@ class ClientSession:
         if gradient is not None:
             assert self._answers is not None  # (the Welcome came before the run)
             self._lone = LoneGradient(
-                run.run_id, self.indices[0], self._dimension, gradient, worker.answer, self._answers
+                run.run_id, worker.indices[0], self._dimension, gradient, worker.answer, self._answers
             )
         self._tasks, self._said = 0, time.monotonic()
         stack = blas.numeric_stack()

@@ -589,3 +589,20 @@ def test_a_secure_run_of_one_hosted_client_never_takes_the_few_calls_path(dp: bo
     (ready,) = state.handle(pb.Instruction(run=run))
     assert isinstance(ready, pb.ClientMessage) and not ready.ready.error and len(ready.ready.public_keys) == 1
     assert state.worker is not None and state._lone is None and not state.worker._buffers
+
+
+def test_the_few_calls_answer_speaks_for_the_client_the_shards_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The general path answers for the worker's clients (its shards' indices), whatever a plug-in's shards say
+    # they hold: the few-calls path's answer names the same client.
+    from fedsaddle.common.problems.synthetic import PaperRegressionShards
+
+    made = PaperRegressionShards.__init__
+
+    def elsewhere(self: PaperRegressionShards, *args: object, **kwargs: object) -> None:
+        made(self, *args, **kwargs)  # type: ignore[arg-type]
+        self.indices = (4,)
+
+    monkeypatch.setattr(PaperRegressionShards, "__init__", elsewhere)
+    lone, general = general_and_few_calls(monkeypatch)
+    z = np.random.default_rng(8).standard_normal(20)
+    assert replies(lone, gradient_instruction(z)) == replies(general, gradient_instruction(z))
