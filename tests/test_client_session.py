@@ -606,3 +606,27 @@ def test_the_few_calls_answer_speaks_for_the_client_the_shards_hold(monkeypatch:
     lone, general = general_and_few_calls(monkeypatch)
     z = np.random.default_rng(8).standard_normal(20)
     assert replies(lone, gradient_instruction(z)) == replies(general, gradient_instruction(z))
+
+
+def test_a_new_run_leaves_nothing_of_the_last_runs_few_calls_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Run "r" takes the path; then a RunSpec this process cannot serve (Ready with an error), then one it can
+    # at another dimension: the tasks of each are answered, or refused, as by the general path.
+    lone, general = general_and_few_calls(monkeypatch)
+    z = np.random.default_rng(9).standard_normal(20)
+    assert replies(lone, gradient_instruction(z, 1)) == replies(general, gradient_instruction(z, 1))
+    spec = PaperRegressionSpec(num_clients=5, dim=20, s=2.0)
+    broken = pb.RunSpec(run_id="s", problem_json="{", dimension=40)
+    usable = pb.RunSpec(run_id="r", problem_json=spec.model_dump_json(), dimension=40)
+    usable.synthetic_seed = 7
+    (piece,) = wire.encode_task("s", 2, GradientTask(z), 1 << 20)
+    for run, tasks in (
+        (broken, [gradient_instruction(z, 2), pb.Instruction.FromString(piece)]),
+        (usable, [gradient_instruction(z, 3), gradient_instruction(np.concatenate([z, z]), 4)]),
+    ):
+        with monkeypatch.context() as patched:
+            patched.setattr(Worker, "lone_gradient", lambda self: None)
+            expected = replies(general, pb.Instruction(run=run))
+        assert replies(lone, pb.Instruction(run=run)) == expected
+        for instruction in tasks:
+            assert replies(lone, instruction) == replies(general, instruction)
+    assert lone._lone is not None and lone._tasks == general._tasks == 1
