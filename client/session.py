@@ -442,9 +442,9 @@ class LoneGradient:
     A run takes it only where the general path would do just this: one client hosted, no secure
     aggregation (nor its differential privacy), no gradient noise (Worker.lone_gradient), and answers
     small enough to go inline as protobuf writes them (within the Welcome's chunk size and below
-    wire.BY_HAND_ABOVE). A task takes it only when it is a
-    GRADIENT of the run naming no clients, asking no objective, with a batch of at least 1 and exactly
-    the run's entries inline; any other task goes the general way, with the general path's errors. A
+    wire.BY_HAND_ABOVE). A task takes it only when it is a GRADIENT of the run naming no clients,
+    asking no objective, with a batch of at least 1 and exactly the run's entries inline; any other
+    task goes the general way, with the general path's errors. A
     gradient that is not a finite float64 column of the run's length (a diverged one; a plug-in's of
     another shape or type) is not computed again: it is answered as the general path answers it
     (Worker.answer, then the session's AnswerWriter), so that shards with a state of their own see one
