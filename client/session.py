@@ -436,19 +436,19 @@ class LoneGradient:
     process hosts. The general path (`ClientSession._execute`: decoding, the worker's dispatch, the
     finiteness test, the answer's encoding) makes some thirty Python and numpy calls for it, and in
     place each costs several times what it costs in a loop, as the other processes take the caches
-    between rounds: at d = 10 a task took about 30 us less CPU this way, and the round about 0.2 ms
-    less (bench/README.md, *One task, few calls*).
+    between rounds: at d = 10 a task took 27-48 us less CPU this way (bench/README.md, *One task, few
+    calls*).
 
     A run takes it only where the general path would do just this: one client hosted, no secure
     aggregation (nor its differential privacy), no gradient noise (Worker.lone_gradient), and answers
     small enough to go inline as protobuf writes them (within the Welcome's chunk size and below
     wire.BY_HAND_ABOVE). A task takes it only when it is a GRADIENT of the run naming no clients,
     asking no objective, with a batch of at least 1 and exactly the run's entries inline; any other
-    task goes the general way, with the general path's errors. A
-    gradient that is not a finite float64 column of the run's length (a diverged one; a plug-in's of
-    another shape or type) is not computed again: it is answered as the general path answers it
-    (Worker.answer, then the session's AnswerWriter), so that shards with a state of their own see one
-    call per task. The bytes are the same (tests/test_client_session.py compares them)."""
+    task goes the general way, with the general path's errors. A gradient that is not a finite float64
+    column of the run's length (a diverged one; a plug-in's of another shape or type) is not computed
+    again: it is answered as the general path answers it (Worker.answer, then the session's
+    AnswerWriter), so that shards with a state of their own see one call per task. The bytes are the
+    same (tests/test_client_session.py compares them)."""
 
     def __init__(
         self,
