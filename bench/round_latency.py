@@ -8,7 +8,7 @@ anchor is what fedsaddle adds to moving the same bytes. The anchor's server runs
 this process, so it shares the coordinator's malloc settings (and GLIBC_TUNABLES,
 if set).
 
-    python bench/round_latency.py                      # d = 10 and d = 1e6, 10 processes
+    python bench/round_latency.py                      # d = 10 (3000 rounds) and d = 1e6 (100), 10 processes
     python bench/round_latency.py --dims 10 --rounds 500
     python bench/round_latency.py --dims 1e6 --rounds 20 --chunk-bytes 4194304
     python bench/round_latency.py --dims 1e6 --rounds 20 --receive-window-mib 1
@@ -45,6 +45,12 @@ from fedsaddle.server.transport.grpc_pool import GrpcPool
 from fedsaddle.server.transport.sessions import Limits
 
 
+def default_rounds(d: int) -> int:
+    """Timed rounds per side when --rounds is not given: at small d a round is a few milliseconds, and
+    100 of them in blocks of 20 moved the ratio by 0.2 from run to run (bench/README.md)."""
+    return 3000 if d <= 10_000 else 100
+
+
 def time_rounds(pool: ClientPool, z: Array, rounds: int) -> list[float]:
     times = []
     for _ in range(rounds):
@@ -63,7 +69,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", type=float, nargs="+", default=[10, 1e6], help="d: x and y each in R^d")
     parser.add_argument("--clients", type=int, default=10, help="clients, one process each")
-    parser.add_argument("--rounds", type=int, default=100, help="timed rounds per dimension (median over them)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds per dimension, median over them (default: 3000 up to d = 1e4, where a round takes "
+        "milliseconds and a short run reads mostly noise; 100 above)",
+    )
     parser.add_argument(
         "--blocks", type=int, default=5, help="the rounds alternate between the three in this many blocks"
     )
@@ -109,7 +121,7 @@ def main() -> None:
             remote: list[float] = []
             in_process: list[float] = []
             bare: list[float] = []
-            per_block = max(1, args.rounds // args.blocks)
+            per_block = max(1, (args.rounds or default_rounds(d)) // args.blocks)
             # seconds: server, clients; then the same for the main threads alone
             cpu = {"fedsaddle": [0.0, 0.0, 0.0, 0.0], "bare": [0.0, 0.0, 0.0, 0.0]}
             for _ in range(args.blocks):  # alternate, so that the three see the same machine
@@ -125,7 +137,8 @@ def main() -> None:
         pool.close()
         reap(processes)
         floor.close()
-    print(f"{n} client processes on 127.0.0.1, {len(rows[0][1]) if rows else 0} rounds each; ms, median [q1, q3]")
+    counts = ", ".join(f"{len(remote)} at d = {d:g}" for d, remote, *_ in rows)
+    print(f"{n} client processes on 127.0.0.1, rounds timed on each side: {counts}; ms, median [q1, q3]")
     print(f"event loops: fedsaddle {eventloop.chosen()}, bare gRPC {floor.kind}")
     header = (
         f"{'d':>9} {'fedsaddle gRPC':>26} {'in-process':>24} {'transport':>10} {'bare gRPC':>24} "
