@@ -419,12 +419,7 @@ def _walk(
         if steps[0] <= 0:
             return end
         at = base + pos
-        try:
-            key, after = _read_varint(data, pos)
-        except IndexError:
-            raise _Fault(f"byte {at}: the message ends inside a field's key") from None
-        except ValueError:
-            raise _Fault(f"byte {at}: a field's key longer than 10 bytes") from None
+        key, after = _varint_or_fault(data, pos, f"byte {at}", "a field's key", "a field's key")
         if after - pos > 5:
             raise _Fault(f"byte {at}: a field's key longer than 5 bytes")
         if key >> 32:
@@ -435,24 +430,14 @@ def _walk(
         if number == 0:
             raise _Fault(f"byte {at}: field number 0, which no field has")
         if wire_type == 0:
-            try:
-                _, pos = _read_varint(data, pos)
-            except IndexError:
-                raise _Fault(f"{where}: the message ends inside its varint") from None
-            except ValueError:
-                raise _Fault(f"{where}: a varint longer than 10 bytes") from None
+            _, pos = _varint_or_fault(data, pos, where, "its varint", "a varint")
         elif wire_type in (1, 5):
             size = 8 if wire_type == 1 else 4
             if pos + size > end:
                 raise _Fault(f"{where}: a {_WIRE_TYPE[wire_type]} value needs {size} bytes, {end - pos} remain")
             pos += size
         elif wire_type == 2:
-            try:
-                length, body = _read_varint(data, pos)
-            except IndexError:
-                raise _Fault(f"{where}: the message ends inside its length") from None
-            except ValueError:
-                raise _Fault(f"{where}: a length longer than 10 bytes") from None
+            length, body = _varint_or_fault(data, pos, where, "its length", "a length")
             if body - pos > 5:
                 raise _Fault(f"{where}: its length is written in {body - pos} bytes (protobuf reads at most 5)")
             if length > end - body:
@@ -474,6 +459,17 @@ def _walk(
     if group is not None and steps[0] > 0:
         raise _Fault(f"byte {base + end}: the group of field {group} is not closed before its message ends")
     return end
+
+
+def _varint_or_fault(data: memoryview, pos: int, where: str, inside: str, name: str) -> tuple[int, int]:
+    """The varint at `pos` and the position after it, or _Fault: the message ends inside it, or it runs
+    past 10 bytes (`where`: the field, or the byte, the fault is told at)."""
+    try:
+        return _read_varint(data, pos)
+    except IndexError:
+        raise _Fault(f"{where}: the message ends inside {inside}") from None
+    except ValueError:
+        raise _Fault(f"{where}: {name} longer than 10 bytes") from None
 
 
 def _check_value(
