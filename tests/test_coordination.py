@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -174,23 +175,31 @@ def test_bad_answers_are_rejected_with_precise_codes_and_the_run_ends_as_if_they
     assert first not in federation.ended
 
 
-def one_hand_driven_client(chunk_bytes: int) -> tuple[Federation, int, MemoryPool]:
-    """A federation of one hand-driven client, its run started (d = 100: answers of 200 entries, 1600 bytes)."""
-    federation = Federation(1, chunk_bytes=chunk_bytes)
+def refusals_in_a_round(misbehave: Callable[[Federation, int, list[pb.ClientMessage]], None]) -> list[str]:
+    """The details of every Rejected a hand-driven client gets for what `misbehave(federation, hand, good)` sends
+    in one round, before its good answer (`good`: the header, then its chunks) completes the round. One client
+    of d = 100 (answers of 200 entries, 1600 bytes) and chunk_bytes 1 KiB: at least 1 KiB per chunk but the last."""
+    federation = Federation(1, chunk_bytes=1024)
     hand = federation.join((0,), honest=False)
     problem = config(problem={"name": "paper_regression", "num_clients": 1, "dim": 100}, algorithms=RUN.algorithms)
     pool = MemoryPool(federation)
     start(pool, RunInfo("r", problem.problem, 0, 0.0), hand)
-    return federation, hand, pool
-
-
-def test_a_refused_answers_chunks_are_read_and_refused_once_and_tiny_chunks_are_refused() -> None:
-    # chunk_bytes 1 KiB (so at least 1 KiB per chunk but the last); answers of 200 entries, 1600 bytes.
-    federation, hand, pool = one_hand_driven_client(chunk_bytes=1024)
     details: list[str] = []
 
     def meanwhile() -> None:
         good = [pb.ClientMessage.FromString(r) for r in federation.answer(hand, federation.take(hand))]
+        misbehave(federation, hand, good)
+        details.extend(r.details for r in federation.rejected(hand))
+        for message in good:
+            federation.send(hand, message)
+
+    pool.meanwhile = meanwhile
+    pool.gradients(np.ones(200))
+    return details
+
+
+def test_a_refused_answers_chunks_are_read_and_refused_once_and_tiny_chunks_are_refused() -> None:
+    def misbehave(federation: Federation, hand: int, good: list[pb.ClientMessage]) -> None:
         assert [len(m.chunk.data) for m in good[1:]] == [1024, 576]
         federation.send(hand, good[0])
         federation.send(hand, pb.ClientMessage(chunk=pb.Chunk(offset=0, data=good[1].chunk.data[:512])))
@@ -200,12 +209,8 @@ def test_a_refused_answers_chunks_are_read_and_refused_once_and_tiny_chunks_are_
         huge = answer(good[0].answer, round_id=0, payload_length=10**12)
         for message in (huge, good[1]):  # but not beyond what its clients could send
             federation.send(hand, message)
-        details.extend(r.details for r in federation.rejected(hand))
-        for message in good:
-            federation.send(hand, message)
 
-    pool.meanwhile = meanwhile
-    pool.gradients(np.ones(200))
+    details = refusals_in_a_round(misbehave)
     assert details[0].endswith("every chunk but the last carries at least 1024 bytes")
     assert details[1:] == [
         "stale answer for round 0; the coordinator is waiting on round 1",
@@ -221,24 +226,15 @@ def test_a_refused_answer_padded_past_64_kib_has_its_chunks_read_and_dropped_whe
     # An empty bytes field is no payload to protobuf, whether it is written or left out: a stale header whose
     # other fields (an unknown one here) take it past the 64 KiB from which a payload is read by hand is
     # refused once, and the chunks that follow it are read and dropped, as for any refused header.
-    federation, hand, pool = one_hand_driven_client(chunk_bytes=1024)
-    details: list[str] = []
-
-    def meanwhile() -> None:
-        good = [pb.ClientMessage.FromString(r) for r in federation.answer(hand, federation.take(hand))]
+    def misbehave(federation: Federation, hand: int, good: list[pb.ClientMessage]) -> None:
         stale = answer(good[0].answer, round_id=good[0].answer.round_id - 1).answer.SerializeToString()
         padding = bytes([0xFA, 0x06]) + wire.varint(wire.BY_HAND_ABOVE) + bytes(wire.BY_HAND_ABOVE)  # field 111
         inner = stale + (bytes([0x2A, 0x00]) if empty_payload else b"") + padding
         federation.send(hand, bytes([0x1A]) + wire.varint(len(inner)) + inner)
         for message in good[1:]:
             federation.send(hand, message)
-        details.extend(r.details for r in federation.rejected(hand))
-        for message in good:
-            federation.send(hand, message)
 
-    pool.meanwhile = meanwhile
-    pool.gradients(np.ones(200))
-    assert details == ["stale answer for round 0; the coordinator is waiting on round 1"]
+    assert refusals_in_a_round(misbehave) == ["stale answer for round 0; the coordinator is waiting on round 1"]
 
 
 def _kept(vectors: np.ndarray) -> int:
