@@ -480,12 +480,11 @@ class LoneGradient:
         if len(payload) != self.size or params.batch < 1 or params.want_objective:
             return None
         g = self.gradient(np.frombuffer(payload, np.float64)[:, None])
-        if type(g) is not np.ndarray or g.shape != self.shape or g.dtype != np.float64:
-            return self.writer.encode(self.run_id, task.round_id, self.general(g))
-        flat = g.ravel()
-        if not math.isfinite(flat.dot(flat)):  # (as numeric.all_finite tests a short vector)
-            return self.writer.encode(self.run_id, task.round_id, self.general(g))
-        header = self.message.answer
-        header.round_id = task.round_id
-        header.payload = g.tobytes()
-        return (self.message.SerializeToString(),)
+        if type(g) is np.ndarray and g.shape == self.shape and g.dtype == np.float64:
+            flat = g.ravel()
+            if math.isfinite(flat.dot(flat)):  # (as numeric.all_finite tests a short vector)
+                header = self.message.answer
+                header.round_id = task.round_id
+                header.payload = g.tobytes()
+                return (self.message.SerializeToString(),)
+        return self.writer.encode(self.run_id, task.round_id, self.general(g))
