@@ -412,7 +412,8 @@ def _walk(
     steps: list[int],
 ) -> int:
     """Walk the fields of `data` (at byte `base` of the whole message) up to its end, or up to the end-group
-    of `group`, whose position after it is returned; _Fault on the first fault, None past the step budget."""
+    of `group`, whose position after it is returned; _Fault on the first fault. Past the step budget it stops
+    and returns the end, finding nothing more."""
     pos, end = 0, len(data)
     while pos < end:
         steps[0] -= 1
