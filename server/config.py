@@ -456,6 +456,19 @@ class OutputSpec(_Model):
         "residual = ||z - P(z - G(z))||): a convergence measure that needs no z*; one more exchange, counted as "
         "evaluation",
     )
+    trackers: tuple[Literal["tensorboard", "mlflow"], ...] = Field(
+        (),
+        description="experiment trackers that also get every record of metrics.jsonl: tensorboard (event files in "
+        "RUN_DIR/tensorboard/, the tensorboard extra) and mlflow (MLflow's local file store in RUN_DIR/mlruns/, "
+        "the mlflow extra)",
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_once(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"each tracker at most once, got {list(value)}")
+        return value
 
 
 class RunConfig(_Model):

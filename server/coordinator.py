@@ -38,6 +38,8 @@ from fedsaddle.server.driver import (
 )
 from fedsaddle.server.pool import ClientPool, PoolError
 from fedsaddle.server.report import make_run_dir, strict_json, write_summary
+from fedsaddle.server.trackers import Trackers
+from fedsaddle.server.trackers import check as check_trackers
 
 log = logging.getLogger("fedsaddle.coordinator")
 
@@ -101,6 +103,7 @@ def run_config(
     `reference`: a known z* to measure against (see run_algorithm); `on_step` sees every
     step's record once it is written (the command line shows the latest metrics with it)."""
     check_reference(make_problem(config.problem), reference)  # before anything is written
+    check_trackers(config)
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
     return _run(config, pool, transport, run_dir, 0, [], None, progress, reference, on_step)
@@ -124,6 +127,7 @@ def resume_run(
             f"{run_dir} is not a run directory (it has no config.json): give the folder of one run, runs/NAME-TIME"
         )
     config = load_config(run_dir / "config.json")
+    check_trackers(config)  # a library missing is said before the clients are waited for
     stopped = _why_it_stopped(run_dir / "summary.json")
     dim_x, _ = make_problem(config.problem).dims()  # (an algorithm may need z's split to be built)
     state_types = [build(spec, config.sync, dim_x=dim_x).state_type for spec in config.algorithms]
@@ -200,6 +204,12 @@ def _run(
     on_step: StepHook | None = None,
 ) -> Outcome:
     outcome = Outcome(list(finished), run_dir)
+    trackers = Trackers(config, run_dir) if config.output.trackers else None
+    if trackers is not None:  # a resumed run's records so far, as metrics.jsonl keeps them
+        for result in finished:
+            trackers.replay(result.name, result.records)
+        if resume is not None and first < len(config.algorithms):
+            trackers.replay(config.algorithms[first].display_name, resume.records)
     with open(run_dir / "metrics.jsonl", "a") as metrics:
         recorder = _Recorder(config, run_dir, metrics, sum(len(r.records) for r in finished))
         recorder.lines += len(resume.records) if resume else 0
@@ -207,6 +217,8 @@ def _run(
 
         def step(run: Run, done: StepDone, pool: ClientPool) -> None:
             recorder.on_step(run, done, pool)
+            if trackers is not None:
+                trackers.record(run.name, run.records[-1])
             if on_step is not None:
                 on_step(run, done, pool)
 
@@ -239,5 +251,7 @@ def _run(
     closed = pool.connections_closed()
     if any(closed.values()):  # a flood, or clients that waited long: the operator sees how many
         notes["connections_closed"] = closed
+    if trackers is not None:
+        trackers.close(outcome.failure)
     write_summary(run_dir, config, outcome.results, {**transport, **notes, "failure": outcome.failure})
     return outcome
