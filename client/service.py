@@ -353,8 +353,9 @@ async def _serve_sessions(options: ClientOptions, waiting: _Waiting) -> None:
                 delay = min(5.0, delay * 2) * random.uniform(0.8, 1.2)  # exponential backoff with jitter
 
 
-def serve(options: ClientOptions) -> None:
-    """Run the client; SIGTERM ends it cleanly (the stream closes, the coordinator is told)."""
+def serve(options: ClientOptions) -> str:
+    """Run the client; SIGTERM ends it cleanly (the stream closes, the coordinator is told). Returns the
+    name of the signal that stopped it, or '' when the run ended."""
 
     tune_malloc()
     log.debug("event loop: %s", eventloop.chosen())  # (an unknown choice is refused here, before anything starts)
@@ -362,7 +363,7 @@ def serve(options: ClientOptions) -> None:
     # A diverging run overflows; its answers say so (Answer.diverged), so numpy need not warn.
     np.seterr(over="ignore", invalid="ignore")
 
-    async def session() -> None:
+    async def session() -> str:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -399,5 +400,6 @@ def serve(options: ClientOptions) -> None:
             trimmer.cancel()
             if sigint is not None:
                 signal.signal(signal.SIGINT, sigint)
+        return stopped_by
 
-    eventloop.run(session())
+    return eventloop.run(session())

@@ -131,8 +131,10 @@ def built_in_config() -> RunConfig:
 
 def _config(args: argparse.Namespace) -> RunConfig:
     from fedsaddle.server.config import load_config
+    from fedsaddle.server.trackers import check as check_trackers
 
     config = load_config(args.config) if args.config else built_in_config()
+    check_trackers(config)  # before a coordinator waits for its clients
     updates: dict[str, Any] = {}
     if getattr(args, "out", None):
         updates["output"] = config.output.model_copy(update={"dir": args.out})
@@ -197,21 +199,83 @@ def _serving(config: RunConfig, listen: str | None) -> Any:
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
+    served: list[tuple[RunConfig, str]] = []  # the config and the address it listened on (for --hold)
 
     def serving(config: RunConfig) -> tuple[Any, dict[str, Any]]:
         pool = _serving(config, args.listen)
+        served.append((config, pool.address))
         return pool, {"kind": "grpc", "address": pool.address}
 
     if args.resume:
-        return _resume(args, serving)
-    if not args.config:
-        raise UsageError("coordinator needs --config (or --resume RUN_DIR)")
-    config = _config(args)
-    pool, transport = serving(config)
+        code = _resume(args, serving)
+    else:
+        if not args.config:
+            raise UsageError("coordinator needs --config (or --resume RUN_DIR)")
+        config = _config(args)
+        pool, transport = serving(config)
+        try:
+            code = _run(config, pool, transport)
+        finally:
+            pool.close()
+    return _hold_coordinator(*served[-1], code) if args.hold else code
+
+
+def _hold_coordinator(config: RunConfig, address: str, code: int) -> int:
+    """--hold: once the run has ended, the coordinator's address serves the standard health service alone
+    until SIGTERM: the server SERVING (a liveness probe passes), the federation NOT_SERVING (a readiness
+    probe fails). An orchestrator that restarts whatever exits (a Deployment) neither restarts the
+    coordinator, which would start the run again, nor routes clients to it. A run stopped by SIGTERM
+    exits at once."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from fedsaddle.common.stop import Stopped
+    from fedsaddle.server.transport.auth import server_credentials
+    from fedsaddle.server.transport.servicer import SERVICE
+
+    if _TERMINATED:
+        return code
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    tls = config.transport.tls
     try:
-        return _run(config, pool, transport)
+        port = server.add_secure_port(address, server_credentials(tls)) if tls else server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        log.error("--hold: cannot listen on %s again; exiting", address)
+        return code
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.start()
+    print(
+        f"the run has ended (exit code {code}); holding until SIGTERM: {address} answers health checks only "
+        f"(the server SERVING, {SERVICE} NOT_SERVING)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        while not _TERMINATED:
+            time.sleep(1.0)
+    except Stopped:
+        pass
     finally:
-        pool.close()
+        server.stop(grace=1).wait()
+    return code
+
+
+def _hold_client() -> int:
+    """--hold: a client whose run ended well waits for SIGTERM instead of exiting, so that an orchestrator
+    that restarts whatever exits (a StatefulSet) does not start it again to dial a run that is over."""
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())
+    print("the run has ended; holding until SIGTERM", file=sys.stderr, flush=True)
+    while not stopped.wait(1.0):
+        pass
+    return EXIT_OK
 
 
 def _resume(
@@ -272,13 +336,13 @@ def cmd_client(args: argparse.Namespace) -> int:
         tls_files=TlsFiles(args.ca, args.cert, args.key) if args.ca else None,
     )
     try:
-        serve(options)
+        stopped_by = serve(options)
     except ClientError as exc:
         # The coordinator's reason, repeated at this site (marked: `fedsaddle local`, whose coordinator
         # says it in the same terminal, leaves it out: see launch.fork_clients).
         log.error("%s", exc, extra={ECHOES_COORDINATOR: isinstance(exc, RunFailed)})
         return EXIT_RUN_FAILED
-    return EXIT_OK
+    return _hold_client() if args.hold and not stopped_by else EXIT_OK
 
 
 def cmd_local(args: argparse.Namespace) -> int:
@@ -847,10 +911,14 @@ def _since_start() -> float:
         return time.perf_counter() - _LOADED
 
 
+_TERMINATED: list[bool] = []  # an entry once SIGTERM has come (`--hold` then does not hold)
+
+
 def _stop_on_sigterm() -> None:
     from fedsaddle.common.stop import Stopped
 
     def stop(signum: int, frame: object) -> None:
+        _TERMINATED.append(True)
         raise Stopped
 
     signal.signal(signal.SIGTERM, stop)
@@ -975,12 +1043,24 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p, "required, unless --resume")
     p.add_argument("--listen", type=address(True), help="HOST:PORT to listen on (overrides transport.listen)")
     with_resume(p)
+    p.add_argument(
+        "--hold",
+        action="store_true",
+        help="when the run has ended, answer health checks only (the server SERVING, the federation NOT_SERVING) "
+        "until SIGTERM instead of exiting: for orchestrators that restart what exits (a Kubernetes Deployment)",
+    )
 
     p = command("client", "host clients' data and run their local steps", cmd_client)
     p.add_argument("--coordinator", required=True, type=address(False), help="HOST:PORT of the coordinator")
     p.add_argument("--clients", required=True, type=indices, help="client indices this process hosts: 3, 0,2,5 or 0-4")
     p.add_argument("--name", help="name shown in the coordinator's logs (default: host:pid)")
     p.add_argument("--connect-timeout", type=positive_float, default=60.0, help="seconds to wait for the coordinator")
+    p.add_argument(
+        "--hold",
+        action="store_true",
+        help="when the run has ended well, wait for SIGTERM instead of exiting: for orchestrators that restart "
+        "what exits (a Kubernetes StatefulSet)",
+    )
     p.add_argument("--token-file", help="file holding this client's token (default: $FEDSADDLE_TOKEN, if set)")
     p.add_argument(
         "--receive-window-mib",
