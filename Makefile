@@ -15,12 +15,13 @@ STAMP := $(VENV)/.installed-stamp
 # pyproject.toml directly (tests/test_import_graph.py does).
 TYPECHECK := .typecheck
 
-.PHONY: all install run test lint typecheck docs unit proto bench certs clean compose-test
+.PHONY: all install run test lint typecheck docs unit proto bench certs clean compose-test kube-test
 
 all: test
 
 # The ray extra (about 285 MB, 12 s to install here) is in so that the two-node Ray test runs (27 to 60 s here, by load);
-# the trackers' extras (about 75 MB, mostly mlflow-skinny's) so that tests/test_trackers.py runs.
+# the trackers' extras (about 75 MB, mostly mlflow-skinny's; dev adds TensorBoard's reader, about 35 MB) so that
+# tests/test_trackers.py runs.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -72,6 +73,11 @@ bench: $(STAMP)
 # docker-compose.yml through podman's Docker API, the result must equal `fedsaddle simulate`.
 compose-test: $(STAMP)
 	bash scripts/compose-test.sh
+
+# The manifests of `fedsaddle deploy kubernetes` played with `podman kube play` (the compose test's images,
+# rebuilt from cache), a client pod deleted and played again mid-run, the result equal to `fedsaddle simulate`.
+kube-test: $(STAMP)
+	bash scripts/kube-test.sh
 
 # A development CA, a coordinator certificate and client certificates in certs/.
 certs:

@@ -576,6 +576,55 @@ def _paper_experiment(args: argparse.Namespace, out: Path, command: str, progres
     return EXIT_OK if same == len(rows) else EXIT_RUN_FAILED
 
 
+def cmd_deploy_kubernetes(args: argparse.Namespace) -> int:
+    """Write Kubernetes manifests for a federation, and the form of them that `podman kube play` runs."""
+    import yaml
+
+    from fedsaddle import kube
+
+    try:
+        raw = yaml.safe_load(Path(args.config).read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read config {args.config}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"config {args.config} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"config {args.config} must be a mapping of fields, got {type(raw).__name__}")
+    from fedsaddle.common.problems.registry import add_plugin_folder
+    from fedsaddle.server.config import parse_config
+
+    add_plugin_folder(Path(args.config).parent)  # a plug-in problem beside its config, as load_config does
+    config = parse_config(raw, source=f"config {args.config}")
+    clients = args.clients if args.clients is not None else config.problem.num_clients
+    options = kube.Options(
+        clients=clients,
+        name=args.name,
+        image=args.image,
+        client_image=args.client_image,
+        tls_dir=Path(args.tls_dir) if args.tls_dir else None,
+        tokens=args.tokens,
+        runs_size=args.runs_size,
+        data_size=args.data_size,
+    )
+    try:
+        manifests = kube.cluster(raw, options)
+    except kube.ManifestError as exc:
+        raise UsageError(str(exc)) from None
+    written = kube.write(manifests, Path(args.out))
+    kinds = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in manifests.objects)
+    print(f"{written[0]}: {kinds}")
+    print(f"{Path(args.out) / 'podman'}: the same federation for `podman kube play` (docs/how-to/kubernetes.md)")
+    names = kube.names(args.name)
+    print(f"then: kubectl apply -f {written[0]}; the run directory is on the claim {names['runs']}")
+    if manifests.config.transport.rejoin_timeout_s == 0:
+        print(
+            "note: transport.rejoin_timeout_s is 0, so a client pod that is deleted or restarted fails the run; "
+            "set it (e.g. 60) for the pod to rejoin",
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     """Ask a coordinator's standard health service; exit 0 when it is serving."""
     import grpc
@@ -1161,6 +1210,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="", help="service to ask about ('' = the whole server)")
     p.add_argument("--timeout", type=positive_float, default=5.0, help="seconds to wait for the answer")
     _tls_options(p)
+
+    deploy = commands.add_parser(
+        "deploy",
+        help="write manifests that run a federation on a cluster",
+        description="write manifests that run a federation on a cluster",
+        formatter_class=_HelpFormatter,
+    )
+    _global_flags(deploy, top=False)
+    deploy_commands = deploy.add_subparsers(dest="deploy_command", required=True, metavar="TARGET", title="targets")
+    p = deploy_commands.add_parser(
+        "kubernetes",
+        help="Kubernetes manifests (and the form podman kube play runs) for a config and its clients",
+        description="Write OUT/kubernetes.yaml: the config as a ConfigMap, the coordinator as a Deployment with a "
+        "Service (probes: the gRPC health service), its run directories on a PersistentVolumeClaim, the clients "
+        "as a StatefulSet whose pod ordinal is the client index, each pod with a data volume of its own, and TLS "
+        "files and tokens as Secrets. OUT/podman/ holds the same federation in the form `podman kube play` "
+        "(4.3) takes: Pods and PersistentVolumeClaims, and ConfigMaps for --configmap.",
+        epilog="example:\n  fedsaddle deploy kubernetes --config run.yaml --clients 10 --tls-dir certs --tokens "
+        "--out k8s/\n  kubectl apply -f k8s/kubernetes.yaml",
+        formatter_class=_HelpFormatter,
+    )
+    _global_flags(p, top=False)
+    p.set_defaults(func=cmd_deploy_kubernetes)
+    p.add_argument("--config", required=True, help="run config, YAML or JSON")
+    p.add_argument(
+        "--clients", type=int, help="client pods, one per index: the config's problem.num_clients (the default)"
+    )
+    p.add_argument("--out", required=True, help="folder for the manifests")
+    p.add_argument("--name", default="fedsaddle", help="prefix of every object's name")
+    p.add_argument("--image", default="fedsaddle:latest", help="the coordinator's image")
+    p.add_argument("--client-image", default="fedsaddle-client:latest", help="the clients' image")
+    p.add_argument(
+        "--tls-dir",
+        metavar="DIR",
+        help="ca.pem, coordinator.pem, coordinator.key (scripts/dev-certs.sh): the coordinator serves TLS, the "
+        "clients check it with ca.pem; its certificate must name the Service, NAME-coordinator",
+    )
+    p.add_argument(
+        "--tokens",
+        action="store_true",
+        help="a fresh token per client index, in a Secret, and the coordinator's credentials file of their hashes",
+    )
+    p.add_argument("--runs-size", default="1Gi", help="storage requested for the run directories")
+    p.add_argument("--data-size", default="1Gi", help="storage requested for each client's data volume")
 
     p = command("new-token", "make a token for a client identity", cmd_new_token)
     p.add_argument("--name", required=True, help="the identity's name (e.g. site-a)")
