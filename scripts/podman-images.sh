@@ -5,7 +5,8 @@
 #   2. a base image: python:3.11 from a registry, or, with none reachable, a Debian
 #      base made here with debootstrap and imported (cached in podman's storage);
 #   3. wheels of every dependency, so that the image build needs no package index;
-#   4. the client and coordinator images, built with podman (layers cached: a second build takes seconds).
+#   4. the client and coordinator images, built with podman; skipped, with 3, when both are labelled with
+#      the hash of the files they would be built from (make kube-test after make compose-test builds nothing).
 #
 # Expects ROOT, PY, WORK and the functions say and skip; sets CONTAINERS_CONF and BASE.
 # Where podman cannot be had, skip says SKIPPED and why.
@@ -61,15 +62,26 @@ else
 fi
 say "base image: $BASE"
 
-# -- 3. wheels -----------------------------------------------------------------------------
-WHEELS=docker/wheels  # inside the build context (and ignored by git)
-"$PY" -m pip wheel -q --wheel-dir "$WHEELS" '.[plot]' 'setuptools>=68' wheel >"$WORK/wheels.log" 2>&1 \
-  || { tail -20 "$WORK/wheels.log" >&2; exit 1; }
-
-# -- 4. images -----------------------------------------------------------------------------
-for target in client coordinator; do
-  image=$([ $target = client ] && echo fedsaddle-client:latest || echo fedsaddle:latest)
-  podman build -q --build-arg BASE="$BASE" --build-arg WHEELS="$WHEELS" --target $target -t "$image" . >/dev/null
+# -- 3-4. wheels and images, unless the images were built from these very files ----------------------
+# Every file the build context holds (tracked, or new and not ignored), hashed: an image labelled with the
+# same hash was built from the same source on the same base, and is used as it is (make kube-test after
+# make compose-test builds nothing). Anything changed, and the wheels and images are made again.
+SOURCE_ID=$( { echo "$BASE"; git ls-files -co --exclude-standard -- Dockerfile pyproject.toml README.md fedsaddle common \
+  client server proto experiments examples docker | sort | xargs -d '\n' sha256sum; } | sha256sum | cut -c1-32)
+built=yes
+for image in fedsaddle-client:latest fedsaddle:latest; do
+  [ "$(podman image inspect --format '{{ index .Labels "fedsaddle.source" }}' "$image" 2>/dev/null)" = "$SOURCE_ID" ] || built=""
 done
-say "images built ($(( $(date +%s) - _images_started )) s so far)"
-
+if [ -n "$built" ]; then
+  say "images up to date (built from these files: $SOURCE_ID)"
+else
+  WHEELS=docker/wheels  # inside the build context (and ignored by git)
+  "$PY" -m pip wheel -q --wheel-dir "$WHEELS" '.[plot]' 'setuptools>=68' wheel >"$WORK/wheels.log" 2>&1 \
+    || { tail -20 "$WORK/wheels.log" >&2; exit 1; }
+  for target in client coordinator; do
+    image=$([ $target = client ] && echo fedsaddle-client:latest || echo fedsaddle:latest)
+    podman build -q --build-arg BASE="$BASE" --build-arg WHEELS="$WHEELS" --label "fedsaddle.source=$SOURCE_ID" \
+      --target $target -t "$image" . >/dev/null
+  done
+  say "images built ($(( $(date +%s) - _images_started )) s so far)"
+fi
