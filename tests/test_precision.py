@@ -240,3 +240,25 @@ def test_a_float32_run_resumes_to_the_same_bits_and_never_in_another_precision(t
     (a,) = json.loads((expected / "summary.json").read_text())["algorithms"]
     (b,) = json.loads((run_dir / "summary.json").read_text())["algorithms"]
     assert a["z_sha256"] == b["z_sha256"] and a["traffic"] == b["traffic"]
+
+
+def test_simulate_and_local_give_the_same_float32_hashes_for_the_papers_five(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path / "run.yaml",
+        name="narrow",
+        problem={**PAPER, "num_clients": 2},
+        algorithms=EIGHT[:5],
+        rounds=21,
+        precision="float32",
+        output={"plot": False},
+        **NOISY,
+    )
+    simulated = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "sim"))
+    assert simulated.returncode == 0, simulated.stderr
+    local = fedsaddle("local", "--config", str(path), "--out", str(tmp_path / "local"), "--quiet-clients")
+    assert local.returncode == 0, local.stderr
+    (sim,), (grpc,) = (tmp_path / "sim").iterdir(), (tmp_path / "local").iterdir()
+    hashes = [[a["z_sha256"] for a in json.loads((d / "summary.json").read_text())["algorithms"]] for d in (sim, grpc)]
+    assert hashes[0] == hashes[1] and len(set(hashes[0])) == 5
+    same = fedsaddle("compare-runs", str(sim), str(grpc))
+    assert same.returncode == 0 and same.stdout.startswith("same: "), same.stdout
