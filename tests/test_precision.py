@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import CLIENT_ENV, config, federation, fedsaddle
+from conftest import CLIENT_ENV, config, federation, fedsaddle, linear_regression_files
 from test_failures import write_config
 
 from fedsaddle.common import wire
@@ -262,3 +262,32 @@ def test_simulate_and_local_give_the_same_float32_hashes_for_the_papers_five(tmp
     assert hashes[0] == hashes[1] and len(set(hashes[0])) == 5
     same = fedsaddle("compare-runs", str(sim), str(grpc))
     assert same.returncode == 0 and same.stdout.startswith("same: "), same.stdout
+
+
+def test_a_float32_run_on_private_data_weighted_by_samples_and_evaluated_is_the_same_over_grpc(tmp_path: Path) -> None:
+    # Sample weights multiply float32 rows in the sums, and evaluation rounds carry float32 metrics.
+    linear_regression_files(tmp_path, 3, 6, seed=5, rows=(40, 15), held_out=(10, 5))
+    path = write_config(
+        tmp_path / "run.yaml",
+        name="private",
+        problem={"name": "linear_regression", "num_clients": 3, "features": 6, "lam": 0.1},
+        weighting="samples",
+        evaluate_every=4,
+        algorithms=[EIGHT[1], EIGHT[3]],
+        rounds=21,
+        precision="float32",
+        output={"plot": False},
+    )
+    data = str(tmp_path / "client-{i}.npz")
+    runs = {}
+    for command, extra in (("simulate", []), ("local", ["--quiet-clients"])):
+        done = fedsaddle(command, "--config", str(path), "--data", data, "--out", str(tmp_path / command), *extra)
+        assert done.returncode == 0, done.stderr
+        (run_dir,) = (tmp_path / command).iterdir()
+        runs[command] = json.loads((run_dir / "summary.json").read_text())["algorithms"]
+    for simulated, federated in zip(runs["simulate"], runs["local"], strict=True):
+        assert simulated["status"] == federated["status"] == "ok"
+        assert simulated["z_sha256"] == federated["z_sha256"]
+        assert simulated["metrics"] == federated["metrics"] and simulated["metrics"]["test_mse"] > 0
+        mse = simulated["metrics"]["test_mse"]
+        assert float(np.float32(mse)) == mse  # a float32 run's metrics are float32 values
