@@ -66,7 +66,11 @@ def four_processes() -> Iterator[GrpcPool]:
     assert pool.client_exit_codes == [0, 0]  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("algorithm", EIGHT, ids=lambda a: a["name"])
+# The paper's inner stop rule: every gradient round also carries f_i(z) (Answer.objective, float32 too).
+OBJECTIVE_STOP = {**EIGHT[4], "label": "objective_stop", "stop": {"rule": "objective", "max_inner_syncs": 3}}
+
+
+@pytest.mark.parametrize("algorithm", [*EIGHT, OBJECTIVE_STOP], ids=lambda a: a.get("label") or a["name"])
 def test_a_float32_run_over_grpc_equals_the_in_process_run_bit_for_bit(
     four_processes: GrpcPool, algorithm: dict[str, Any]
 ) -> None:
