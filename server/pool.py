@@ -108,7 +108,8 @@ class RunInfo:
 
 @dataclass
 class TrafficCounts:
-    """Traffic of one category. `floats` counts float64 vector entries."""
+    """Traffic of one category. `floats` counts vector entries (float64, or float32 in a float32 run: the
+    same counts either way)."""
 
     num_clients: int
     rounds: int = 0
