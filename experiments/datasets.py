@@ -385,7 +385,8 @@ def describe(summary: dict[str, Any]) -> str:
         lines.append(
             "no built-in problem takes more than two classes: --positive CLASS makes one class against the rest"
         )
-    lines.append("public statistics for each problem's spec (training rows of all clients):")
+    if summary["statistics"]:
+        lines.append("public statistics for each problem's spec (training rows of all clients):")
     for name, statistics in summary["statistics"].items():
         fields = ", ".join(f"{field}: {value!r}" for field, value in statistics.items())
         lines.append(f"  {name}: {{name: {name}, num_clients: {summary['clients']}, {fields}}}")

@@ -234,8 +234,8 @@ def test_a_float32_run_resumes_to_the_same_bits_and_never_in_another_precision(t
     config_file.write_text(json.dumps({**json.loads(written), "precision": "float64"}))
     before = (run_dir / "metrics.jsonl").read_text()
     refused = fedsaddle("simulate", "--resume", str(run_dir), timeout=60)
-    assert refused.returncode != 0
-    assert "written by a run of precision float32" in refused.stderr, refused.stderr
+    assert refused.returncode == 2, refused.stderr
+    assert "cannot resume: " in refused.stderr and "written by a run of precision float32" in refused.stderr
     assert "asks for precision float64" in refused.stderr
     assert (run_dir / "metrics.jsonl").read_text() == before
     config_file.write_text(written)
