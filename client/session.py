@@ -48,6 +48,10 @@ _AFTER_WELCOME = {
 }
 
 
+# RunSpec.element_type -> the payloads' numbers.
+_ELEMENTS: dict[int, wire.Element] = {pb.FLOAT64: wire.FLOAT64, pb.FLOAT32: wire.FLOAT32}
+
+
 class ClientError(RuntimeError):
     """The session could not start, or ended abnormally (the message says why)."""
 
@@ -64,6 +68,7 @@ class ClientSession:
         self._answers: wire.AnswerWriter | None = None  # made by the Welcome, with its chunk size
         self.run: pb.RunSpec | None = None
         self._run_id, self._dimension = "", 0  # the run's, read once (not per task)
+        self._element: wire.Element = wire.FLOAT64  # the run's element type (RunSpec.element_type)
         self._run_name = ""  # its id as logs show it: the coordinator's text, bounded and escaped
         self._metrics: tuple[str, ...] = ()  # its problem's evaluation metrics: an EVALUATE's answer layout
         self._refusals = RefusalLog(log)  # a coordinator's flood of Rejected costs the log a few lines
@@ -192,7 +197,7 @@ class ClientSession:
         chunks are awaited."""
         payload = task.payload if inline is None else inline  # (each read of a bytes field is a copy)
         if payload or task.payload_length == 0:
-            wire.check_inline(task.payload_length, payload)  # refused before anything of the task is kept
+            wire.check_inline(task.payload_length, payload, self._element)  # refused before the task is kept
             return self._execute(task, payload)
         self._check_run(task.run_id)
         assert self.run is not None
@@ -200,10 +205,10 @@ class ClientSession:
         limit = (COMPUTE_PAYLOAD_LIMIT if task.kind == pb.COMPUTE else 2) * self._dimension
         if task.payload_length > limit:
             raise ClientError(
-                f"the coordinator sent a task of {task.payload_length} float64 entries; "
+                f"the coordinator sent a task of {task.payload_length} {self._element.name} entries; "
                 f"run {self._run_name!r} allows at most {limit}"
             )
-        size = 8 * task.payload_length
+        size = self._element.itemsize * task.payload_length
         if len(self._payload) < size:
             self._payload = memoryview(lasting((size,), np.uint8))  # type: ignore[arg-type]  # (a buffer)
         self._task, self._assembler = (
@@ -228,7 +233,14 @@ class ClientSession:
         gc.unfreeze()  # the last run's objects (frozen below) go back to the collector with the run
         self._run_id, self._dimension = run.run_id, int(run.dimension)
         self._run_name = printable(run.run_id, 64)
+        self._element = wire.FLOAT64
         try:
+            if run.element_type not in _ELEMENTS:
+                raise ValueError(
+                    f"the coordinator's RunSpec.element_type is {run.element_type}, which this client does not know "
+                    "(it reads FLOAT64 and FLOAT32)"
+                )
+            self._element = _ELEMENTS[run.element_type]
             try:
                 problem = json.loads(run.problem_json)
             except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deeply to parse)
@@ -249,7 +261,14 @@ class ClientSession:
                 if sample_counts is None:
                     raise ValueError(f"problem {spec.name} has no per-client sample counts to weight by")
                 counts = sample_counts()
-            worker = Worker(shards, run.noise_seed, run.gradient_noise, reuse_answers=True, scratch_tasks=True)
+            worker = Worker(
+                shards,
+                run.noise_seed,
+                run.gradient_noise,
+                reuse_answers=True,
+                scratch_tasks=True,
+                element=self._element,
+            )
             self._parties, self._weights, self._dp, keys = {}, None, None, []
             if run.HasField("dp"):
                 clip, multiplier = run.dp.clip, run.dp.noise_multiplier
@@ -258,6 +277,8 @@ class ClientSession:
                 if not run.HasField("secure_aggregation"):
                     raise ValueError("the coordinator asks for differential privacy's noise without secure aggregation")
                 self._dp = DpSettings(clip, multiplier)
+            if run.HasField("secure_aggregation") and self._element != wire.FLOAT64:
+                raise ValueError("the coordinator asks for secure aggregation in a FLOAT32 run; its rows are float64's")
             if run.HasField("secure_aggregation"):
                 secure = run.secure_aggregation
                 settings = messages.read_settings(secure)
@@ -292,9 +313,11 @@ class ClientSession:
         # Chunks) and below BY_HAND_ABOVE (a larger one is written by hand). (Asked last: the worker sets its
         # answer buffer aside for it.)
         inline = 8 * self._dimension <= self.chunk_bytes and 8 * self._dimension < wire.BY_HAND_ABOVE
+        inline = inline and self._element == wire.FLOAT64  # (its bytes are float64's)
+        assert self._answers is not None  # (the Welcome came before the run)
+        self._answers.dtype = self._element
         gradient = worker.lone_gradient() if inline and not self._parties else None
         if gradient is not None:
-            assert self._answers is not None  # (the Welcome came before the run)
             self._lone = LoneGradient(
                 run.run_id, worker.indices[0], self._dimension, gradient, worker.answer, self._answers
             )
@@ -304,7 +327,12 @@ class ClientSession:
             "run %s: clients %s ready (dimension %d; %s)", self._run_name, list(self.indices), shards.dimension, stack
         )
         return pb.Ready(
-            run_id=run.run_id, dimension=shards.dimension, sample_counts=counts, numeric_stack=stack, public_keys=keys
+            run_id=run.run_id,
+            dimension=shards.dimension,
+            sample_counts=counts,
+            numeric_stack=stack,
+            public_keys=keys,
+            element_type=run.element_type,
         )
 
     def _other_metrics(self, asked: tuple[str, ...]) -> str:
@@ -337,7 +365,7 @@ class ClientSession:
         if run_id != self._run_id or self.worker is None:  # (_check_run's test, without a call per task)
             self._check_run(run_id)
         assert self.worker is not None
-        task = wire.decode_task(message, payload, self._dimension, writable=own)
+        task = wire.decode_task(message, payload, self._dimension, writable=own, dtype=self._element)
         if isinstance(task, ComputeTask) and find_computation(task.name) is None:
             raise ClientError(str(UnknownComputation(task.name)))
         if isinstance(task, EvaluateTask) and (not self._metrics or task.metric_names != self._metrics):

@@ -7,6 +7,10 @@ rests on every sum being taken in the same order. These helpers fix that order:
   and never in arrival order;
 * `norm` and `dot` reduce over the last, contiguous axis, which numpy does the
   same way for one vector alone and for each row of a stack of vectors.
+
+The sums are taken in float64 whatever the vectors' type: a float32 run's rows
+(precision float32) are widened, exactly, as they are added, so every path adds
+the same float64 values in the same order.
 """
 
 from __future__ import annotations
@@ -14,11 +18,24 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Iterator
+from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
 Array = NDArray[np.float64]
+
+# A run's element type (the config's `precision`): what its vectors are stored and sent as.
+# float64 is the default and every documented result's; float32 halves the bytes
+# (docs/explanation/numerics.md says where the arithmetic stays in float64).
+Precision = Literal["float64", "float32"]
+_ELEMENT_TYPES: dict[str, np.dtype[np.floating]] = {"float64": np.dtype("<f8"), "float32": np.dtype("<f4")}
+
+
+def element_type(precision: Precision) -> np.dtype[np.floating]:
+    """The little-endian dtype of a precision."""
+    return _ELEMENT_TYPES[precision]
+
 
 # Below this many entries per vector, one cumulative sum beats a Python loop;
 # both add in index order, so they give the same bits.
@@ -38,9 +55,9 @@ def blocks(rows: int, size: int = BLOCK) -> Iterator[slice]:
 def ordered_sum(vectors: Array) -> Array:
     """v_0 + v_1 + ... + v_{m-1} over axis 0, added strictly in index order."""
     if vectors.shape[0] == 1:
-        return np.array(vectors[0], copy=True)
+        return np.array(vectors[0], dtype=np.float64, copy=True)
     if vectors[0].size <= _SMALL:
-        result: Array = np.cumsum(vectors, axis=0)[-1]
+        result: Array = np.cumsum(vectors, axis=0, dtype=np.float64)[-1]
         return result
     return running_sum(vectors)
 
@@ -48,7 +65,7 @@ def ordered_sum(vectors: Array) -> Array:
 def running_sum(vectors: Iterable[Array]) -> Array:
     """v_0 + v_1 + ... one vector at a time, in order, into a copy of v_0 (nothing stacked)."""
     each = iter(vectors)
-    total = np.array(next(each), copy=True)
+    total = np.array(next(each), dtype=np.float64, copy=True)
     for vector in each:
         total += vector
     return total
@@ -88,5 +105,7 @@ def dot(a: Array, b: Array) -> float:
 
 
 def sha256(z: Array) -> str:
-    """SHA-256 of a vector's little-endian float64 bytes: equal hashes, equal bits."""
-    return hashlib.sha256(np.ascontiguousarray(z, dtype="<f8").tobytes()).hexdigest()
+    """SHA-256 of a vector's little-endian bytes (float32 for a float32 vector, else float64): equal
+    hashes, equal bits."""
+    dtype = "<f4" if np.asarray(z).dtype == np.float32 else "<f8"
+    return hashlib.sha256(np.ascontiguousarray(z, dtype=dtype).tobytes()).hexdigest()

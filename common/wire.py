@@ -1,6 +1,7 @@
 """numpy <-> protobuf: tasks and answers, vectors as raw float64 bytes, chunking.
 
-A payload is the concatenation of float64 vectors (little-endian). If it fits in
+A payload is the concatenation of float64 vectors (little-endian; float32 in a run
+whose RunSpec says so: every codec here takes the run's element type). If it fits in
 `chunk_bytes` it travels inline in the Task or Answer; otherwise the header goes
 with an empty payload and Chunk messages carry it in order. Every decoder here
 checks what it reads and raises WireError with a message that says what is wrong.
@@ -37,6 +38,8 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # fedsaddle.v2.Coordinator
 SESSION_METHOD = f"/{SERVICE}/Session"
 FLOAT64 = np.dtype("<f8")
+FLOAT32 = np.dtype("<f4")
+Element = np.dtype[np.floating]  # a run's element type on the wire: FLOAT64, or FLOAT32
 MESSAGE_OVERHEAD = 1 << 20  # room for headers beside a full chunk
 _DECAY: dict[Decay, pb.StepDecay] = {"constant": pb.CONSTANT, "inverse_sqrt": pb.INVERSE_SQRT}
 _DECAY_NAME: dict[pb.StepDecay, Decay] = {v: k for k, v in _DECAY.items()}
@@ -71,14 +74,15 @@ MIN_PIECE_BYTES = 4 << 10
 
 
 def chunk_entries(carry: bytes, offset: int, data: bytes | memoryview, dtype: str) -> tuple[np.ndarray, int, bytes]:
-    """A payload chunk's whole 8-byte entries, for a sum that adds them as they come: a chunk may end inside
-    an entry, whose first bytes (`carry`, from the chunk before) wait for the next. (The entries as an array
-    of `dtype`, the index of the first in the payload, the bytes to carry to the next chunk.)"""
+    """A payload chunk's whole entries (8 bytes each, 4 for float32), for a sum that adds them as they come: a
+    chunk may end inside an entry, whose first bytes (`carry`, from the chunk before) wait for the next. (The
+    entries as an array of `dtype`, the index of the first in the payload, the bytes to carry to the next chunk.)"""
+    size = np.dtype(dtype).itemsize
     if carry:
         data = carry + bytes(data)
         offset -= len(carry)
-    whole = len(data) - len(data) % 8
-    return np.frombuffer(data, dtype=dtype, count=whole // 8), offset // 8, bytes(data[whole:])
+    whole = len(data) - len(data) % size
+    return np.frombuffer(data, dtype=dtype, count=whole // size), offset // size, bytes(data[whole:])
 
 
 def min_piece(chunk_bytes: int) -> int:
@@ -131,41 +135,44 @@ def window_options(window_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes)] if window_bytes else []
 
 
-def to_bytes(vectors: Sequence[Array]) -> bytes:
-    return b"".join(_parts(vectors))
+def to_bytes(vectors: Sequence[Array], dtype: Element = FLOAT64) -> bytes:
+    return b"".join(_parts(vectors, dtype))
 
 
-def _parts(vectors: Sequence[Array]) -> list[memoryview]:
-    """The vectors' float64 entries as bytes, one view per vector (a copy only of a vector that is
-    not contiguous float64): the payload is their concatenation, never built as one buffer."""
+def _parts(vectors: Sequence[Array], dtype: Element = FLOAT64) -> list[memoryview]:
+    """The vectors' entries as bytes of `dtype`, one view per vector (a copy only of a vector that is
+    not contiguous of that type): the payload is their concatenation, never built as one buffer."""
     views = []
     for vector in vectors:
-        values = np.ascontiguousarray(vector, dtype=FLOAT64).reshape(-1)
+        values = np.ascontiguousarray(vector, dtype=dtype).reshape(-1)
         views.append(memoryview(values).cast("B"))  # type: ignore[arg-type]  # numpy arrays are buffers
     return views
 
 
-def _pieces(vectors: Array, most: int) -> Iterator[memoryview]:
-    """The entries of `vectors` (in C order) as float64 bytes, in pieces of at most `most` bytes (whole, when
-    contiguous), each made when asked for: the rows of a client process's answer are columns of its
+def _pieces(vectors: Array, most: int, dtype: Element = FLOAT64) -> Iterator[memoryview]:
+    """The entries of `vectors` (in C order) as bytes of `dtype`, in pieces of at most `most` bytes (whole,
+    when contiguous), each made when asked for: the rows of a client process's answer are columns of its
     worker's buffer, and a contiguous copy of all of them (a vector per hosted client) is never made."""
-    if vectors.dtype == FLOAT64 and vectors.flags.c_contiguous:
+    if vectors.dtype == dtype and vectors.flags.c_contiguous:
         yield memoryview(vectors.reshape(-1)).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
         return
     rows = np.reshape(vectors, (-1, vectors.shape[-1])) if vectors.ndim > 1 else vectors[None]
-    step = max(1, most // 8)
+    step = max(1, most // dtype.itemsize)
     for row in rows:
         for start in range(0, len(row), step):
-            piece = np.ascontiguousarray(row[start : start + step], dtype=FLOAT64)
+            piece = np.ascontiguousarray(row[start : start + step], dtype=dtype)
             yield memoryview(piece).cast("B")  # type: ignore[arg-type]
 
 
-def from_bytes(data: bytes | bytearray | memoryview, length: int, writable: bool = False) -> Array:
-    """A float64 view of the bytes (no copy), of exactly `length` entries: read-only, unless
+def from_bytes(
+    data: bytes | bytearray | memoryview, length: int, writable: bool = False, dtype: Element = FLOAT64
+) -> Array:
+    """A view of the bytes as `dtype` (no copy), of exactly `length` entries: read-only, unless
     `writable` and the bytes are."""
-    if len(data) != 8 * length:
-        raise WireError(f"payload has {len(data)} bytes, expected {8 * length} ({length} float64 entries)")
-    values = np.frombuffer(data, dtype=FLOAT64)
+    size = dtype.itemsize
+    if len(data) != size * length:
+        raise WireError(f"payload has {len(data)} bytes, expected {size * length} ({length} {dtype.name} entries)")
+    values = cast(Array, np.frombuffer(data, dtype=dtype))  # (Array: float64's, or a float32 run's)
     if not writable and not isinstance(data, bytes):  # over bytes it is read-only already
         values.flags.writeable = False
     return values
@@ -635,13 +642,14 @@ def task_message(run_id: str, round_id: int, task: Task, payload_length: int) ->
     return message
 
 
-def check_inline(payload_length: int, payload: bytes | memoryview) -> None:
-    """WireError unless a Task's inline payload carries exactly the payload_length float64 entries its header
+def check_inline(payload_length: int, payload: bytes | memoryview, dtype: Element = FLOAT64) -> None:
+    """WireError unless a Task's inline payload carries exactly the payload_length entries its header
     declares (a payload in Chunks is assembled to that length, and refused if the chunks disagree)."""
-    if len(payload) != 8 * payload_length:
-        entries = f" ({len(payload) // 8} float64 entries)" if len(payload) % 8 == 0 else ""
+    size = dtype.itemsize
+    if len(payload) != size * payload_length:
+        entries = f" ({len(payload) // size} {dtype.name} entries)" if len(payload) % size == 0 else ""
         raise WireError(
-            f"a task declares payload_length {payload_length} ({8 * payload_length} bytes) but carries an inline "
+            f"a task declares payload_length {payload_length} ({size * payload_length} bytes) but carries an inline "
             f"payload of {len(payload)} bytes{entries}"
         )
 
@@ -673,7 +681,9 @@ def _identifier(kind: str, name: str, taken: set[str]) -> str:
     return name
 
 
-def decode_compute(message: pb.Compute, payload: bytes | bytearray | memoryview, dimension: int) -> ComputeTask:
+def decode_compute(
+    message: pb.Compute, payload: bytes | bytearray | memoryview, dimension: int, dtype: Element = FLOAT64
+) -> ComputeTask:
     """A COMPUTE task; WireError naming what is malformed."""
     name = message.name
     if not name or len(name) > _NAME_LIMIT:
@@ -689,7 +699,7 @@ def decode_compute(message: pb.Compute, payload: bytes | bytearray | memoryview,
         raise WireError(
             f"compute task {name!r}: {total} payload entries, at most {COMPUTE_PAYLOAD_LIMIT} x {dimension}"
         )
-    values = from_bytes(payload, total)
+    values = from_bytes(payload, total, dtype=dtype)
     arrays = []
     start = dimension
     for array_name, length in zip(message.array_names, lengths, strict=True):
@@ -710,13 +720,15 @@ def encode_task(
     chunk_bytes: int,
     client_indices: Sequence[int] = (),
     round_clients: Sequence[int] = (),
+    dtype: Element = FLOAT64,
 ) -> list[bytes]:
     """The serialized Task instruction, followed by serialized Chunks if the payload is larger than one chunk.
 
-    `round_clients`: under secure aggregation, every client of a sampled round (empty: all, or no masks)."""
-    parts = _parts(task.payload())
+    `round_clients`: under secure aggregation, every client of a sampled round (empty: all, or no masks);
+    `dtype`: the run's element type."""
+    parts = _parts(task.payload(), dtype)
     size = sum(len(part) for part in parts)
-    message = task_message(run_id, round_id, task, size // 8)
+    message = task_message(run_id, round_id, task, size // dtype.itemsize)
     message.round_clients.extend(round_clients)
     if size > chunk_bytes:
         message.client_indices.extend(client_indices)
@@ -741,22 +753,26 @@ def encode_task(
 
 
 def decode_task(
-    message: pb.Task, payload: bytes | bytearray | memoryview, dimension: int, writable: bool = False
+    message: pb.Task,
+    payload: bytes | bytearray | memoryview,
+    dimension: int,
+    writable: bool = False,
+    dtype: Element = FLOAT64,
 ) -> Task:
-    """The task a Task message (with its assembled payload) describes; its vectors are views of
-    the payload, writable if `writable` (the caller's own buffer, which the task may use up)."""
+    """The task a Task message (with its assembled payload of `dtype` entries) describes; its vectors are
+    views of the payload, writable if `writable` (the caller's own buffer, which the task may use up)."""
     kind = message.kind
     if kind == pb.GRADIENT:
-        values = from_bytes(payload, dimension)
+        values = from_bytes(payload, dimension, dtype=dtype)
         params = message.gradient
         batch = params.batch
         if batch < 1:
             raise WireError(f"gradient batch must be >= 1, got {batch}")
         return GradientTask(values, batch, params.exact, params.want_objective)
     if kind == pb.COMPUTE:
-        return decode_compute(message.compute, payload, dimension)
+        return decode_compute(message.compute, payload, dimension, dtype)
     if kind == pb.EVALUATE:
-        return EvaluateTask(from_bytes(payload, dimension), tuple(message.metric_names))
+        return EvaluateTask(from_bytes(payload, dimension, dtype=dtype), tuple(message.metric_names))
     if kind == pb.LOCAL_STEPS:
         local = message.local
         scaffold = local.correction == pb.SCAFFOLD
@@ -767,7 +783,7 @@ def decode_task(
         for name, value in (("gamma_local", local.gamma_local), ("theta", local.theta)):
             if not (math.isfinite(value) and value >= 0):
                 raise WireError(f"{name} must be finite and >= 0, got {value}")
-        values = from_bytes(payload, (2 if scaffold else 1) * dimension, writable)
+        values = from_bytes(payload, (2 if scaffold else 1) * dimension, writable, dtype)
         return LocalStepsTask(
             z_start=values[:dimension],
             steps=local.steps,
@@ -783,13 +799,15 @@ def decode_task(
 # -- answers: client -> coordinator ----------------------------------------------------
 
 
-def encode_answer(run_id: str, round_id: int, answer: Answer, chunk_bytes: int) -> Iterator[bytes]:
+def encode_answer(
+    run_id: str, round_id: int, answer: Answer, chunk_bytes: int, dtype: Element = FLOAT64
+) -> Iterator[bytes]:
     """The serialized Answer message, followed by serialized Chunks if the payload is larger than one chunk.
 
     The chunks are cut from the answer's vectors as they are sent: a large answer is
     never copied whole.
     """
-    return AnswerWriter(chunk_bytes).encode(run_id, round_id, answer)
+    return AnswerWriter(chunk_bytes, dtype).encode(run_id, round_id, answer)
 
 
 class AnswerWriter:
@@ -797,8 +815,9 @@ class AnswerWriter:
     the same: a client process answers every round of a run with the same run id, clients and
     length, and building the protobuf message anew cost more than the rest of a small answer."""
 
-    def __init__(self, chunk_bytes: int) -> None:
+    def __init__(self, chunk_bytes: int, dtype: Element = FLOAT64) -> None:
         self.chunk_bytes = chunk_bytes
+        self.dtype = dtype  # the run's element type (a client process sets it with each run)
         self._fixed: tuple[object, ...] | None = None
         self._message = pb.ClientMessage()
 
@@ -820,20 +839,22 @@ class AnswerWriter:
         header.round_id = round_id
         if answer.diverged:
             return iter([self._message.SerializeToString()])
+        dtype = self.dtype
         if answer.objective is not None:
-            header.objective = to_bytes([answer.objective])
+            header.objective = to_bytes([answer.objective], dtype)
         if answer.counts is not None:
             del header.sample_counts[:]
             header.sample_counts.extend(int(c) for c in answer.counts)
-        if 8 * vectors.size > self.chunk_bytes:
-            pieces = _pieces(vectors, self.chunk_bytes)
+        size = dtype.itemsize * vectors.size
+        if size > self.chunk_bytes:
+            pieces = _pieces(vectors, self.chunk_bytes, dtype)
             return itertools.chain([self._message.SerializeToString()], chunks(pieces, self.chunk_bytes))
-        if 8 * vectors.size < BY_HAND_ABOVE:
-            header.payload = vectors.astype(FLOAT64, copy=False).tobytes()  # C order, contiguous or not
+        if size < BY_HAND_ABOVE:
+            header.payload = vectors.astype(dtype, copy=False).tobytes()  # C order, contiguous or not
             return iter([self._message.SerializeToString()])
         # Then objective (6) and sample_counts (8); diverged (7) has none.
         back = pb.Answer(objective=header.objective, sample_counts=header.sample_counts)
-        return iter([answer_with_payload(header, _parts([vectors]), back)])
+        return iter([answer_with_payload(header, _parts([vectors], dtype), back)])
 
 
 def answer_with_payload(header: pb.Answer, parts: Sequence[memoryview], back: pb.Answer) -> bytes:
@@ -856,6 +877,7 @@ def decode_answer(
     want_objective: bool,
     want_counts: bool = False,
     indices: tuple[int, ...] | None = None,
+    dtype: Element = FLOAT64,
 ) -> Answer:
     """Check an answer's vectors (length, finiteness) and return them; WireError if bad.
 
@@ -868,16 +890,16 @@ def decode_answer(
     if header.diverged:
         return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
     clients = len(indices)
-    flat = from_bytes(payload, clients * dimension)
+    flat = from_bytes(payload, clients * dimension, dtype=dtype)
     if not all_finite(flat):  # (tested flat: one row of a d = 10 answer is the usual case)
         values = flat.reshape(clients, dimension)
         row, col = (int(v) for v in np.argwhere(~np.isfinite(values))[0])
         raise WireError(f"client {indices[row]}: entry {col} is {values[row, col]} (non-finite values are refused)")
     objective = None
     if want_objective:
-        if len(header.objective) != 8 * clients:
-            raise WireError(f"objective has {len(header.objective)} bytes, expected {8 * clients}")
-        objective = from_bytes(header.objective, clients)
+        if len(header.objective) != dtype.itemsize * clients:
+            raise WireError(f"objective has {len(header.objective)} bytes, expected {dtype.itemsize * clients}")
+        objective = from_bytes(header.objective, clients, dtype=dtype)
         if not all_finite(objective):
             raise WireError("objective values must be finite")
     elif header.objective:

@@ -75,6 +75,7 @@ class Worker:
         gradient_noise: float = 0.0,
         reuse_answers: bool = False,
         scratch_tasks: bool = False,
+        element: np.dtype[np.floating] | None = None,
     ) -> None:
         if not (math.isfinite(gradient_noise) and gradient_noise >= 0):  # (NaN would pass for exact gradients)
             raise ValueError(f"the run's gradient noise must be finite and >= 0, got {gradient_noise}")
@@ -91,6 +92,10 @@ class Worker:
         self._buffers: dict[tuple[str, tuple[int, ...]], Array] = {}
         # A constrained problem's domain (common/problems/domains.py): local steps are projected onto it.
         self.domain: Domain | None = getattr(shards, "domain", None)
+        # A run of precision float32: its tasks' vectors are widened to float64 (exactly) and computed on as a
+        # float64 run's, and what the clients computed is rounded to float32 once, in `answer` (and the
+        # evaluation's metrics); None (float64) leaves every task and answer as it is.
+        self.element = None if element is None or element == np.float64 else np.dtype(element)
 
     def _buffer(self, name: str, shape: tuple[int, ...]) -> Array:
         """An array kept from task to task: at a million entries, a fresh one would cost a page
@@ -128,6 +133,7 @@ class Worker:
         selected.reuse_answers = selected.scratch_tasks = False
         selected._buffers = {}
         selected.domain = self.domain
+        selected.element = self.element
         return selected
 
     def execute(self, task: Task, round_id: int, clients: tuple[int, ...] | None = None) -> Answer:
@@ -138,6 +144,8 @@ class Worker:
         A run that diverges overflows: numpy's float warnings are the caller's to
         silence (the driver, batch runs and client processes do), once, not per task.
         """
+        if self.element is not None:
+            task = widened(task)
         if isinstance(task, GradientTask):
             vectors, objective = self._gradient(task, round_id)
         elif isinstance(task, EvaluateTask):
@@ -161,6 +169,10 @@ class Worker:
             objective = None if objective is None else objective[rows]
         if self.batched:
             return Answer(indices, vectors, objective)
+        if self.element is not None:  # (a value beyond float32's range rounds to inf: diverged, below)
+            with np.errstate(over="ignore"):
+                vectors = vectors.astype(self.element)
+                objective = None if objective is None else objective.astype(self.element)
         if not all_finite(vectors) or (objective is not None and not all_finite(objective)):
             return Answer(indices, np.empty((len(indices), 0)), None, diverged=True)
         return Answer(indices, vectors, objective)
@@ -172,8 +184,12 @@ class Worker:
         with np.errstate(all="ignore"):
             values, counts = evaluate(task.z)
         # A client whose metrics are not defined (e.g. one class only in its held-out rows) takes no part.
+        if self.element is not None:
+            with np.errstate(over="ignore"):
+                values = values.astype(self.element)
         defined = np.isfinite(values).all(axis=1)
-        return Answer(self.indices, np.where(defined[:, None], values, 0.0), counts=np.where(defined, counts, 0.0))
+        metrics = np.where(defined[:, None], values, values.dtype.type(0))
+        return Answer(self.indices, metrics, counts=np.where(defined, counts, 0.0))
 
     # -- oracles ---------------------------------------------------------------------
 
@@ -375,6 +391,21 @@ class Worker:
             direction_sum += (z - z_next) / gamma_local
             z = z_next
         return direction_sum
+
+
+def _wide(vector: Array) -> Array:
+    return vector if vector.dtype == np.float64 else vector.astype(np.float64)
+
+
+def widened(task: Task) -> Task:
+    """The task with its vectors in float64 (a float32 run's, widened exactly; a float64 task as it is): the
+    clients compute a float32 run's answers with the float64 arithmetic of every other run."""
+    if isinstance(task, GradientTask | EvaluateTask):
+        return task._replace(z=_wide(task.z))
+    if isinstance(task, ComputeTask):
+        return task._replace(z=_wide(task.z), arrays=tuple((name, _wide(array)) for name, array in task.arrays))
+    control = None if task.control is None else _wide(task.control)
+    return task._replace(z_start=_wide(task.z_start), control=control)
 
 
 def _pairs(vectors: Array) -> Array:

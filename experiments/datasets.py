@@ -1,8 +1,10 @@
 """Split a real dataset into client files: `fedsaddle data split`.
 
 A dataset is a table of your own (CSV or Parquet: experiments/tables.py reads it
-and names its columns' roles), or one of those scikit-learn bundles (no
-download, so they work offline):
+and names its columns' roles), images of your own (an array file or a folder of
+class subfolders: experiments/images.py; each image a row, standardized per
+channel), or one of those scikit-learn bundles (no download, so they work
+offline):
 
   diabetes        regression, 442 rows, 10 features (age, sex, bmi, bp, s1..s6);
                   y = disease progression after one year, standardized
@@ -44,6 +46,7 @@ from numpy.typing import NDArray
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import ClientData, DataProblem, problem_class
+from fedsaddle.experiments.images import ImageError, binary, load_images
 from fedsaddle.experiments.tables import TableSpec, read_columns, table_rows
 
 DATASETS = ("diabetes", "diabetes_fair", "breast_cancer")
@@ -63,6 +66,39 @@ class Table:
     sites: tuple[str, ...] | None = None  # each row's site (the by-column partition)
     codes: dict[str, dict[str, int]] | None = None  # a file's target and group values, as written (0 and 1)
     skipped: tuple[str, ...] = ()  # a file's columns left out as not numeric
+    image_shape: tuple[int, int, int] | None = None  # images: (C, H, W) of each row (experiments/images.py)
+    class_names: tuple[str, ...] | None = None  # images of more than two classes: each class index's name
+
+
+def load_image_table(path: str | Path, labels: str | Path | None = None, positive: str | None = None) -> Table:
+    """Images (an array file or a folder of class subfolders, experiments/images.py) as a table: a row per
+    image, flattened; a binary task with `positive` (that class against the rest), else one of K classes."""
+    images = load_images(path, labels)
+    if positive is not None:
+        y, codes = binary(images, positive)
+        classes = y.astype(int)
+        task, names = "classification", None
+    else:
+        y, classes, codes = images.labels.astype(np.float64), images.labels, {}
+        task = "classification" if len(images.names) == 2 else "multiclass"
+        names = images.names
+        if len(images.names) == 2:
+            codes = {name: code for code, name in enumerate(images.names)}
+    if len(images.names) < 2:
+        raise ImageError(f"{images.source}: one class only ({images.names[0]!r}); a split needs two or more")
+    features = tuple(f"pixel_{i}" for i in range(images.rows.shape[1]))
+    return Table(
+        images.rows,
+        y,
+        None,
+        classes,
+        task,
+        features,
+        images.source,
+        codes={"target": codes} if codes else None,
+        image_shape=images.shape,
+        class_names=names if task == "multiclass" else None,
+    )
 
 
 def load_table(path: str | Path, spec: TableSpec) -> Table:
@@ -122,6 +158,7 @@ class ClientShare:
     label_mean: float  # the fraction of positive labels (classification) or the mean target
     group_rate: float | None
     site: str | None = None  # its value of the by-column partition's column
+    class_counts: list[int] | None = None  # images of more than two classes: its rows of each class
 
 
 def _deal(rows: NDArray[Any], classes: NDArray[Any], shares: Array, rng: np.random.Generator) -> list[NDArray[Any]]:
@@ -191,9 +228,7 @@ def split(
         else:
             raise ValueError(f"no label-skew split with at least {min_rows} rows per client; raise --alpha")
         dealt_test = _deal(test, classes, shares, rng)
-    mean, scale = table.X[train].mean(axis=0), table.X[train].std(axis=0)
-    scale[scale == 0] = 1.0
-    X = (table.X - mean) / scale
+    X = _standardized(table, train)
     y = table.y.copy()
     if table.task == "regression":
         y = (y - y[train].mean()) / y[train].std()
@@ -209,7 +244,11 @@ def split(
         written.append(ClientData(str(path), arrays["X"], arrays["y"], arrays.get("group")))
         group_rate = None if table.group is None else float(table.group[rows].mean())
         site = None if site_names is None else site_names[client]
-        shares_out.append(ClientShare(client, len(rows), len(held), float(table.y[rows].mean()), group_rate, site))
+        counts = None
+        if table.class_names is not None:
+            counts = np.bincount(classes[rows], minlength=len(table.class_names)).tolist()
+        share = ClientShare(client, len(rows), len(held), float(table.y[rows].mean()), group_rate, site, counts)
+        shares_out.append(share)
     # Named as held-out rows, not X and y: a client given this file by mistake is refused (no array 'X'),
     # instead of training on rows that every client holds out.
     pooled: dict[str, Array] = {"X_test": X[test], "y_test": y[test]}
@@ -237,8 +276,32 @@ def split(
         summary["codes"] = table.codes
     if table.skipped:
         summary["skipped_columns"] = list(table.skipped)
+    if table.image_shape is not None:
+        summary["image_shape"] = list(table.image_shape)
+        summary["feature_names"] = []  # (pixel_0, ...: the shape says it)
+    if table.class_names is not None:
+        summary["classes"] = list(table.class_names)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _standardized(table: Table, train: NDArray[Any]) -> Array:
+    """The features standardized with the training rows' mean and deviation: each column's, or, for images,
+    each channel's over its pixels (a pixel that is the same in every image, a digit's border, is no
+    feature of its own)."""
+    if table.image_shape is None:
+        mean, scale = table.X[train].mean(axis=0), table.X[train].std(axis=0)
+        scale[scale == 0] = 1.0
+        standardized: Array = (table.X - mean) / scale
+        return standardized
+    channels = table.image_shape[0]
+    pixels = table.X.reshape(len(table.X), channels, -1)
+    seen = pixels[train]
+    mean = seen.mean(axis=(0, 2))[None, :, None]
+    scale = seen.std(axis=(0, 2))[None, :, None]
+    scale[scale == 0] = 1.0
+    images: Array = ((pixels - mean) / scale).reshape(table.X.shape)
+    return images
 
 
 def _by_site(
@@ -263,6 +326,8 @@ def _by_site(
 def problem_statistics(datas: Sequence[ClientData], task: str) -> dict[str, dict[str, int | float]]:
     """The spec fields each built-in problem on real data takes from these clients' training rows."""
     found: dict[str, dict[str, int | float]] = {}
+    if task == "multiclass":
+        return found  # every built-in problem on real data takes two classes or a numeric target
     for name in DATA_PROBLEMS:
         if name != "linear_regression" and task != "classification":
             continue  # AUC and the fair problem need labels
@@ -279,7 +344,8 @@ def describe(summary: dict[str, Any]) -> str:
     """The summary as a table a person reads; the public statistics at full precision (as they must be
     copied into the spec: a client compares them with its data)."""
     classification = summary["task"] == "classification"
-    label = "positive" if classification else "mean y"
+    multiclass = summary["task"] == "multiclass"
+    label = "positive" if classification else "classes" if multiclass else "mean y"
     sites = any(share.get("site") is not None for share in summary["shares"])
     lines = [
         f"{summary['dataset']}: {summary['training_rows']} training and {summary['heldout_rows']} held-out rows, "
@@ -289,6 +355,15 @@ def describe(summary: dict[str, Any]) -> str:
     codes = summary.get("codes", {})
     for role, mapping in codes.items():
         lines.append(f"{role} values written as " + ", ".join(f"{value} -> {code}" for value, code in mapping.items()))
+    if summary.get("image_shape"):
+        channels, height, width = summary["image_shape"]
+        lines.append(
+            f"images of {channels} x {height} x {width} (C x H x W), each a row of {summary['features']} pixels"
+        )
+    if multiclass:
+        lines.append(
+            f"{len(summary['classes'])} classes: {summary['classes']} (labels 0..{len(summary['classes']) - 1})"
+        )
     if summary.get("skipped_columns"):
         lines.append(f"left out (not numeric; name them with --features to see why): {summary['skipped_columns']}")
     lines.append(
@@ -298,12 +373,20 @@ def describe(summary: dict[str, Any]) -> str:
     )
     for share in summary["shares"]:
         row = f"{share['client']:>6} {share['rows']:>6} {share['heldout']:>8} {share['label_mean']:>9.3f}"
+        if multiclass:  # how many of the classes it holds, and its rows of each
+            held = sum(1 for c in share["class_counts"] if c)
+            row = f"{share['client']:>6} {share['rows']:>6} {share['heldout']:>8} {held:>9}  {share['class_counts']}"
         if share["group_rate"] is not None:
             row += f" {share['group_rate']:>8.3f}"
         if sites:
             row += f"  {share['site']}"
         lines.append(row)
-    lines.append("public statistics for each problem's spec (training rows of all clients):")
+    if multiclass:
+        lines.append(
+            "no built-in problem takes more than two classes: --positive CLASS makes one class against the rest"
+        )
+    if summary["statistics"]:
+        lines.append("public statistics for each problem's spec (training rows of all clients):")
     for name, statistics in summary["statistics"].items():
         fields = ", ".join(f"{field}: {value!r}" for field, value in statistics.items())
         lines.append(f"  {name}: {{name: {name}, num_clients: {summary['clients']}, {fields}}}")

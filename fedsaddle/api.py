@@ -7,8 +7,8 @@
     for result in report.results:
         print(result.name, result.status, result.records[-1])
 
-Each result carries the final iterate, `result.final_z` (a numpy float64 vector
-z = (x, y), x first, as long as the problem's dims), also written to the run
+Each result carries the final iterate, `result.final_z` (a numpy float64 vector, float32
+with `precision: float32`; z = (x, y), x first, as long as the problem's dims), also written to the run
 directory as `final_z-NAME.npy`; `result.z_sha256` is its hash.
 
 `config` is a RunConfig, a mapping of config fields (as a YAML file would give),

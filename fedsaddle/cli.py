@@ -686,24 +686,47 @@ def cmd_new_token(args: argparse.Namespace) -> int:
 def cmd_data_split(args: argparse.Namespace) -> int:
     """Split a table (CSV, Parquet) or a bundled dataset into one data file per client, summarize each
     client's share, print the public statistics of each problem's spec, and write them into a config."""
-    from fedsaddle.experiments.datasets import DATASETS, Table, describe, load_table, problem_entry, split, write_config
+    from fedsaddle.experiments.datasets import (
+        DATASETS,
+        Table,
+        describe,
+        load_image_table,
+        load_table,
+        problem_entry,
+        split,
+        write_config,
+    )
+    from fedsaddle.experiments.images import ImageError, is_image_source
     from fedsaddle.experiments.tables import TableError, TableSpec
 
     source = args.file or args.dataset
     if source is None:
-        raise UsageError(f"data split needs a table (FILE, a .csv or .parquet) or --dataset {{{','.join(DATASETS)}}}")
+        raise UsageError(
+            "data split needs a table (FILE, a .csv or .parquet), images (FILE, a .npy, .npz or a folder of class "
+            f"subfolders) or --dataset {{{','.join(DATASETS)}}}"
+        )
     if args.file and args.dataset:
         raise UsageError("give the table as FILE or as --dataset, not both")
     bundled = source in DATASETS
+    images = not bundled and is_image_source(source)
     table_options = (args.target, args.features, args.group, args.by, args.positive, args.task)
+    if args.labels is not None and not images:
+        raise UsageError("--labels gives the labels of images in a .npy file")
     try:
-        if bundled:
+        if images:
+            if any(option is not None for option in (args.target, args.features, args.group, args.by, args.task)):
+                raise UsageError(
+                    f"{source} holds images: their classes are the labels; --target, --features, --group, --by and "
+                    "--task are for a table (--positive CLASS makes one class against the rest)"
+                )
+            dataset: str | Table = load_image_table(source, args.labels, args.positive)
+        elif bundled:
             if any(option is not None for option in table_options):
                 raise UsageError(
                     f"{source} is a bundled dataset with its own columns; "
                     "--target, --features, --group, --by, --positive and --task are for your own table"
                 )
-            dataset: str | Table = source
+            dataset = source
         else:
             if Path(source).suffix.lower() not in (".csv", ".parquet", ".pq") and not Path(source).exists():
                 raise UsageError(
@@ -714,8 +737,9 @@ def cmd_data_split(args: argparse.Namespace) -> int:
             features = tuple(f.strip() for f in args.features.split(",") if f.strip()) if args.features else ()
             spec = TableSpec(args.target, features, args.group, args.by, args.task, args.positive)
             dataset = load_table(source, spec)
-        if args.partition == "by-column" and bundled:
-            raise UsageError("the bundled datasets have no site column; by-column is for your own table (--by)")
+        if args.partition == "by-column" and (bundled or images):
+            what = "images have" if images else "the bundled datasets have"
+            raise UsageError(f"{what} no site column; by-column is for your own table (--by)")
         if args.by is not None and args.partition != "by-column":
             raise UsageError("--by names the site column of --partition by-column")
         if args.partition != "by-column" and args.clients is None:
@@ -730,7 +754,7 @@ def cmd_data_split(args: argparse.Namespace) -> int:
             print(write_config(Path(args.config), entry, name))
         elif args.problem:
             problem_entry(summary, args.problem)  # (refuses a problem that does not fit)
-    except TableError as exc:
+    except (TableError, ImageError) as exc:
         raise UsageError(str(exc)) from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -1269,19 +1293,30 @@ def build_parser() -> argparse.ArgumentParser:
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION", title="actions")
     p = data_commands.add_parser(
         "split",
-        help="split a table (CSV, Parquet) or a bundled dataset into one file per client",
-        description="Split a table of your own (.csv, or .parquet with the data extra) or a dataset bundled with "
-        "scikit-learn into one .npz file per client (plus held-out rows), print each client's share and the "
-        "public statistics each problem's spec needs, and optionally write them into a config.",
+        help="split a table (CSV, Parquet), images or a bundled dataset into one file per client",
+        description="Split a table of your own (.csv, or .parquet with the data extra), images of your own (a .npy "
+        "of N x C x H x W with --labels, a .npz of images and labels, or a folder of one subfolder of PNG or .npy "
+        "images per class) or a dataset bundled with scikit-learn into one .npz file per client (plus held-out "
+        "rows), print each client's share and the public statistics each problem's spec needs, and optionally "
+        "write them into a config.",
         epilog="examples:\n"
         "  fedsaddle data split patients.csv --target outcome --partition label-skew --clients 3 --out data/\n"
         "  fedsaddle data split patients.parquet --target outcome --partition by-column --by hospital --out data/\n"
-        "  fedsaddle data split --dataset breast_cancer --clients 10 --out data/ --config run.yaml",
+        "  fedsaddle data split --dataset breast_cancer --clients 10 --out data/ --config run.yaml\n"
+        "  fedsaddle data split scans.npy --labels labels.npy --partition label-skew --clients 10 --out data/\n"
+        "  fedsaddle data split digits/ --positive 7 --clients 10 --out data/   # digits/0/*.png ... digits/9/*.png",
         formatter_class=_HelpFormatter,
     )
     _global_flags(p, top=False)
     p.set_defaults(func=cmd_data_split)
-    p.add_argument("file", nargs="?", metavar="FILE", help="your table: .csv (a header line) or .parquet")
+    p.add_argument(
+        "file",
+        nargs="?",
+        metavar="FILE",
+        help="your table: .csv (a header line) or .parquet; or images: .npy, .npz (images and labels) or a folder "
+        "with a subfolder of images per class",
+    )
+    p.add_argument("--labels", metavar="FILE", help="images in a .npy: their labels, a .npy of one per image")
     p.add_argument(
         "--dataset", metavar="NAME", help="a bundled dataset instead: diabetes, diabetes_fair, breast_cancer"
     )
@@ -1290,7 +1325,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--features", metavar="A,B,...", help="feature columns, in this order (default: every other numeric column)"
     )
     p.add_argument("--group", metavar="COLUMN", help="a sensitive attribute of two values (for fair_logistic)")
-    p.add_argument("--positive", metavar="VALUE", help="the target value that is class 1 (default: the larger one)")
+    p.add_argument(
+        "--positive",
+        metavar="VALUE",
+        help="the target value that is class 1 (default: the larger one); images: the class (label or subfolder) "
+        "against the rest",
+    )
     p.add_argument("--task", choices=["classification", "regression"], help="default: two target values are classes")
     p.add_argument(
         "--partition",

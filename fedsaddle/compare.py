@@ -182,8 +182,8 @@ def _array(path: Path) -> np.ndarray:
         value = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise RunDirError(f"{path}: cannot be read as .npy: {exc}") from None
-    if not isinstance(value, np.ndarray) or value.dtype != np.dtype("<f8"):
-        raise RunDirError(f"{path}: expected a float64 array")
+    if not isinstance(value, np.ndarray) or value.dtype not in (np.dtype("<f8"), np.dtype("<f4")):
+        raise RunDirError(f"{path}: expected a float64 array (float32 for a run of precision float32)")
     return value
 
 

@@ -13,6 +13,11 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
 
+class ElementType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FLOAT64: _ClassVar[ElementType]
+    FLOAT32: _ClassVar[ElementType]
+
 class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TASK_KIND_UNSPECIFIED: _ClassVar[TaskKind]
@@ -49,6 +54,8 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
 PROTOCOL_VERSION_2: ProtocolVersion
+FLOAT64: ElementType
+FLOAT32: ElementType
 TASK_KIND_UNSPECIFIED: TaskKind
 GRADIENT: TaskKind
 LOCAL_STEPS: TaskKind
@@ -106,20 +113,22 @@ class Hello(_message.Message):
     def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., client_indices: _Optional[_Iterable[int]] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("run_id", "dimension", "sample_counts", "error", "numeric_stack", "public_keys")
+    __slots__ = ("run_id", "dimension", "sample_counts", "error", "numeric_stack", "public_keys", "element_type")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DIMENSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUMERIC_STACK_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ELEMENT_TYPE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     dimension: int
     sample_counts: _containers.RepeatedScalarFieldContainer[int]
     error: str
     numeric_stack: str
     public_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, run_id: _Optional[str] = ..., dimension: _Optional[int] = ..., sample_counts: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., numeric_stack: _Optional[str] = ..., public_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    element_type: ElementType
+    def __init__(self, run_id: _Optional[str] = ..., dimension: _Optional[int] = ..., sample_counts: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., numeric_stack: _Optional[str] = ..., public_keys: _Optional[_Iterable[bytes]] = ..., element_type: _Optional[_Union[ElementType, str]] = ...) -> None: ...
 
 class Answer(_message.Message):
     __slots__ = ("run_id", "round_id", "client_indices", "payload_length", "payload", "objective", "diverged", "sample_counts", "masked", "shares", "diverged_reason")
@@ -210,7 +219,7 @@ class Welcome(_message.Message):
     def __init__(self, federation_id: _Optional[str] = ..., num_clients: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("run_id", "problem_name", "problem_json", "synthetic_seed", "noise_seed", "gradient_noise", "dimension", "want_sample_counts", "secure_aggregation", "dp", "computations")
+    __slots__ = ("run_id", "problem_name", "problem_json", "synthetic_seed", "noise_seed", "gradient_noise", "dimension", "want_sample_counts", "secure_aggregation", "dp", "computations", "element_type")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_NAME_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +231,7 @@ class RunSpec(_message.Message):
     SECURE_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     DP_FIELD_NUMBER: _ClassVar[int]
     COMPUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    ELEMENT_TYPE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     problem_name: str
     problem_json: str
@@ -233,7 +243,8 @@ class RunSpec(_message.Message):
     secure_aggregation: SecureAggregation
     dp: DifferentialPrivacy
     computations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., problem_name: _Optional[str] = ..., problem_json: _Optional[str] = ..., synthetic_seed: _Optional[int] = ..., noise_seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ..., want_sample_counts: _Optional[bool] = ..., secure_aggregation: _Optional[_Union[SecureAggregation, _Mapping]] = ..., dp: _Optional[_Union[DifferentialPrivacy, _Mapping]] = ..., computations: _Optional[_Iterable[str]] = ...) -> None: ...
+    element_type: ElementType
+    def __init__(self, run_id: _Optional[str] = ..., problem_name: _Optional[str] = ..., problem_json: _Optional[str] = ..., synthetic_seed: _Optional[int] = ..., noise_seed: _Optional[int] = ..., gradient_noise: _Optional[float] = ..., dimension: _Optional[int] = ..., want_sample_counts: _Optional[bool] = ..., secure_aggregation: _Optional[_Union[SecureAggregation, _Mapping]] = ..., dp: _Optional[_Union[DifferentialPrivacy, _Mapping]] = ..., computations: _Optional[_Iterable[str]] = ..., element_type: _Optional[_Union[ElementType, str]] = ...) -> None: ...
 
 class DifferentialPrivacy(_message.Message):
     __slots__ = ("clip", "noise_multiplier")

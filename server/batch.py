@@ -151,6 +151,9 @@ def run_batch(
     secure = [m.spec.display_name for m in members if m.config.privacy.secure_aggregation]
     if secure:  # one vectorized worker sums no masked rows: such runs go through a pool, one at a time
         raise ValueError(f"runs {secure[:3]} use secure aggregation, which batched runs do not offer")
+    narrow = [m.spec.display_name for m in members if m.config.precision != "float64"]
+    if narrow:  # the vectorized worker's sums are float64's: such runs go through a pool, one at a time
+        raise ValueError(f"runs {narrow[:3]} use precision float32, which batched runs do not offer")
     runs = [_Member(m) for m in members]
     workers = _Workers(runs, cache or ShardCache(size=len(members)))
     dim_x, _ = make_problem(members[0].config.problem).dims()

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedsaddle.common.numeric import Precision, element_type
 from fedsaddle.server.algorithms.base import StepCost, build_state, flatten_state
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.driver import AlgorithmResult, Resume, StepDone
@@ -56,6 +57,7 @@ class Checkpoint:
     resume: Resume  # where it stood
     metrics_lines: int  # lines of metrics.jsonl written up to the checkpoint
     finished: list[AlgorithmResult]  # the algorithms already done (their records come from metrics.jsonl)
+    precision: Precision = "float64"  # the run's element type: its state's arrays are of it
 
 
 def write(run_dir: Path, checkpoint: Checkpoint) -> None:
@@ -74,6 +76,7 @@ def write(run_dir: Path, checkpoint: Checkpoint) -> None:
         "elapsed_s": resume.elapsed_s,
         "metrics_lines": checkpoint.metrics_lines,
         "state_type": type(resume.at.state).__name__,
+        "precision": checkpoint.precision,
         "state": scalars,
         "finished": [r.summary() for r in checkpoint.finished],
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -114,6 +117,12 @@ def read(run_dir: Path, config: RunConfig, state_types: list[type]) -> Checkpoin
         raise CheckpointError(f"{path} is damaged or truncated ({exc}); it cannot be resumed from") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {meta.get('format')!r}; this fedsaddle reads format {FORMAT}")
+    written = meta.get("precision", "float64")  # (a checkpoint from before the field: a float64 run's)
+    if written != config.precision:
+        raise CheckpointError(
+            f"{path} was written by a run of precision {written}, and {run_dir / 'config.json'} asks for precision "
+            f"{config.precision}: a run resumes only in the precision it ran in (its state's arrays are {written})"
+        )
     if meta["config_sha256"] != config_digest(config):
         raise CheckpointError(f"{path} belongs to another config than {run_dir / 'config.json'}")
     index = int(meta["algorithm_index"])
@@ -122,6 +131,13 @@ def read(run_dir: Path, config: RunConfig, state_types: list[type]) -> Checkpoin
             f"{path} holds a {meta['state_type']} for algorithm {index}, which this config does not run"
         )
     state_arrays = {k.removeprefix("state/"): v for k, v in arrays.items() if k.startswith("state/")}
+    element = element_type(config.precision)
+    for name, array in state_arrays.items():
+        if array.dtype.kind == "f" and array.dtype != element:
+            raise CheckpointError(
+                f"{path}: the state's array {name!r} is {array.dtype.name}, but the run has precision "
+                f"{config.precision}; it cannot be resumed from"
+            )
     try:
         state = build_state(state_types[index], meta["state"], state_arrays)
     except (KeyError, TypeError) as exc:
@@ -150,4 +166,4 @@ def read(run_dir: Path, config: RunConfig, state_types: list[type]) -> Checkpoin
         )
     at = StepDone(int(meta["steps"]), state, StepCost(*meta["spent"]))
     resume = Resume(meta["run_id"], at, int(meta["round_id"]), meta["traffic"], [], float(meta["elapsed_s"]))
-    return Checkpoint(meta["config_sha256"], index, resume, int(meta["metrics_lines"]), finished)
+    return Checkpoint(meta["config_sha256"], index, resume, int(meta["metrics_lines"]), finished, written)

@@ -29,6 +29,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from fedsaddle.common import wire
 from fedsaddle.common.dp import DpSettings
+from fedsaddle.common.numeric import Precision
 from fedsaddle.common.problems import (
     PaperRegressionSpec,
     ProblemNotFound,
@@ -502,6 +503,11 @@ class RunConfig(_Model):
     )
     transport: TransportSpec = Field(default_factory=TransportSpec)
     output: OutputSpec = Field(default_factory=OutputSpec)
+    precision: Precision = Field(
+        "float64",
+        description="the element type of every vector the run stores and sends: tasks, answers, the algorithms' "
+        "state, checkpoints, the final iterate (float32: half the bytes; docs/explanation/numerics.md)",
+    )
 
     @field_validator("problem", mode="before")
     @classmethod
@@ -545,6 +551,7 @@ class RunConfig(_Model):
             *self._dp_is_sound(),
             *self._secure_aggregation_is_sound(),
             *self._labels_unique(),
+            *self._precision_fits(),
         ]
         if faults:
             raise ValidationError.from_exception_data(
@@ -607,6 +614,24 @@ class RunConfig(_Model):
         if self.evaluate_every:  # evaluation metrics are per-client data released without noise
             why = "evaluate_every would release the clients' metrics without noise; set it to 0"
             faults.append((("privacy", "dp"), why))
+        return faults
+
+    def _precision_fits(self) -> list[Fault]:
+        if self.precision == "float64":
+            return []
+        faults: list[Fault] = []
+        if self.privacy.secure_aggregation:
+            why = (
+                "float32 does not combine with secure aggregation: its fixed-point rows and their overflow bound "
+                "are defined on float64 answers; use precision: float64"
+            )
+            faults.append((("precision",), why))
+        if self.privacy.dp is not None:
+            why = (
+                "float32 does not combine with differential privacy: rounding a clipped answer to float32 can "
+                "raise its norm above the clip the noise is calibrated to; use precision: float64"
+            )
+            faults.append((("precision",), why))
         return faults
 
     def dropouts_allowed(self) -> int:

@@ -85,9 +85,10 @@ class _Recorder:
                 records=[],
                 elapsed_s=time.perf_counter() - run.started,
             )
-            checkpoint.write(
-                self.run_dir, checkpoint.Checkpoint(self.digest, self.index, resume, self.lines, list(self.finished))
+            written = checkpoint.Checkpoint(
+                self.digest, self.index, resume, self.lines, list(self.finished), self.config.precision
             )
+            checkpoint.write(self.run_dir, written)
 
 
 def run_config(

@@ -23,7 +23,7 @@ import numpy as np
 
 from fedsaddle.common import seeding
 from fedsaddle.common.dp import epsilon
-from fedsaddle.common.numeric import Array, norm, row_norms, sha256
+from fedsaddle.common.numeric import Array, element_type, norm, row_norms, sha256
 from fedsaddle.common.problems import Problem, make_problem, solution
 from fedsaddle.common.problems.domains import Domain, DomainError, problem_domain
 from fedsaddle.common.stop import Stopped
@@ -314,7 +314,8 @@ def initial_point(config: RunConfig) -> Array:
     else:
         z0 = seeding.rng(config.seed, seeding.INIT).standard_normal(dim)
     domain = problem_domain(problem)
-    return z0 if domain is None else domain.project(z0)
+    z0 = z0 if domain is None else domain.project(z0)
+    return z0.astype(element_type(config.precision), copy=False)  # float64: z0 itself, the same bits
 
 
 def make_run(spec: AlgorithmSpec, config: RunConfig, resume: Resume | None = None) -> Run:
@@ -338,7 +339,16 @@ def run_info(config: RunConfig, run_id: str, computations: tuple[str, ...] = ())
     secure = config.secure_settings() if privacy.secure_aggregation else None
     dp = privacy.dp.settings() if privacy.dp is not None else None
     return RunInfo(
-        run_id, config.problem, config.seed, config.gradient_noise, config.weighting, fraction, secure, dp, computations
+        run_id,
+        config.problem,
+        config.seed,
+        config.gradient_noise,
+        config.weighting,
+        fraction,
+        secure,
+        dp,
+        computations,
+        config.precision,
     )
 
 

@@ -18,7 +18,10 @@ The additions are the rule's own, entry by entry: the first row copied, then
 `total += v_i` (or `total += m_i * v_i` with sample weights) for each client in
 index order, the mean `total / len(answered)` (or `/ sum_i m_i`, added in index
 order). Short vectors are added by one cumulative sum over the rows in hand,
-which adds in the same order (see common/numeric.py).
+which adds in the same order (see common/numeric.py). The sum is float64 in a run
+of precision float32 too: its float32 rows are widened (exactly) as they are added,
+as the in-process rule widens them, and the mean is rounded to float32 once, by
+`RoundAnswers.mean`.
 
 It is pure: no I/O, no clock. `held_bytes` and `peak_held_bytes` count the
 vectors waiting for their turn; tests read them.
@@ -56,8 +59,9 @@ class OrderedFold:
     weights: each client's weight by client index (all n of them), or None for uniform weights.
     """
 
-    def __init__(self, clients: Sequence[int], weights: Array | None, num_clients: int) -> None:
+    def __init__(self, clients: Sequence[int], weights: Array | None, num_clients: int, element: str = "<f8") -> None:
         self.clients = list(clients)
+        self.element = element  # the answers' entries on the wire: "<f8", or "<f4" (precision float32)
         self.weights = weights
         self._next = 0  # position in `clients` of the next client to add
         self._range = not self.clients or self.clients[-1] == len(self.clients) - 1  # (increasing: 0..n-1)
@@ -103,7 +107,7 @@ class OrderedFold:
         assembler: in order, no gap, no overrun); WireError (the sum untouched) on a non-finite entry."""
         stream = self._stream
         assert stream is not None
-        values, first, stream.carry = chunk_entries(stream.carry, offset, data, "<f8")
+        values, first, stream.carry = chunk_entries(stream.carry, offset, data, self.element)
         while values.size:
             row, column = divmod(first, stream.entries)
             piece = values[: stream.entries - column]
@@ -243,12 +247,12 @@ class OrderedFold:
         rows = vectors if self.weights is None else self.weights[np.asarray(answer.indices)][:, None] * vectors
         if len(rows) == 1:  # one client per process (the usual case): the cumulative sum's one addition, or a copy
             if self.total is None:
-                self.total = rows[0].copy()
+                self.total = np.array(rows[0], dtype=np.float64)  # (float32 rows: widened, the sum is float64)
             else:
                 self.total += rows[0]  # (the sum is the fold's own array: added in place, the same bits)
             return
         stacked = rows if self.total is None else np.concatenate([self.total[None], rows])
-        self.total = np.cumsum(stacked, axis=0)[-1]
+        self.total = np.cumsum(stacked, axis=0, dtype=np.float64)[-1]
 
     def _add(self, due: list[tuple[int, Array]]) -> None:
         if not due:
@@ -257,11 +261,11 @@ class OrderedFold:
         rows = [row if self.weights is None else self.weights[client] * row for client, row in due]
         if rows[0].size <= SUMMED_BY_LOOP_ABOVE:  # one cumulative sum: the same additions, in order
             stacked = np.array(rows if self.total is None else [self.total, *rows])
-            self.total = np.cumsum(stacked, axis=0)[-1]
+            self.total = np.cumsum(stacked, axis=0, dtype=np.float64)[-1]
             return
         each = iter(rows)
         if self.total is None:
-            self.total = np.array(next(each), copy=True)
+            self.total = np.array(next(each), dtype=np.float64, copy=True)
         for row in each:
             self.total += row
 

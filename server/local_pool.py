@@ -46,7 +46,7 @@ class LocalPool(ClientPool):
     def _announce(self, run: RunInfo) -> Sequence[int] | None:
         blas.apply()  # the thread count client processes use: BLAS's sums depend on it (common/blas.py)
         shards = self.cache.get(run.problem, run.seed, range(run.num_clients), run.weighting)
-        self._worker = Worker(shards, run.seed, run.gradient_noise)
+        self._worker = Worker(shards, run.seed, run.gradient_noise, element=run.element)
         counts = getattr(shards, "sample_counts", None)
         self._parties, self._sample_counts = {}, None
         if run.secure is not None and run.weighting == "samples" and counts is not None:

@@ -30,7 +30,7 @@ from numpy.typing import NDArray
 
 from fedsaddle.common import dp, seeding
 from fedsaddle.common.dp import DpSettings
-from fedsaddle.common.numeric import Array, ordered_sum
+from fedsaddle.common.numeric import Array, Precision, element_type, ordered_sum
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.secagg import SecAggError, SecAggSettings
 from fedsaddle.common.secagg.aggregator import MaskedRound
@@ -86,6 +86,11 @@ class RunInfo:
     secure: SecAggSettings | None = None  # secure aggregation (its bound resolved), or None: plain answers
     dp: DpSettings | None = None  # differential privacy: clipping and noise on every algorithm round's sum
     computations: tuple[str, ...] = ()  # the local computations the algorithm's tasks name (a client needs each)
+    precision: Precision = "float64"  # the element type of tasks, answers and the algorithm's state
+
+    @property
+    def element(self) -> np.dtype[np.floating]:
+        return element_type(self.precision)
 
     @cached_property
     def problem_object(self) -> Problem:
@@ -103,7 +108,8 @@ class RunInfo:
 
 @dataclass
 class TrafficCounts:
-    """Traffic of one category. `floats` counts float64 vector entries."""
+    """Traffic of one category. `floats` counts vector entries (float64, or float32 in a float32 run: the
+    same counts either way)."""
 
     num_clients: int
     rounds: int = 0
@@ -258,6 +264,8 @@ class ClientPool(abc.ABC):
             raise Diverged(self.round_id, settlement.diverged)
         if run.dp is not None and category == "algorithm":
             return self._central_dp(run.dp, task, replies, settlement.answers.indices)
+        if run.precision != "float64":
+            settlement.answers.element = run.element
         return settlement.answers
 
     def _folded(self) -> OrderedFold | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.driver import AlgorithmResult
@@ -45,6 +46,7 @@ def write_summary(
         "transport": transport,
         "round_convention": config.round_convention,
         "budget": config.rounds,
+        "precision": config.precision,
         "algorithms": [
             {**r.summary(), "z_file": file, "rounds_to": rounds_to(r, config)}
             for r, file in zip(results, files, strict=True)
@@ -70,8 +72,14 @@ def final_iterate_file(name: str) -> str:
     return "final_z-" + re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".npy"
 
 
+def _stored(z: Array) -> str:
+    """The dtype a final iterate is written in: float32 for a float32 run's, else float64."""
+    return "<f4" if z.dtype == np.float32 else "<f8"
+
+
 def write_final_iterates(run_dir: Path, results: Sequence[AlgorithmResult]) -> list[str]:
-    """Each algorithm's final iterate z = (x, y) as a 1-D little-endian float64 .npy file (numpy's
+    """Each algorithm's final iterate z = (x, y) as a 1-D little-endian float64 (float32, in a run of
+    precision float32) .npy file (numpy's
     format, `np.load` reads it); `sha256(np.load(file))` of fedsaddle.common.numeric, the SHA-256 of
     the array's raw bytes, is the summary's z_sha256. The file names, in the results' order."""
     names: list[str] = []
@@ -79,7 +87,7 @@ def write_final_iterates(run_dir: Path, results: Sequence[AlgorithmResult]) -> l
         name = final_iterate_file(result.name)
         if name in names:  # two labels that differ only in characters a file name cannot hold
             name = name[: -len(".npy")] + f"-{len(names)}.npy"
-        np.save(run_dir / name, np.ascontiguousarray(result.final_z, dtype="<f8"), allow_pickle=False)
+        np.save(run_dir / name, np.ascontiguousarray(result.final_z, dtype=_stored(result.final_z)), allow_pickle=False)
         names.append(name)
     return names
 
@@ -215,7 +223,8 @@ def table(results: Sequence[AlgorithmResult]) -> str:
     lines = [header, "-" * len(header)]
     for r in results:
         t = r.traffic["algorithm"]
-        payload = f"{t['floats_down'] * 8 / 1e6:.3f}/{t['floats_up'] * 8 / 1e6:.3f}"
+        entry = r.final_z.dtype.itemsize  # bytes per entry: 8, or 4 in a run of precision float32
+        payload = f"{t['floats_down'] * entry / 1e6:.3f}/{t['floats_up'] * entry / 1e6:.3f}"
         wire = f"{t['bytes_down'] / 1e6:.3f}/{t['bytes_up'] / 1e6:.3f}" if t["bytes_down"] else "-"
         status = "" if r.status == "ok" else f"  [{r.status}]"
         final = r.metrics

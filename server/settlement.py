@@ -29,7 +29,8 @@ from fedsaddle.server.fold import OrderedFold
 
 class RoundTally(NamedTuple):
     """What one round adds to the traffic counts: who was sent the task and who answered, and
-    the float64 entries each received and sent. `sent`/`answered` None: every client 0..n-1."""
+    the vector entries (float64, or a float32 run's) each received and sent. `sent`/`answered` None: every
+    client 0..n-1."""
 
     num_clients: int
     floats_down: int  # per client: the task's vectors

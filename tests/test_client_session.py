@@ -630,3 +630,37 @@ def test_a_new_run_leaves_nothing_of_the_last_runs_few_calls_path(monkeypatch: p
         for instruction in tasks:
             assert replies(lone, instruction) == replies(general, instruction)
     assert lone._lone is not None and lone._tasks == general._tasks == 1
+
+
+def test_a_float32_run_is_echoed_in_ready_and_answered_in_four_byte_entries_as_in_process() -> None:
+    state = session()
+    spec = PaperRegressionSpec(num_clients=5, dim=4, s=1.0)
+    run = pb.RunSpec(run_id="narrow", problem_json=spec.model_dump_json(), synthetic_seed=1, dimension=8)
+    run.element_type = pb.FLOAT32
+    (reply,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(reply, pb.ClientMessage) and not reply.ready.error
+    assert reply.ready.element_type == pb.FLOAT32
+    z = np.linspace(-1, 1, 8, dtype=np.float32)
+    task = LocalStepsTask(z, 3, 0.1)
+    pieces = wire.encode_task("narrow", 1, task, 16_000, dtype=wire.FLOAT32)
+    (answer,) = state.handle(pb.Instruction.FromString(pieces[0]))
+    header = pb.ClientMessage.FromString(answer).answer
+    assert header.payload_length == 16 and len(header.payload) == 64  # two clients, 8 entries of 4 bytes
+    shards = ShardCache().get(spec, 1, (1, 4), "uniform")
+    expected = Worker(shards, 1, element=np.dtype(np.float32)).execute(task, 1)
+    assert header.payload == expected.vectors.astype("<f4").tobytes()
+    # The same run in float64 answers the widened arithmetic, unrounded: the float32 answer is its rounding.
+    wide = Worker(shards, 1).execute(LocalStepsTask(z.astype(np.float64), 3, 0.1), 1)
+    assert expected.vectors.dtype == np.float32
+    np.testing.assert_array_equal(expected.vectors, wide.vectors.astype(np.float32))
+
+
+def test_a_run_spec_of_an_element_type_this_client_does_not_know_is_refused_in_ready() -> None:
+    state = session()
+    spec = PaperRegressionSpec(num_clients=5, dim=4, s=1.0)
+    run = pb.RunSpec(run_id="odd", problem_json=spec.model_dump_json(), synthetic_seed=1, dimension=8)
+    run.element_type = 7  # type: ignore[assignment]  # (a later element type: an open enum's unknown value)
+    (reply,) = state.handle(pb.Instruction(run=run))
+    assert isinstance(reply, pb.ClientMessage)
+    assert reply.ready.error.startswith("the coordinator's RunSpec.element_type is 7, which this client does not know")
+    assert state.worker is None

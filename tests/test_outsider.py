@@ -23,7 +23,7 @@ from conftest import linear_regression_files, stop_processes
 from fedsaddle import api
 from fedsaddle.launch import CLIENT_ENV
 from fedsaddle.server.config import parse_config
-from fedsaddle.server.driver import run_all
+from fedsaddle.server.driver import RunStopped, run_all
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,3 +104,29 @@ def test_a_client_written_from_the_proto_alone_runs_every_algorithm(generated: P
         for category in ("algorithm", "evaluation"):
             for count in ("rounds", "floats_up", "floats_down", "messages_up", "messages_down"):
                 assert got.traffic[category][count] == want.traffic[category][count], (got.name, category, count)
+
+
+def test_a_client_that_does_not_echo_float32_is_refused_a_float32_run_naming_it(
+    generated: Path, tmp_path: Path
+) -> None:
+    # The outsider reads the proto but not RunSpec.element_type: its Ready says FLOAT64 (the default), as a
+    # client released before float32 runs does, and it would read 4-byte entries as 8-byte ones.
+    paths = linear_regression_files(tmp_path, 2, 4, seed=3, rows=(20, 30), held_out=(5, 5))
+    config = {**run_config(), "problem": {"name": "linear_regression", "num_clients": 2, "features": 4}}
+    config.update(evaluate_every=0, precision="float32", algorithms=[{"name": "minibatch_md", "gamma": 0.05}])
+    script = str(ROOT / "tests" / "outsider_client.py")
+    log = tmp_path / "outsider.log"
+    with GrpcPool(2, "127.0.0.1:0", chunk_bytes=1024, round_timeout_s=30) as pool:
+        with log.open("w") as stderr:
+            command = [sys.executable, script, str(generated), pool.address, *(f"{i}={paths[i]}" for i in (0, 1))]
+            process = subprocess.Popen(command, env=CLIENT_ENV, stderr=stderr)
+        try:
+            pool.wait_for_clients(60)
+            with pytest.raises(RunStopped) as caught:
+                run_all(parse_config(config), pool)
+        finally:
+            pool.close()
+            stop_processes([process])
+    message = str(caught.value)
+    assert "answers in FLOAT64, but run" in message and "has precision float32" in message, message
+    assert caught.value.result.traffic["algorithm"]["rounds"] == 0  # refused before its first round

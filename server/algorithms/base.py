@@ -47,7 +47,7 @@ class RoundAnswers:
     computed by the same rule.
     """
 
-    __slots__ = ("_mean", "_mean_objective", "indices", "objective", "vectors", "weights")
+    __slots__ = ("_mean", "_mean_objective", "element", "indices", "objective", "vectors", "weights")
     _mean: Array | None
     _mean_objective: float | None
 
@@ -64,12 +64,16 @@ class RoundAnswers:
         self.weights = weights  # (m,) sample counts, or None for uniform weights
         self.indices = indices  # the answering clients; None: all n, in order
         self._mean, self._mean_objective = aggregated if aggregated is not None else (None, None)
+        # A run of precision float32 (set by the pool): the mean, summed in float64, is rounded to it once.
+        self.element: np.dtype[np.floating] | None = None
 
     def mean(self) -> Array:
         """The aggregated vector (D,)."""
         if self._mean is None:
             assert self.vectors is not None
             self._mean = aggregate(self.vectors[None], self.weights)[0]
+        if self.element is not None and self._mean.dtype != self.element:
+            self._mean = self._mean.astype(self.element)
         return self._mean
 
     def mean_objective(self) -> float | None:
@@ -145,8 +149,8 @@ class Algorithm(abc.ABC, Generic[State]):
     domain: Domain | None = None
 
     def project(self, z: Array) -> Array:
-        """z projected onto the problem's domain (z itself when unconstrained)."""
-        return z if self.domain is None else self.domain.project(z)
+        """z projected onto the problem's domain (z itself when unconstrained), in z's element type."""
+        return z if self.domain is None else self.domain.project(z).astype(z.dtype, copy=False)
 
     @abc.abstractmethod
     def init(self, z0: Array, seed: int) -> Exchanges[State]:

@@ -74,7 +74,7 @@ class LocalSgdaPlus(Algorithm[LocalSgdaPlusState]):
         tau_k, clock = self.schedule.next_interval(state.clock)
         params = (("steps", float(tau_k)), ("gamma_x", self.eta_x), ("gamma_y", self.eta_y))
         sums = yield ComputeTask(COMPUTATION, state.z, arrays=(("x_snapshot", state.x_snapshot),), params=params)
-        scale = np.full(state.z.shape, self.eta_y)
+        scale = np.full(state.z.shape, self.eta_y, dtype=state.z.dtype)
         scale[: self.dim_x] = self.eta_x
         z = self.project(state.z - scale * sums.mean())
         syncs = state.syncs + 1

@@ -53,7 +53,7 @@ class Expectation(NamedTuple):
     run_id: str
     round_id: int
     indices: tuple[int, ...]  # the session's clients taking part, in index order
-    entries: int  # float64 entries per client in the payload
+    entries: int  # entries per client in the payload (float64, or the run's element type)
     want_objective: bool
     want_counts: bool = False  # an evaluation answer: held-out row counts per client
     # The session's clients in the order its Hello listed them, when that is not index order and
@@ -62,6 +62,12 @@ class Expectation(NamedTuple):
     masked: bool = False  # secure aggregation: masked rows of `entries` ring elements, with sealed shares
     round_clients: tuple[int, ...] = ()  # secure aggregation: the round's clients (each row's share holders)
     neighbours: int = 0  # SecAgg+: k, a row's shares go to its k neighbours among round_clients (0: all pairs)
+    element: wire.Element = wire.FLOAT64  # the run's element type (masked rows are 8-byte ring elements)
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes per payload entry."""
+        return 8 if self.masked else self.element.itemsize
 
 
 def answer_header(
@@ -105,10 +111,10 @@ def answer_header(
     if header.payload_length != entries:
         raise Refusal(
             INVALID,
-            f"answer has {header.payload_length} float64 entries, expected {entries} "
+            f"answer has {header.payload_length} {expected.element.name} entries, expected {entries} "
             f"({len(claimed)} client(s) x {expected.entries})",
         )
-    return 8 * entries
+    return expected.entry_bytes * entries
 
 
 def answer(header: pb.Answer, payload: bytes | memoryview, expected: Expectation) -> Answer:
@@ -141,6 +147,7 @@ def answer(header: pb.Answer, payload: bytes | memoryview, expected: Expectation
             expected.want_objective,
             expected.want_counts,
             expected.listed if listed else expected.indices,
+            expected.element,
         )
     except wire.WireError as exc:
         raise Refusal(INVALID, str(exc)) from None

@@ -150,6 +150,8 @@ def run_spec(run: RunInfo) -> bytes:
         want_sample_counts=run.weighting == "samples" and run.secure is None,
         computations=run.computations,
     )
+    if run.precision == "float32":  # (float64 is the field's default: such a RunSpec's bytes are as before)
+        spec.element_type = pb.FLOAT32
     if run.secure is not None:  # (clients weigh their own rows: the counts stay with them)
         spec.secure_aggregation.CopyFrom(messages.settings_message(run.secure, run.weighting == "samples"))
         if run.dp is not None:  # the clients add the noise (without secure aggregation, the coordinator does)
@@ -177,7 +179,7 @@ def round_request(
     clients = (participants or ()) if masked else ()
 
     def pieces_for(indices: tuple[int, ...]) -> list[bytes]:
-        return wire.encode_task(run.run_id, round_id, task, chunk_bytes, indices, clients)
+        return wire.encode_task(run.run_id, round_id, task, chunk_bytes, indices, clients, run.element)
 
     if masked:
         entries, want_objective, evaluation = row_length(task, run.dimension), False, False
@@ -187,7 +189,7 @@ def round_request(
         evaluation = isinstance(task, EvaluateTask)
     return RoundRequest(
         round_id,
-        wire.encode_task(run.run_id, round_id, task, chunk_bytes, round_clients=clients),
+        wire.encode_task(run.run_id, round_id, task, chunk_bytes, round_clients=clients, dtype=run.element),
         entries=entries,
         want_objective=want_objective,
         evaluation=evaluation,

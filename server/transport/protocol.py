@@ -336,14 +336,16 @@ class Coordination:
                     request.masked,
                     round_clients,
                     run.secure.neighbours if run.secure is not None else 0,
+                    run.element,
                 )
                 for s, mine in taking_part
             }
             fold, hold = None, None
             if request.fold:
-                fold = OrderedFold(round_clients, request.weights, run.num_clients)
+                fold = OrderedFold(round_clients, request.weights, run.num_clients, run.element.str)
+            entry_bytes = 8 if request.masked else run.element.itemsize
             if fold is not None or request.masked_sum is not None:
-                answers_bytes = 8 * request.entries * len(round_clients)
+                answers_bytes = entry_bytes * request.entries * len(round_clients)
                 # With a straggler deadline the answering clients are known only when the round closes, and
                 # every answer that comes before it counts: none is held back (the buffer is not bounded).
                 # Beyond the bound, the streams whose turn has not come are not read until the sum reaches
@@ -352,7 +354,7 @@ class Coordination:
                 # An answer of one message is read whatever the buffer holds (Collecting._room_for): a round
                 # whose answers all are has no bound to keep, and its streams are never asked about it.
                 bound = self.limits.reorder_bytes
-                largest = 8 * request.entries * max((len(mine) for _, mine in taking_part), default=0)
+                largest = entry_bytes * request.entries * max((len(mine) for _, mine in taking_part), default=0)
                 if self.straggler_deadline_s is None and answers_bytes > bound and largest > self.chunk_bytes:
                     hold = bound
             round_ = Collecting(
@@ -601,6 +603,18 @@ class Coordination:
                 f"{session.describe()} has data of dimension {ready.dimension}, "
                 f"but run {run.run_id} expects {run.dimension}"
             )
+        wanted = pb.FLOAT32 if run.precision == "float32" else pb.FLOAT64
+        if ready.element_type != wanted:
+            said = (
+                pb.ElementType.Name(ready.element_type)
+                if ready.element_type in (pb.FLOAT32, pb.FLOAT64)
+                else str(ready.element_type)
+            )
+            return (
+                f"{session.describe()} answers in {said}, but run {run.run_id} has precision {run.precision} "
+                f"(RunSpec.element_type {pb.ElementType.Name(wanted)}): a client that predates float32 runs "
+                "cannot serve them; update it, or run with precision: float64"
+            )
         if run.secure is not None:
             if len(ready.public_keys) != len(session.indices):
                 return (
@@ -830,7 +844,8 @@ class Coordination:
             if inline is not None or header.payload or not 0 < header.payload_length <= most:
                 return  # (chunks that follow are refused one by one)
             # Its chunks may be on their way (a late answer, say): read them, but refuse only once.
-            skipped = wire.Assembler(8 * header.payload_length, min_piece=self.min_piece, keep=False)
+            entry_bytes = 8 if run is None or run.secure is not None else run.element.itemsize
+            skipped = wire.Assembler(entry_bytes * header.payload_length, min_piece=self.min_piece, keep=False)
             session.incoming = Incoming(header, skipped, size, refused=True)
             return
         payload = header.payload if inline is None else inline  # (each read of a bytes field is a copy)

@@ -222,7 +222,7 @@ class Collecting(Barrier):
         expected = self.expected.get(session.key)
         if expected is None:
             return False, 0
-        size = 8 * len(expected.indices) * expected.entries
+        size = expected.entry_bytes * len(expected.indices) * expected.entries
         if size <= self.inline_bytes:
             return False, 0
         # The sum's next clients are always read; masked rows (no order) when no other answer is being read.
