@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import pytest
 
@@ -47,6 +47,64 @@ def fedsaddle(*args: str, timeout: float = 120, env: dict[str, str] | None = Non
 
 def start_clients(address: str, groups: Sequence[str], quiet: bool = True) -> list[subprocess.Popen[bytes]]:
     return launch.start_clients(address, groups, quiet=quiet)
+
+
+@overload
+def client_process(
+    address: str,
+    indices: str | int,
+    *extra: str,
+    text: Literal[False] = False,
+    quiet: bool = True,
+    data: Mapping[int, str] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]: ...
+
+
+@overload
+def client_process(
+    address: str,
+    indices: str | int,
+    *extra: str,
+    text: Literal[True],
+    quiet: bool = True,
+    data: Mapping[int, str] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[str]: ...
+
+
+def client_process(
+    address: str,
+    indices: str | int,
+    *extra: str,
+    text: bool = False,
+    quiet: bool = True,
+    data: Mapping[int, str] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes] | subprocess.Popen[str]:
+    """`fedsaddle client` hosting `indices`, dialing `address`, with its stdout and stderr piped (as text with
+    `text`; its INFO lines too unless `quiet`). `extra`: its own options (e.g. --connect-timeout 10); `data`:
+    the clients' files by index (it is given only its own); `env`: its environment instead of the usual one."""
+    command = launch.client_command(address, str(indices), *extra, quiet=quiet, data=data)
+    return subprocess.Popen(
+        command, env=env or launch.client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text
+    )
+
+
+def read_stderr(process: subprocess.Popen[bytes], timeout: float = 30) -> str:
+    """A process's stderr once it has exited (killed after `timeout`)."""
+    try:
+        _, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+    return err.decode(errors="replace") if err else ""
+
+
+def summary_of(out: Path) -> dict[str, Any]:
+    """summary.json of the one run directory under `out`."""
+    (run_dir,) = out.iterdir()
+    return json.loads((run_dir / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
 def stop_processes(processes: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> list[int]:
@@ -99,6 +157,16 @@ def linear_regression_files(
 def config(**fields: Any) -> RunConfig:
     """A RunConfig from keyword fields (plain dicts, as a YAML file would give)."""
     return parse_config(fields)
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A development CA with certificates for the coordinator and clients site-a, site-b and intruder
+    (scripts/dev-certs.sh), made once for the whole run."""
+    folder = tmp_path_factory.mktemp("certs")
+    script = Path(__file__).parent.parent / "scripts" / "dev-certs.sh"
+    subprocess.run(["bash", str(script), str(folder), "site-a", "site-b", "intruder"], check=True, capture_output=True)
+    return folder
 
 
 @pytest.fixture

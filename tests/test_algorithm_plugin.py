@@ -3,7 +3,6 @@ processes with the same bits; a client process without it refuses the run, namin
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import client_process, summary_of
 from test_failures import Coordinator, write_config
-from test_private_data import client
 
 from fedsaddle.launch import client_env
 
@@ -43,12 +42,6 @@ def installed(folder: Path) -> dict[str, str]:
     return {**client_env(), "PYTHONPATH": path}
 
 
-def summary_of(out: Path) -> dict[str, dict[str, object]]:
-    (run_dir,) = out.iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {a["name"]: a for a in summary["algorithms"]}
-
-
 def test_an_installed_plugin_algorithm_runs_in_simulate_and_local_with_the_same_bits(tmp_path: Path) -> None:
     env = installed(tmp_path / "site")
     path = tmp_path / "run.yaml"
@@ -64,7 +57,7 @@ def test_an_installed_plugin_algorithm_runs_in_simulate_and_local_with_the_same_
             env=env,
         )
         assert done.returncode == 0, done.stderr
-        results.append(summary_of(out))
+        results.append({a["name"]: a for a in summary_of(out)["algorithms"]})
     simulated, local = results
     for name in ("fedprox_gda", "no_pull", "fedavg_s"):
         assert simulated[name]["status"] == local[name]["status"] == "ok"
@@ -96,7 +89,7 @@ def test_a_client_without_the_plugin_refuses_the_run_naming_its_computation(tmp_
     config = {**CONFIG, "algorithms": CONFIG["algorithms"][:1]}
     coordinator = Coordinator(write_config(tmp_path / "run.yaml", **config), tmp_path / "runs", env=env)
     address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
-    clients = [client(address, i, env=None if i == lacking else env) for i in range(3)]
+    clients = [client_process(address, i, env=None if i == lacking else env, quiet=False) for i in range(3)]
     code, log, _ = coordinator.finish_with(clients, 90)
     assert code == 1
     assert f"client {lacking}" in log
@@ -117,7 +110,7 @@ def test_a_client_whose_plugin_fails_to_load_says_why_in_its_refusal(tmp_path: P
     config = {**CONFIG, "algorithms": CONFIG["algorithms"][:1]}
     coordinator = Coordinator(write_config(tmp_path / "run.yaml", **config), tmp_path / "runs", env=env)
     address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
-    clients = [client(address, i, env=broken if i == 1 else env) for i in range(3)]
+    clients = [client_process(address, i, env=broken if i == 1 else env, quiet=False) for i in range(3)]
     code, log, _ = coordinator.finish_with(clients, 90)
     assert code == 1
     assert "client 1" in log and "this client has no local computation 'fedprox_gda_steps'" in log, log

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CLIENT_ENV, child_pids, fedsaddle, start_clients, strict_json
+from conftest import CLIENT_ENV, child_pids, fedsaddle, start_clients, strict_json, summary_of
 from test_failures import Coordinator
 
 SMALL: dict[str, Any] = {
@@ -29,11 +29,6 @@ SMALL: dict[str, Any] = {
         {"name": "scaffold_catalyst_s", "gamma_local": 0.03},
     ],
 }
-
-
-def summary_of(out: Path) -> dict[str, Any]:
-    (run_dir,) = list(out.iterdir())
-    return json.loads((run_dir / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
 def test_simulate_writes_metrics_summary_and_plot(tmp_path: Path) -> None:

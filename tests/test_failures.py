@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import CLIENT_ENV, child_pids, start_clients, stop_processes
+from conftest import CLIENT_ENV, child_pids, read_stderr, start_clients, stop_processes
 
 
 class Coordinator:
@@ -128,16 +128,6 @@ def run_under_way(
         logs = [read_stderr(c) for c in state.clients]
         state.client_codes = stop_processes(state.clients)
         state.client_logs = logs
-
-
-def read_stderr(process: subprocess.Popen[bytes], timeout: float = 30) -> str:
-    """A client's stderr once it has exited (killed after `timeout`)."""
-    try:
-        _, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, err = process.communicate()
-    return err.decode(errors="replace")
 
 
 def test_a_killed_client_stops_the_run_with_its_name_and_nothing_hangs(tmp_path: Path) -> None:

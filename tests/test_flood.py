@@ -17,14 +17,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import CLIENT_ENV, config, fedsaddle, stop_processes
+from conftest import client_process, config, fedsaddle, stop_processes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_failures import Coordinator, write_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from flooder import PREFACE, SETTINGS, session_headers  # bench/flooder.py
 
-from fedsaddle.launch import client_command
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.transport import gate as gate_module
@@ -166,8 +165,7 @@ def test_ten_clients_join_and_the_run_is_unchanged_while_one_address_holds_2000_
         # and reopened; a run this short would otherwise end before the gate's first close on a quiet machine)
         coordinator.wait_for(r"closed \d+ connections from 127\.0\.0\.2", 60)
         for index in range(10):
-            command = client_command(address, str(index), "--connect-timeout", "120")
-            clients.append(subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            clients.append(client_process(address, index, "--connect-timeout", "120"))
         checked = fedsaddle("health", "--address", address, "--timeout", "30", timeout=60)
         assert checked.returncode == 0 and "SERVING" in checked.stdout, checked.stderr
         code, log = coordinator.finish(timeout=240)
@@ -202,11 +200,7 @@ def test_a_client_killed_during_a_flood_rejoins_and_the_run_is_unchanged(tmp_pat
     coordinator = Coordinator(write_config(tmp_path / "run.yaml", **fields), tmp_path / "runs")
     address = coordinator.wait_for(r"listening on (\S+);", 60).group(1)
 
-    def client(index: int) -> subprocess.Popen[bytes]:
-        command = client_command(address, str(index), "--connect-timeout", "60")
-        return subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    clients = [client(i) for i in range(3)]
+    clients = [client_process(address, i, "--connect-timeout", "60") for i in range(3)]
     flood = subprocess.Popen(
         [sys.executable, str(FLOODER), address, "--connections", "2000", "--seconds", "240"],
         stdout=subprocess.PIPE,
@@ -219,7 +213,7 @@ def test_a_client_killed_during_a_flood_rejoins_and_the_run_is_unchanged(tmp_pat
         clients[1].send_signal(signal.SIGKILL)
         clients[1].wait()
         coordinator.wait_for(r"client 1 \(.*\) disconnected", 60)
-        clients.append(client(1))  # restarted while the flood goes on
+        clients.append(client_process(address, 1, "--connect-timeout", "60"))  # restarted while the flood goes on
         coordinator.wait_for(r"client 1 \(.*\) rejoined", 60)
         code, log = coordinator.finish(timeout=240)
     finally:

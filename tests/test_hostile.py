@@ -184,9 +184,9 @@ def test_an_open_federation_on_a_reachable_address_is_announced() -> None:
     assert open_federation_warning(guarded, "0.0.0.0:50051") is None
 
 
-def test_the_readmes_two_site_example_runs_token_and_certificate_identities_together(tmp_path: Path) -> None:
-    certs = tmp_path / "certs"
-    subprocess.run(["bash", "scripts/dev-certs.sh", str(certs), "site-b"], check=True, capture_output=True)
+def test_the_readmes_two_site_example_runs_token_and_certificate_identities_together(
+    tmp_path: Path, certs: Path
+) -> None:
     new_token = subprocess.run(
         [sys.executable, "-m", "fedsaddle", "new-token", "--name", "site-a", "--clients", "0-4"],
         capture_output=True,

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import stop_processes
+from conftest import read_stderr, stop_processes
 
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
@@ -68,15 +68,6 @@ def federation(hostile: Hostile, clients: int = CLIENTS) -> Iterator[list[subpro
         logs = [read_stderr(p) for p in processes]
         stop_processes(processes)
         hostile.client_logs = logs  # type: ignore[attr-defined]
-
-
-def read_stderr(process: subprocess.Popen[bytes], timeout: float = 30) -> str:
-    try:
-        _, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, err = process.communicate()
-    return err.decode(errors="replace") if err else ""
 
 
 def start(pool: Hostile) -> None:

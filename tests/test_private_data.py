@@ -21,13 +21,13 @@ import grpc
 import numpy as np
 import pytest
 import yaml
-from conftest import stop_processes, strict_json
+from conftest import client_process, read_stderr, stop_processes, strict_json
 from test_bad_answers import HandClient
-from test_failures import Coordinator, read_stderr, write_config
+from test_failures import Coordinator, write_config
 
 from fedsaddle import api
 from fedsaddle.experiments.datasets import split
-from fedsaddle.launch import client_command, client_env
+from fedsaddle.launch import client_env
 from fedsaddle.server.driver import RunInfo
 from fedsaddle.server.report import rounds_table, table
 from fedsaddle.server.transport.grpc_pool import GrpcPool
@@ -166,11 +166,6 @@ def start_coordinator(tmp_path: Path, config: dict[str, Any]) -> tuple[Coordinat
     return coordinator, coordinator.wait_for(r"listening on (\S+);", 30).group(1)
 
 
-def client(address: str, index: int, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    command = client_command(address, str(index), *args, quiet=False)
-    return subprocess.Popen(command, env=env or client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
 def test_bad_data_stops_the_run_before_round_one_naming_the_client_the_file_and_the_fault(
     tmp_path: Path, cancer: tuple[Path, dict[str, Any]]
 ) -> None:
@@ -181,7 +176,7 @@ def test_bad_data_stops_the_run_before_round_one_naming_the_client_the_file_and_
     np.savez(broken, **arrays)
     coordinator, address = start_coordinator(tmp_path, auc_config(summary))
     files = [str(broken) if i == 7 else str(folder / f"client-{i:03d}.npz") for i in range(CLIENTS)]
-    clients = [client(address, i, "--data", files[i]) for i in range(CLIENTS)]
+    clients = [client_process(address, i, "--data", files[i], quiet=False) for i in range(CLIENTS)]
     code, log, codes = coordinator.finish_with(clients, timeout=60)
     assert code == 1
     fault = rf"client 7: {broken}: X\[3, 4\] is nan"
@@ -202,7 +197,9 @@ def test_a_file_with_other_features_is_refused_before_round_one(
     np.savez(narrow, **arrays)
     coordinator, address = start_coordinator(tmp_path, auc_config(summary))
     files = [str(narrow) if i == 2 else str(folder / f"client-{i:03d}.npz") for i in range(CLIENTS)]
-    code, log, _ = coordinator.finish_with([client(address, i, "--data", files[i]) for i in range(CLIENTS)], 60)
+    code, log, _ = coordinator.finish_with(
+        [client_process(address, i, "--data", files[i], quiet=False) for i in range(CLIENTS)], 60
+    )
     assert code == 1
     assert f"client 2: {narrow}: 28 features, but the problem expects 30" in log, log
 
@@ -219,8 +216,8 @@ def test_a_client_without_its_file_or_trust_in_the_plugin_says_so(tmp_path: Path
     env = {**client_env(), "PYTHONPATH": os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")])}
     coordinator = Coordinator(write_config(tmp_path / "run.yaml", **config), tmp_path / "runs", env=env)
     address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
-    untrusting = client(address, 0, "--data", str(tmp_path / "data" / "client-000.npz"), env=env)
-    no_file = client(address, 1, "--problem", plugin, env=env)
+    untrusting = client_process(address, 0, "--data", str(tmp_path / "data" / "client-000.npz"), env=env, quiet=False)
+    no_file = client_process(address, 1, "--problem", plugin, env=env, quiet=False)
     code, log, _ = coordinator.finish_with([untrusting, no_file], 60)
     assert code == 1
     assert "comes from plugin 'fedsaddle_target_shift:TargetShift', which this process does not trust" in log
@@ -264,8 +261,11 @@ def test_a_plugin_problem_runs_in_simulate_and_over_local_processes(tmp_path: Pa
 def test_stopped_clients_print_the_reason(tmp_path: Path, cancer: tuple[Path, dict[str, Any]]) -> None:
     folder, summary = cancer
     coordinator, address = start_coordinator(tmp_path, auc_config(summary))
-    clients = [client(address, i, "--data", str(folder / f"client-{i:03d}.npz")) for i in range(CLIENTS - 1)]
-    clients.append(client(address, CLIENTS - 1, "--data", str(tmp_path / "missing.npz")))
+    clients = [
+        client_process(address, i, "--data", str(folder / f"client-{i:03d}.npz"), quiet=False)
+        for i in range(CLIENTS - 1)
+    ]
+    clients.append(client_process(address, CLIENTS - 1, "--data", str(tmp_path / "missing.npz"), quiet=False))
     try:
         code, log = coordinator.finish(60)
         messages = read_stderr(clients[-1])

@@ -3,7 +3,6 @@ start late, and faults that retrying cannot fix end a client at once, saying why
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -12,25 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CLIENT_ENV, config, fedsaddle, stop_processes
+from conftest import client_process, config, fedsaddle, stop_processes, summary_of
 from formulas import expected_traffic
 from test_failures import Coordinator, write_config
 
-from fedsaddle.launch import client_command
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 
 PROBLEM = {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 2.0}
 
 
-def client(address: str, indices: int | str, *extra: str, timeout: float = 30) -> subprocess.Popen[str]:
-    command = client_command(address, str(indices), "--connect-timeout", str(timeout), *extra, quiet=False)
-    return subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def summary_of(out: Path) -> dict[str, Any]:
-    (run_dir,) = out.iterdir()
-    return json.loads((run_dir / "summary.json").read_text())  # type: ignore[no-any-return]
+def client(address: str, indices: int | str) -> subprocess.Popen[str]:
+    return client_process(address, indices, "--connect-timeout", "30", text=True, quiet=False)
 
 
 @pytest.mark.parametrize(
@@ -192,9 +184,7 @@ def fails_fast(args: list[str], cause: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tls_coordinator(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    certs = tmp_path_factory.mktemp("certs")
-    subprocess.run(["bash", "scripts/dev-certs.sh", str(certs), "site-a"], check=True, capture_output=True)
+def tls_coordinator(tmp_path_factory: pytest.TempPathFactory, certs: Path) -> Any:
     folder = tmp_path_factory.mktemp("tls")
     path = write_config(
         folder / "run.yaml",

@@ -24,11 +24,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import CLIENT_ENV, fedsaddle, stop_processes
+from conftest import CLIENT_ENV, client_process, fedsaddle, stop_processes
 from test_failures import Coordinator, write_config
 
 from fedsaddle.experiments.datasets import split
-from fedsaddle.launch import client_command
 
 ROUNDS = 401
 CONFIG: dict[str, Any] = {
@@ -90,12 +89,7 @@ def killed_and_resumed(
     path = write_config(tmp_path / "run.yaml", **config)
     first = Coordinator(path, tmp_path / "runs", listen=address, env=env)
     clients = [
-        subprocess.Popen(
-            client_command(address, str(i), "--connect-timeout", "60", data=data),
-            env=CLIENT_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        client_process(address, i, "--connect-timeout", "60", data=data)
         for i in range(config["problem"]["num_clients"])
     ]
     try:
@@ -192,15 +186,7 @@ def stopped_and_resumed(tmp_path: Path, how: str) -> tuple[Path, int, str, int, 
     path = write_config(tmp_path / "run.yaml", **CONFIG)
 
     def start_clients() -> list[subprocess.Popen[bytes]]:
-        return [
-            subprocess.Popen(
-                client_command(address, str(i), "--connect-timeout", "60", quiet=False),
-                env=CLIENT_ENV,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            for i in range(3)
-        ]
+        return [client_process(address, i, "--connect-timeout", "60", quiet=False) for i in range(3)]
 
     first = Coordinator(path, tmp_path / "runs", listen=address)
     clients = start_clients()
@@ -346,12 +332,7 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_and_nothing_changes(tmp_p
     address = free_address()
     path = write_config(tmp_path / "run.yaml", **{**CONFIG, "rounds": 1_000_000})
     coordinator = Coordinator(path, tmp_path / "runs", listen=address)
-    clients = [
-        subprocess.Popen(
-            client_command(address, str(i)), env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        for i in range(3)
-    ]
+    clients = [client_process(address, i) for i in range(3)]
     try:
         coordinator.wait_for(r"fedavg_s\s+round", 60)
         deadline = time.monotonic() + 60
@@ -432,15 +413,7 @@ def test_a_coordinator_killed_in_each_of_five_algorithms_redoes_at_most_checkpoi
 
     address = free_address()
     coordinator = Coordinator(path, tmp_path / "runs", listen=address)
-    clients = [
-        subprocess.Popen(
-            client_command(address, str(i), "--connect-timeout", "60"),
-            env=CLIENT_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for i in range(3)
-    ]
+    clients = [client_process(address, i, "--connect-timeout", "60") for i in range(3)]
     redone: dict[str, int] = {}
     try:
         for name in names:  # killed once in each algorithm, each time resumed by a new coordinator

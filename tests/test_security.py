@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CLIENT_ENV, config, stop_processes
+from conftest import client_process, config, stop_processes
 
 from fedsaddle.server.config import ConfigError, RunConfig, TlsSpec
 from fedsaddle.server.driver import run_algorithm
@@ -17,7 +17,6 @@ from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.transport.auth import Authenticator, server_credentials, token_hash
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
-ROOT = Path(__file__).resolve().parent.parent
 RUN = config(
     problem={"name": "paper_regression", "num_clients": 3, "dim": 4, "s": 2.0},
     algorithms=[{"name": "scaffold_s", "gamma_local": 0.05}],
@@ -25,13 +24,6 @@ RUN = config(
 )
 SECURE_RUN = RUN.model_copy(update={"privacy": RUN.privacy.model_copy(update={"secure_aggregation": True})})
 TOKENS = {"site-a": "token-of-site-a", "site-b": "token-of-site-b"}
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("certs")
-    subprocess.run(["bash", str(ROOT / "scripts/dev-certs.sh"), str(out), "site-a", "site-b", "intruder"], check=True)
-    return out
 
 
 @pytest.fixture
@@ -46,9 +38,7 @@ def credentials_file(tmp_path: Path) -> Path:
 
 
 def client(address: str, indices: str, *args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "fedsaddle", "client", "--coordinator", address, "--clients", indices]
-    command += ["--connect-timeout", "10", *args]
-    return subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return client_process(address, indices, "--connect-timeout", "10", *args, text=True, quiet=False)
 
 
 def refused(process: subprocess.Popen[str]) -> str:

@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CLIENT_ENV, fedsaddle, stop_processes
+from conftest import CLIENT_ENV, client_process, fedsaddle, stop_processes
 from test_failures import Coordinator, write_config
 from test_resume import free_address
 
-from fedsaddle.launch import client_command
 from fedsaddle.server.config import TlsSpec
 from fedsaddle.server.transport.auth import server_credentials
 from fedsaddle.server.transport.grpc_pool import GrpcPool
@@ -34,8 +33,7 @@ WAITING = re.compile(
 
 
 def client(address: str, indices: str, connect_timeout: float) -> subprocess.Popen[str]:
-    command = client_command(address, indices, "--connect-timeout", str(connect_timeout), quiet=False)
-    return subprocess.Popen(command, env=CLIENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return client_process(address, indices, "--connect-timeout", str(connect_timeout), text=True, quiet=False)
 
 
 def waits(log: str) -> list[tuple[float, str, int]]:
@@ -203,13 +201,6 @@ def test_an_interrupt_raised_inside_exec_source_still_exits_130(tmp_path: Path) 
     )
     assert done.returncode == 130, done.stderr
     assert done.stderr == "fedsaddle: interrupted\n"
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("certs")
-    subprocess.run(["bash", "scripts/dev-certs.sh", str(folder), "site-a"], check=True, capture_output=True)
-    return folder
 
 
 def health(*args: str) -> Any:
