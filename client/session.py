@@ -301,10 +301,9 @@ class ClientSession:
         # before the first task, whose buffers are not placed there (common/memory.py, `lasting`).
         trim()
         # What lives as long as the run (modules, the worker, its data, the parties) is set aside from the
-        # collector: a full collection over these objects (the periodic trim's, every 15 s) cost a client
-        # process 30 to 47 ms of CPU at d = 1e6 on a shared machine, and costs about 0.1 ms with them set aside
-        # (docs/privacy.md, "Cost"). Unreferenced objects are still freed; only reference cycles among them
-        # wait for the next run's unfreeze.
+        # collector, so that the full collection of the periodic trim (every 15 s) does not walk it again and
+        # again: its cost then stays small whatever the run's size (figures: docs/privacy.md, "Cost").
+        # Unreferenced objects are still freed; only reference cycles among them wait for the next run's unfreeze.
         gc.freeze()
         # Tasks are bounded by what the data gives, not by what the RunSpec claims: a coordinator that
         # said a trillion and went on despite this Ready would have this process allocate terabytes.

@@ -134,7 +134,7 @@ class Keystream:
     block.
 
     Computed through OpenSSL's AES-GCM, whose code path is about twice as fast as its CTR path on CPUs
-    with vector AES (16 MB: 1.7 ms against 3.3 ms here, 2026-11-26), with the same bits: GCM under a
+    with vector AES (docs/privacy.md, "Cost"), with the same bits: GCM under a
     96-bit IV of zeros encrypts with the counter blocks 0^96 || c for c = 2, 3, ... (its 32-bit counter
     starts at 2), and these are CTR's counter blocks 2, 3, ... as long as c does not wrap, i.e. for the
     first 2^32 - 2 blocks (64 GiB). The keystream's first two blocks (32 bytes) come from a CTR context,
