@@ -32,6 +32,22 @@ def ten_processes() -> Iterator[GrpcPool]:
     assert pool.client_exit_codes == [0] * 10  # type: ignore[attr-defined]
 
 
+# Federations of two and three client processes that run one test's run after another's, as `local` runs one
+# algorithm after another: each run starts with its own RunSpec, and its bits and counts are its own.
+@pytest.fixture(scope="module")
+def two_processes() -> Iterator[GrpcPool]:
+    with federation(2) as pool:
+        yield pool
+    assert pool.client_exit_codes == [0] * 2  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def three_processes() -> Iterator[GrpcPool]:
+    with federation(3) as pool:
+        yield pool
+    assert pool.client_exit_codes == [0] * 3  # type: ignore[attr-defined]
+
+
 def assert_same_run(remote: AlgorithmResult, local: AlgorithmResult) -> None:
     assert remote.status == local.status == "ok"
     assert remote.z_sha256 == local.z_sha256  # bit for bit
@@ -123,26 +139,28 @@ def test_processes_hosting_several_clients_give_the_same_iterates() -> None:
 
 
 @pytest.mark.parametrize("algorithm", FIVE[2:], ids=lambda a: a["name"])
-def test_chunked_local_steps_with_noise_match_the_in_process_run_bit_for_bit(algorithm: dict[str, Any]) -> None:
+def test_chunked_local_steps_with_noise_match_the_in_process_run_bit_for_bit(
+    two_processes: GrpcPool, algorithm: dict[str, Any]
+) -> None:
     # dim 1.5e5: z alone is 2.4 MB, over the 2 MiB chunk, so every task is chunked; a process that
     # hosts one client runs its local steps in the task's own buffer (no regularizer), or in a
     # copy (Catalyst).
     problem = {"name": "paper_regression", "num_clients": 2, "dim": 150_000, "s": 5.0}
     run = config(problem=problem, algorithms=[algorithm], rounds=9, seed=3, gradient_noise=0.3)
-    with federation(2) as pool:
-        remote = run_algorithm(run.algorithms[0], run, pool)
+    remote = run_algorithm(run.algorithms[0], run, two_processes)
     assert_same_run(remote, run_algorithm(run.algorithms[0], run, LocalPool()))
     assert remote.traffic["algorithm"]["bytes_down"] > 9 * 2 * 8 * 300_000  # every task really went
 
 
 @pytest.mark.parametrize("algorithm", FIVE, ids=lambda a: a["name"])
-def test_large_inline_payloads_read_by_hand_match_the_in_process_run_bit_for_bit(algorithm: dict[str, Any]) -> None:
+def test_large_inline_payloads_read_by_hand_match_the_in_process_run_bit_for_bit(
+    three_processes: GrpcPool, algorithm: dict[str, Any]
+) -> None:
     # dim 2e4: z is 320 kB, over the 64 KiB from which an inline payload is read by hand (a view into the
     # received message, not protobuf's copies), and under the 2 MiB chunk: tasks and answers go inline.
     problem = {"name": "paper_regression", "num_clients": 3, "dim": 20_000, "s": 5.0}
     run = config(problem=problem, algorithms=[algorithm], rounds=6, seed=4)
-    with federation(3) as pool:
-        remote = run_algorithm(run.algorithms[0], run, pool)
+    remote = run_algorithm(run.algorithms[0], run, three_processes)
     assert_same_run(remote, run_algorithm(run.algorithms[0], run, LocalPool()))
     traffic = remote.traffic["algorithm"]
     assert traffic["messages_up"] >= 3 and traffic["bytes_up"] > traffic["messages_up"] * 8 * 40_000  # whole z
