@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+TORCH_STAMP := $(VENV)/.torch-stamp
 # Why a tree of links must stay: the folders the users asked for (server/, client/, common/, proto/) are
 # installed under one import name by setuptools' package-dir mapping (fedsaddle.server -> server/). At run
 # time an editable install resolves that mapping with an import hook (a meta-path finder), but mypy never
@@ -28,7 +29,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev,data,plot,docs,privacy,ray,tensorboard,mlflow]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# The torch extra, for the PyTorch problems' tests and their type checks: the registry serves PyTorch's CUDA
+# build, about 5 GB installed and a few minutes to install, so `make run` (the core, which never imports torch)
+# does without it; `make install`, `make test` and the targets that read the PyTorch modules install it.
+$(TORCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[torch]'
+	touch $(TORCH_STAMP)
+
+install: $(TORCH_STAMP)
 
 run: $(STAMP)
 	$(BIN)/fedsaddle local --quiet-clients
@@ -42,14 +50,14 @@ $(TYPECHECK)/fedsaddle: $(wildcard fedsaddle/*.py)
 	for f in fedsaddle/*.py fedsaddle/py.typed; do ln -sf ../../$$f $@/$$(basename $$f); done
 	for d in common client server experiments proto; do ln -sfn ../../$$d $@/$$d; done
 
-typecheck: $(STAMP) $(TYPECHECK)/fedsaddle
+typecheck: $(TORCH_STAMP) $(TYPECHECK)/fedsaddle
 	cd $(TYPECHECK) && ../$(BIN)/mypy --config-file ../pyproject.toml -p fedsaddle
 
-unit: $(STAMP)
+unit: $(TORCH_STAMP)
 	$(BIN)/pytest
 
 # The documentation site (mkdocs.yml, docs/), with warnings as errors: a broken link fails the build.
-docs: $(STAMP)
+docs: $(TORCH_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # About 13-16 minutes on a quiet 2-core machine; tests/README.md has the measured figures.
