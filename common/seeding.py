@@ -17,6 +17,7 @@ SOLUTION = 5  # a problem's planted solution
 INIT = 6  # a random starting point
 SAMPLING = 7  # the coordinator's choice of the clients that take part in a round
 DP_NOISE = 8  # the coordinator's noise on a round's sum (central differential privacy)
+MINIBATCH = 9  # the training rows of a stochastic oracle call, per client, round and call
 SHARED = 2**32 - 1  # "client index" of data shared by all clients
 
 

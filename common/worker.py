@@ -7,6 +7,7 @@ same arithmetic on the same data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -116,6 +117,8 @@ class Worker:
         and hands what it does not send as it is to `answer`."""
         if self.batched or len(self.indices) != 1 or self.noise_scale > 0 or not self.reuse_answers:
             return None
+        if getattr(self.shards, "batch_size", None) is not None:  # a GRADIENT task draws a minibatch
+            return None
         shape = (self.shards.dimension, 1)
         return functools.partial(self.shards.gradient, out=self._buffer("answer", shape))
 
@@ -136,6 +139,21 @@ class Worker:
         selected.element = self.element
         return selected
 
+    def _begin_round(self, round_id: int) -> None:
+        """Start the hosted clients' minibatch streams of round `round_id` (shards with a `batch_size`:
+        PyTorch problems; see `_stochastic`)."""
+        begin = getattr(self.shards, "begin_round", None)
+        if begin is not None:
+            begin(self.seeds, round_id)
+
+    def _stochastic(self) -> contextlib.AbstractContextManager[object]:
+        """Inside it, each oracle call G^_i(z) of the hosted clients draws its minibatch of training rows, the
+        next of the round's stream (shards with a `batch_size`); outside it, calls take every row: G_i(z~)
+        computed once per task under SCAFFOLD, exact GRADIENT tasks, objectives. Shards without minibatches
+        compute as before."""
+        stochastic = getattr(self.shards, "stochastic", None)
+        return contextlib.nullcontext() if stochastic is None else stochastic()
+
     def execute(self, task: Task, round_id: int, clients: tuple[int, ...] | None = None) -> Answer:
         """The answer of the hosted clients, or of `clients` among them (those taking part in the round).
 
@@ -146,6 +164,7 @@ class Worker:
         """
         if self.element is not None:
             task = widened(task)
+        self._begin_round(round_id)
         if isinstance(task, GradientTask):
             vectors, objective = self._gradient(task, round_id)
         elif isinstance(task, EvaluateTask):
@@ -230,7 +249,8 @@ class Worker:
                 # entry by entry (`gradient_pairs`) read every client's column from the one vector instead: at
                 # d = 1e6, a vector less per hosted client.
                 z = np.ascontiguousarray(z)
-        g = self.shards.gradient(z, out=self._answer_buffer(z.shape))
+        with contextlib.nullcontext() if task.exact else self._stochastic():
+            g = self.shards.gradient(z, out=self._answer_buffer(z.shape))
         if self.noise_scale > 0 and not task.exact:
             g += self._noise(self._streams(round_id), task.batch)
         objective = self.shards.objective(z) if task.want_objective else None
@@ -265,7 +285,8 @@ class Worker:
         scratch = self._buffer("scratch", (min(BLOCK, shape[0]), *shape[1:]))
         for step in range(task.steps):
             weight = step_weight(task.decay, task.step_offset + step)
-            self.shards.gradient(z, out=g)
+            with self._stochastic():
+                self.shards.gradient(z, out=g)
             if noisy:
                 g += self._noise(streams)
             if control is not None and grad_start is not None:
@@ -377,7 +398,8 @@ class Worker:
         direction_sum = np.zeros(z.shape)
         for step in range(task.steps):
             weight = step_weight(task.decay, task.step_offset + step)
-            g = self.shards.gradient(z)
+            with self._stochastic():
+                g = self.shards.gradient(z)
             if noisy:
                 g += self._noise(streams)
             if control is not None and grad_start is not None:
@@ -444,7 +466,8 @@ class _Oracle:
         return self._worker.shards.gradient(np.ascontiguousarray(z))
 
     def stochastic_gradient(self, z: Array) -> Array:
-        g = self.gradient(z)
+        with self._worker._stochastic():
+            g = self.gradient(z)
         if self._streams:
             g += self._worker._noise(self._streams)
         return g
@@ -543,7 +566,8 @@ class ShardCache:
                     datas.append(problem.load(self.data[i]))
                 except DataError as exc:
                     raise DataError(f"client {i}: {exc}") from None
-            shards = ProblemShards(problem, datas, indices, weighting)
+            own = problem.client_shards(datas, indices, weighting)  # a PyTorch problem's, say
+            shards = own if own is not None else ProblemShards(problem, datas, indices, weighting)
             if self.check_statistics:
                 try:
                     found = disagreements(problem, datas, indices)

@@ -32,6 +32,7 @@ from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Precision
 from fedsaddle.common.problems import (
     PaperRegressionSpec,
+    Problem,
     ProblemNotFound,
     ProblemSpec,
     make_problem,
@@ -490,7 +491,11 @@ class RunConfig(_Model):
         "paper: one per sync or MD step, two per Mirror-prox step",
     )
     gradient_noise: float = Field(0.0, ge=0, description="sigma: E||G^_i - G_i||^2 = sigma^2")
-    init: Literal["ones", "zeros", "random"] = Field("ones", description="starting point z0")
+    init: Literal["ones", "zeros", "random", "problem"] = Field(
+        "ones",
+        description="starting point z0: all ones, zeros, N(0, I) from the seed, or the problem's own for the seed "
+        "(a PyTorch problem's initialized network)",
+    )
     weighting: Weighting = Field(
         "uniform",
         description="aggregation weights: uniform (the paper's 1/n) or by the clients' sample counts "
@@ -588,6 +593,8 @@ class RunConfig(_Model):
                 "(output.gradient_norm: true evaluates ||G(z)|| on any problem)"
             )
             faults.append((("evaluate_every",), why))
+        if self.init == "problem" and type(problem).initial_point is Problem.initial_point:
+            faults.append((("init",), f"problem {self.problem.name} has no starting point of its own"))
         if self.weighting == "samples" and problem.synthetic:
             faults.append((("weighting",), f"samples needs clients with data files; {self.problem.name} is synthetic"))
         quorum = self.participation.min_clients

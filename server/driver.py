@@ -311,8 +311,14 @@ def initial_point(config: RunConfig) -> Array:
         z0 = np.ones(dim)
     elif config.init == "zeros":
         z0 = np.zeros(dim)
-    else:
+    elif config.init == "random":
         z0 = seeding.rng(config.seed, seeding.INIT).standard_normal(dim)
+    else:
+        found = problem.initial_point(config.seed)
+        if found is None or np.shape(found) != (dim,):
+            shape = None if found is None else np.shape(found)
+            raise ValueError(f"problem {config.problem.name}: initial_point gave {shape}, not a vector of {dim}")
+        z0 = np.asarray(found, dtype=np.float64)
     domain = problem_domain(problem)
     z0 = z0 if domain is None else domain.project(z0)
     return z0.astype(element_type(config.precision), copy=False)  # float64: z0 itself, the same bits

@@ -139,6 +139,11 @@ class Problem(abc.ABC):
         Ball, Simplex from fedsaddle.common.problems.domains); None: unconstrained (the default)."""
         return None
 
+    def initial_point(self, seed: int) -> Array | None:
+        """The problem's own starting point z0 for the run seed `seed` (the config's `init: problem`), e.g. a
+        network's initialization; None: the problem has none (the default), and `init: problem` is refused."""
+        return None
+
 
 class DataProblem(Problem):
     """A problem on real data: each client computes on the file it owns. Subclass this for your own."""
@@ -165,6 +170,14 @@ class DataProblem(Problem):
     def metrics(self, data: ClientData, z: Array) -> Sequence[float]:
         """The values of `metric_names` at z on this client's held-out rows (when it has some)."""
         return ()
+
+    def client_shards(
+        self, datas: Sequence[ClientData], indices: Sequence[int], weighting: Literal["uniform", "samples"] = "uniform"
+    ) -> Shards | None:
+        """The hosted clients' oracles on their loaded data, for a problem that computes its own way (PyTorch
+        problems); None (the default): ProblemShards, which calls `gradient`, `objective` and `metrics` client by
+        client."""
+        return None
 
     def reference_solution(self, datas: Sequence[ClientData], weights: Array | None) -> Array | None:
         """z* of the federation's f, from all clients' data (for tests and reports), if known."""

@@ -14,7 +14,8 @@ column, made contiguous, to the problem's own per-client methods.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -205,6 +206,27 @@ class StackedShards:
 
     def select_runs(self, runs: Sequence[int]) -> StackedShards:
         return StackedShards([self.runs[r] for r in runs])
+
+    # Minibatch oracles (shards with a `batch_size`, common/worker.py): each run draws from its own seed's streams.
+
+    @property
+    def batch_size(self) -> int | None:
+        return getattr(self.runs[0], "batch_size", None)
+
+    def begin_round(self, seeds: Sequence[int], round_id: int) -> None:
+        for seed, run in zip(seeds, self.runs, strict=True):
+            begin = getattr(run, "begin_round", None)
+            if begin is not None:
+                begin((seed,), round_id)
+
+    @contextlib.contextmanager
+    def stochastic(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for run in self.runs:
+                stochastic = getattr(run, "stochastic", None)
+                if stochastic is not None:
+                    stack.enter_context(stochastic())
+            yield
 
 
 def stack_shards(runs: Sequence[Shards]) -> Shards:
