@@ -143,9 +143,20 @@ def _config(args: argparse.Namespace) -> RunConfig:
     return config.model_copy(update=updates) if updates else config
 
 
+def _device(args: argparse.Namespace) -> None:
+    """This process's --device (and that of the client processes it starts); UsageError if this machine lacks it."""
+    from fedsaddle.common import devices
+
+    try:
+        devices.choose(args.device)
+    except devices.DeviceError as exc:
+        raise UsageError(f"--device: {exc}") from None
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from fedsaddle.server.local_pool import LocalPool
 
+    _device(args)
     _stop_on_sigterm()
 
     def local_pool(config: RunConfig) -> tuple[Any, dict[str, Any]]:
@@ -318,6 +329,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     from fedsaddle.client.service import ECHOES_COORDINATOR, ClientError, ClientOptions, serve
     from fedsaddle.client.session import RunFailed
 
+    _device(args)
     token = _read_token(args.token_file)
     hosted = parse_indices(args.clients)
     options = ClientOptions(
@@ -351,6 +363,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     from fedsaddle.common.worker import no_data_files
     from fedsaddle.launch import loopback_federation
 
+    _device(args)
     _stop_on_sigterm()
     with contextlib.ExitStack() as stack:  # the federation's processes end with the command
 
@@ -1100,6 +1113,14 @@ def build_parser() -> argparse.ArgumentParser:
             "with {i}, e.g. data/client-{i:03d}.npz (problems on real data; synthetic ones need none)",
         )
 
+    def with_device(p: argparse.ArgumentParser, whose: str) -> None:
+        p.add_argument(
+            "--device",
+            metavar="DEVICE",
+            help=f"where {whose} PyTorch problems compute: cpu, cuda or cuda:K (default: $FEDSADDLE_DEVICE, else "
+            "cpu; numpy problems ignore it)",
+        )
+
     def with_resume(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--resume",
@@ -1110,6 +1131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("simulate", "run a config in one process (the in-process transport)", cmd_simulate)
     with_config(p, "required, unless --resume")
     with_data(p, "each client's")
+    with_device(p, "this process's")
     with_resume(p)
 
     p = command("coordinator", "serve a config to client processes over gRPC", cmd_coordinator)
@@ -1144,6 +1166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per round trip; 0: gRPC's own window, which grows with the link",
     )
     with_data(p, "each hosted client's")
+    with_device(p, "the hosted clients'")
     p.add_argument(
         "--problem",
         action="append",
@@ -1159,6 +1182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients-per-process", type=positive_int, default=1, help="clients hosted by each process")
     p.add_argument("--quiet-clients", action="store_true", help="clients log warnings and errors only")
     with_data(p, "each client's")
+    with_device(p, "the client processes'")
     with_resume(p)
 
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
