@@ -18,7 +18,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from fedsaddle.cli import build_parser
-from fedsaddle.common.problems import DataProblem, problem_class
+from fedsaddle.common.problems import problem_class
 from fedsaddle.common.problems.registry import BUILT_IN
 from fedsaddle.server import config as run_config
 
@@ -103,7 +103,7 @@ def config_reference() -> str:
     lines += ["## Problems", "", "The `problem` field is validated by the named problem's own spec:", ""]
     for problem_name in BUILT_IN:
         spec = problem_class(problem_name).Spec
-        kind = "real data" if issubclass(problem_class(problem_name), DataProblem) else "synthetic"
+        kind = "synthetic" if problem_class(problem_name).synthetic else "real data"
         table = _table(spec)
         lines += [table[0], "", f"`{problem_name}` ({kind})", *table[1:]]
     return "\n".join(lines)

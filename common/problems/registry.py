@@ -40,6 +40,8 @@ BUILT_IN = {
     "auc": "fedsaddle.common.problems.auc:AucMaximization",
     "fair_logistic": "fedsaddle.common.problems.fairness:FairLogistic",
     "agnostic": "fedsaddle.common.problems.agnostic:AgnosticLogistic",
+    # A PyTorch problem (the torch extra): imported only when a config names it.
+    "deep_auc": "fedsaddle.common.problems.deep_auc:DeepAuc",
 }
 
 
@@ -85,6 +87,12 @@ def _import(module_name: str) -> ModuleType:
 
 def _not_importable(path: str, module_name: str, exc: ImportError, field: str = "name") -> ProblemNotFound:
     """What to do about a plug-in module that cannot be imported, and in which processes."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
+        return ProblemNotFound(
+            f"problem {path!r} is written in PyTorch, which is not installed here: pip install 'fedsaddle[torch]' "
+            "(about 5 GB with CUDA) in every process that loads it, the coordinator's and the clients'",
+            field,
+        )
     if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
         looked = ", ".join(str(f) for f in (*_PLUGIN_FOLDERS, Path.cwd()))
         return ProblemNotFound(

@@ -1,0 +1,196 @@
+"""Federated deep AUC maximization: the AUC-M min-max margin loss with a small CNN, on handwritten digits.
+
+The objective is LibAUC's AUC-M square-margin loss (Yuan, Yan, Sonka, Yang, "Large-scale Robust Deep AUC
+Maximization", ICCV 2021; its federated form is CODASCA, Yuan et al., ICML 2021). With a network h_w, the
+score s = sigmoid(h_w(u)) in [0, 1], p the share of positive rows over the federation, and m the margin:
+
+    F(w, a, b, alpha; u, t) = (1-p) (s - a)^2 [t = 1] + p (s - b)^2 [t = 0]
+                              + 2 alpha (p (1-p) m + p s [t = 0] - (1-p) s [t = 1]) - p (1-p) alpha^2
+    f_i = mean of F over client i's rows + lam/2 ||w||^2,
+
+minimized over x = (w, a, b) and maximized over y = alpha >= 0 (a box block). f is nonconvex in w and
+concave (strongly) in alpha: the paper's strongly-convex-strongly-concave rates do not apply
+(docs/how-to/pytorch-problems.md says what is known).
+
+The data is scikit-learn's handwritten digits (1797 images of 8 x 8 pixels, shipped with the package: no
+download): one digit (`positive_digit`) against the nine others, about 10% positives. Every client builds
+the same split from the spec (`split_seed`), and keeps its own part: a held-out share `test_fraction`, then
+the training rows dealt to `num_clients` clients with label skew (each digit's rows divided by
+Dirichlet(`skew_alpha`) proportions, as `fedsaddle data split --partition label-skew` deals a table's). So
+this is a benchmark source like the synthetic ones: public data, built from a public spec. Each client's
+held-out rows follow its training rows' proportions; `pooled_test_auc` scores a z on all held-out rows.
+Pixels are scaled to [0, 1] (divided by 16).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from pydantic import Field
+
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems.auc import roc_auc
+from fedsaddle.common.problems.base import ClientContext, ClientData, SyntheticProblem
+from fedsaddle.common.problems.domains import Block, Box, Free
+from fedsaddle.common.problems.pytorch import Batch, Player, TorchProblem, TorchShards, TorchSpec
+from fedsaddle.common.problems.shards import Shards
+
+DIGITS_ROWS = 1797  # load_digits' images
+SIDE = 8  # pixels per side
+
+
+class DeepAucSpec(TorchSpec):
+    name: Literal["deep_auc"] = "deep_auc"
+    positive_digit: int = Field(9, ge=0, le=9, description="the digit of the positive class (the rest: negative)")
+    test_fraction: float = Field(0.3, gt=0, lt=1, description="the share of images held out for evaluation")
+    skew_alpha: float = Field(0.5, gt=0, description="Dirichlet concentration of the label skew (smaller: more skew)")
+    split_seed: int = Field(0, ge=0, lt=2**63, description="seeds the split (the same for every run seed)")
+    channels: int = Field(8, ge=1, le=256, description="the first convolution's channels (the second has twice)")
+    hidden: int = Field(32, ge=1, le=4096, description="the hidden layer's width")
+    margin: float = Field(1.0, gt=0, description="m, AUC-M's margin")
+    lam: float = Field(1e-4, ge=0, description="L2 weight on the network's parameters")
+
+
+class Cnn(torch.nn.Module):
+    """conv3x3(1 -> c) ReLU maxpool2, conv3x3(c -> 2c) ReLU maxpool2, linear(8c -> hidden) ReLU, linear(-> 1):
+    the score's logit for an 8 x 8 image."""
+
+    def __init__(self, channels: int, hidden: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, channels, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(channels, 2 * channels, 3, padding=1)
+        self.fc1 = torch.nn.Linear(2 * channels * (SIDE // 4) ** 2, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        h = torch.max_pool2d(torch.relu(self.conv1(images)), 2)
+        h = torch.max_pool2d(torch.relu(self.conv2(h)), 2)
+        h = torch.relu(self.fc1(h.flatten(1)))
+        logits: torch.Tensor = self.fc2(h).squeeze(1)
+        return logits
+
+
+class AucModel(torch.nn.Module):
+    """The min player: the network, then AUC-M's a and b (its parameters in this order on the wire)."""
+
+    def __init__(self, channels: int, hidden: int) -> None:
+        super().__init__()
+        self.net = Cnn(channels, hidden)
+        self.a = torch.nn.Parameter(torch.zeros(1))
+        self.b = torch.nn.Parameter(torch.zeros(1))
+
+
+@functools.cache
+def _digits() -> tuple[Array, NDArray[np.int64]]:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise RuntimeError("problem deep_auc needs scikit-learn: pip install 'fedsaddle[data,torch]'") from None
+    raw = load_digits()
+    return np.asarray(raw.data, dtype=np.float64) / 16.0, np.asarray(raw.target, dtype=np.int64)
+
+
+def split_digits(spec: DeepAucSpec) -> list[ClientData]:
+    """Every client's data as the spec determines it (module docstring), in client order."""
+    images, digits = _digits()
+    labels = (digits == spec.positive_digit).astype(np.float64)
+    rng = np.random.default_rng([spec.split_seed, 1])
+    order = rng.permutation(len(digits))
+    n_test = round(spec.test_fraction * len(digits))
+    test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
+    n = spec.num_clients
+    for _ in range(1000):
+        shares = rng.dirichlet(np.full(n, spec.skew_alpha), size=10)
+        dealt_train = _deal(train, digits, shares, rng)
+        if min(len(rows) for rows in dealt_train) >= max(2, spec.batch_size or 0):
+            break
+    else:
+        raise ValueError(
+            f"problem deep_auc: no label-skew split gives each of {n} clients at least "
+            f"{max(2, spec.batch_size or 0)} training rows; raise skew_alpha or lower num_clients or batch_size"
+        )
+    dealt_test = _deal(test, digits, shares, rng)
+    return [
+        ClientData(f"deep_auc:client-{i}", images[tr], labels[tr], None, images[te], labels[te])
+        for i, (tr, te) in enumerate(zip(dealt_train, dealt_test, strict=True))
+    ]
+
+
+def _deal(
+    rows: NDArray[np.int64], classes: NDArray[np.int64], shares: Array, rng: np.random.Generator
+) -> list[NDArray[np.int64]]:
+    """Each class's rows divided among the clients in the proportions shares[class]."""
+    dealt: list[list[int]] = [[] for _ in range(shares.shape[1])]
+    for c, proportions in enumerate(shares):
+        members = rng.permutation(rows[classes[rows] == c])
+        cuts = (np.cumsum(proportions)[:-1] * len(members)).round().astype(int)
+        for client, part in enumerate(np.split(members, cuts)):
+            dealt[client].extend(part.tolist())
+    return [np.array(sorted(d), dtype=np.int64) for d in dealt]
+
+
+class DeepAuc(TorchProblem, SyntheticProblem):
+    """AUC-M with a small CNN on digits, one against the rest (module docstring)."""
+
+    Spec = DeepAucSpec
+    spec: DeepAucSpec
+    synthetic = True
+    metric_names = ("test_auc",)
+
+    @functools.cached_property
+    def positive_rate(self) -> float:
+        """p: the share of positive training rows over all clients."""
+        datas = split_digits(self.spec)
+        return sum(float(d.y.sum()) for d in datas) / sum(d.samples for d in datas)
+
+    def players(self) -> tuple[Player, Player]:
+        return AucModel(self.spec.channels, self.spec.hidden), [torch.zeros(1)]
+
+    def inputs(self, X: torch.Tensor) -> torch.Tensor:
+        return X.reshape(-1, 1, SIDE, SIDE)
+
+    def loss(self, x: Any, y: Any, batch: Batch, *, client: ClientContext) -> torch.Tensor:
+        model: AucModel = x
+        (alpha,) = y
+        p, margin = self.positive_rate, self.spec.margin
+        score = torch.sigmoid(model.net(batch.inputs))
+        positive = batch.targets
+        negative = 1.0 - positive
+        value = (
+            (1 - p) * torch.mean((score - model.a) ** 2 * positive)
+            + p * torch.mean((score - model.b) ** 2 * negative)
+            + 2 * alpha * (p * (1 - p) * margin + torch.mean(p * score * negative - (1 - p) * score * positive))
+            - p * (1 - p) * alpha**2
+        )
+        if self.spec.lam:
+            value = value + self.spec.lam / 2 * sum(torch.sum(w**2) for w in model.net.parameters())
+        result: torch.Tensor = value.reshape(())
+        return result
+
+    def test_metrics(self, x: Any, y: Any, batch: Batch, *, client: ClientContext) -> Sequence[float]:
+        logits = x.net(batch.inputs).to(device="cpu", dtype=torch.float64).numpy()
+        return (roc_auc(logits, batch.targets.cpu().numpy() > 0),)
+
+    def domains(self) -> Sequence[Block]:
+        dim_x, dim_y = self.dims()
+        return [Free(dim_x), Box(dim_y, 0.0)]  # alpha >= 0
+
+    def shards(self, seed: int, indices: Sequence[int]) -> Shards:
+        datas = split_digits(self.spec)
+        return TorchShards(self, [datas[i] for i in indices], indices)
+
+    def pooled_test_auc(self, z: Array) -> float:
+        """The test AUC of z on every client's held-out rows pooled (the federation's test set)."""
+        datas = split_digits(self.spec)
+        X = np.concatenate([d.X_test for d in datas if d.X_test is not None])
+        t = np.concatenate([d.y_test for d in datas if d.y_test is not None])
+        model, _ = self.unflatten(z)
+        with torch.no_grad():
+            images = self.inputs(torch.as_tensor(X, dtype=model.a.dtype))
+            logits = model.net(images).to(dtype=torch.float64).numpy()
+        return roc_auc(logits, t > 0)

@@ -1,0 +1,481 @@
+"""Problems written in PyTorch: the players are modules (or tensors), f_i a torch function, G_i by autograd.
+
+    class MySpec(TorchSpec):
+        name: Literal["my_game"] = "my_game"
+        features: int = 10
+
+    class MyGame(TorchProblem):
+        Spec = MySpec
+        def players(self):                      # built afresh; fedsaddle seeds torch first
+            return nn.Linear(self.spec.features, 1), [torch.zeros(1)]
+        def loss(self, x, y, batch, *, client): # f_i(x, y; batch): a scalar tensor
+            ...
+
+fedsaddle derives G_i(z) = (grad_x f_i, -grad_y f_i) with torch.autograd and hands
+every algorithm a float64 numpy vector, as for numpy problems. A PyTorch problem is a
+plug-in like any other (entry point, or `plugin: module:Class`), takes the client's
+ClientContext, may declare domains (a box or simplex on the max player's block) and
+reports `metric_names` through `test_metrics`. docs/how-to/pytorch-problems.md is the
+guide; what follows is the contract.
+
+The wire vector. z is the min player's parameters, then the max player's, each in
+`named_parameters()` order (a list of tensors: in list order), each parameter
+flattened in row-major (C) order: what `torch.nn.utils.parameters_to_vector` gives,
+widened to float64. So dim_x and dim_y are the players' parameter counts. `flatten`
+and `unflatten` convert both ways. A player's buffers (BatchNorm's running
+statistics) would be state outside z that no algorithm sees: modules with buffers
+are refused, as are parameters with requires_grad off.
+
+Arithmetic. Each oracle call copies z (float64) into the parameters in the spec's
+`dtype` (float32 by default: z's entries rounded to nearest), computes f_i and its
+gradient in that dtype, and widens the gradient to float64 exactly. The algorithms'
+arithmetic stays float64.
+
+Determinism. In every process that hosts clients fedsaddle calls
+`torch.use_deterministic_algorithms(True)` and `torch.set_num_threads(spec.threads)`
+(1 by default: one per client process, and `simulate` uses the same count, so that
+its sums match a client process's), and sets CUBLAS_WORKSPACE_CONFIG=:4096:8 for
+CUDA (unless set already). The players are built under `torch.manual_seed(seed)`
+with the global generator forked, so building them disturbs no one's stream. Bits
+hold on the same device kind, the same PyTorch build and the same thread count;
+across them results agree to round-off only.
+
+Minibatches. With `batch_size` b set, each stochastic oracle call of client i (a
+local step's G_i(z_j), a GRADIENT task's G_i(z) unless it is exact, a local
+computation's stochastic gradient) takes b of the client's m training rows: the
+first b entries of `numpy.random.default_rng([seed, 9, i, round_id, call]).permutation(m)`,
+`call` counting the client's stochastic calls in the round from 0 (`minibatch_rows`;
+docs/reference/client-arithmetic.md). Exact calls (SCAFFOLD's G_i(z~), f_i) take
+every row. A `batch_size` larger than a client's rows is refused.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedsaddle.common import devices, seeding
+from fedsaddle.common.numeric import Array
+from fedsaddle.common.problems.base import (
+    ClientContext,
+    ClientData,
+    DataProblem,
+    ProblemSpec,
+    accepts_client,
+    client_context,
+)
+from fedsaddle.common.problems.domains import problem_domain
+from fedsaddle.common.problems.shards import ProblemError
+
+if TYPE_CHECKING:
+    from fedsaddle.common.problems.shards import Shards
+
+# Before the first cuBLAS call of the process (torch's "reproducibility" notes): deterministic CUDA matmuls.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+__all__ = ["Batch", "TorchProblem", "TorchShards", "TorchSpec", "flatten", "minibatch_rows", "unflatten"]
+
+Player = torch.nn.Module | Sequence[torch.Tensor]
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class TorchSpec(ProblemSpec):
+    """The fields every PyTorch problem has; a problem's own Spec subclasses it."""
+
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="training rows per stochastic oracle call (a local step draws a fresh minibatch); "
+        "None: every row (full batch)",
+    )
+    dtype: Literal["float32", "float64"] = Field(
+        "float32", description="what the players compute in (the vectors on the wire stay float64)"
+    )
+    threads: int = Field(1, ge=1, le=256, description="torch's CPU threads in each process that hosts clients")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows of one client's data as tensors on the device: all its training rows, a minibatch, or its held-out
+    rows. `inputs` as the problem's `inputs` shaped them, in the spec's dtype; `targets` the file's `y` (same
+    dtype); `group` its sensitive attribute, if it has one."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    group: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.targets.shape[0])
+
+    def take(self, rows: torch.Tensor) -> Batch:
+        group = None if self.group is None else self.group[rows]
+        return Batch(self.inputs[rows], self.targets[rows], group)
+
+
+class TorchProblem(DataProblem):
+    """A federated minimax problem whose players and loss are written in PyTorch. Subclass it: write
+    `players` and `loss`, and, for evaluation metrics, `metric_names` and `test_metrics`."""
+
+    Spec: ClassVar[type[ProblemSpec]] = TorchSpec
+    spec: TorchSpec
+
+    def __init__(self, spec: Any) -> None:
+        super().__init__(spec)
+        self._counts: tuple[int, int] | None = None
+
+    # -- what the author writes ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def players(self) -> tuple[Player, Player]:
+        """The min player's and the max player's parameters, built afresh: each a torch.nn.Module or a list of
+        tensors. fedsaddle seeds torch before calling it and moves them to the device and dtype."""
+
+    @abc.abstractmethod
+    def loss(self, x: Any, y: Any, batch: Batch, *, client: ClientContext) -> torch.Tensor:
+        """f_i(x, y) on `batch` (this client's rows): a scalar tensor. `x`, `y`: what `players` returned, holding
+        the current z."""
+
+    def test_metrics(self, x: Any, y: Any, batch: Batch, *, client: ClientContext) -> Sequence[float]:
+        """The values of `metric_names` on this client's held-out rows `batch` (run under torch.no_grad())."""
+        return ()
+
+    def inputs(self, X: torch.Tensor) -> torch.Tensor:
+        """A data file's rows X (rows x features) as the players take them, e.g. X.reshape(-1, 1, 8, 8)."""
+        return X
+
+    # -- what fedsaddle derives --------------------------------------------------------------------
+
+    def dims(self) -> tuple[int, int]:
+        """The players' parameter counts (built once, on the CPU). Override it to declare them from the spec:
+        the client processes then check the built players against it."""
+        if self._counts is None:
+            x, y = self.build("cpu", 0)
+            self._counts = (_count(x.parameters), _count(y.parameters))
+        return self._counts
+
+    def build(self, device: str | torch.device, seed: int) -> tuple[Players, Players]:
+        """The two players, built under `torch.manual_seed(seed)` (the global generator forked), on `device` in
+        the spec's dtype; ProblemError naming the fault if they are not usable."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            try:
+                x, y = self.players()
+            except Exception as exc:
+                raise ProblemError(f"{self._name()}: players() raised {type(exc).__name__}: {exc}") from exc
+        dtype = DTYPES[self.spec.dtype]
+        return (
+            Players.of(x, "min player (x)", self._name(), device, dtype),
+            Players.of(y, "max player (y)", self._name(), device, dtype),
+        )
+
+    def initial_point(self, seed: int) -> Array:
+        """z0 for `init: problem`: the players as `players` initializes them under torch.manual_seed(seed)."""
+        x, y = self.build("cpu", seed)
+        return flatten(x.parameters, y.parameters)
+
+    def unflatten(self, z: Array, device: str = "cpu") -> tuple[Any, Any]:
+        """The two players (as `players` returns them, on `device`) holding z: e.g. to score the final iterate."""
+        x, y = self.build(device, 0)
+        unflatten(z, [*x.parameters, *y.parameters])
+        return x.value, y.value
+
+    def client_shards(
+        self, datas: Sequence[ClientData], indices: Sequence[int], weighting: Literal["uniform", "samples"] = "uniform"
+    ) -> Shards:
+        return TorchShards(self, datas, indices, weighting)
+
+    # The numpy interface, for one client's data at a time (tools that call a problem directly use it;
+    # runs compute through TorchShards).
+
+    def gradient(self, data: ClientData, z: Array, *, client: ClientContext | None = None) -> Array:
+        shards = self._lone(data, client)
+        return shards.gradient(np.ascontiguousarray(z)[:, None])[:, 0]
+
+    def objective(self, data: ClientData, z: Array, *, client: ClientContext | None = None) -> float:
+        return float(self._lone(data, client).objective(np.ascontiguousarray(z)[:, None])[0])
+
+    def metrics(self, data: ClientData, z: Array, *, client: ClientContext | None = None) -> Sequence[float]:
+        values, _ = self._lone(data, client).evaluate(z)
+        return tuple(float(v) for v in values[0])
+
+    def _lone(self, data: ClientData, client: ClientContext | None) -> TorchShards:
+        index = 0 if client is None else client.index
+        return TorchShards(self, [data], [index], "uniform" if client is None else client.weighting)
+
+    def _name(self) -> str:
+        return f"problem {self.spec.name!r}"
+
+
+def _count(parameters: Sequence[torch.Tensor]) -> int:
+    return sum(int(p.numel()) for p in parameters)
+
+
+@dataclass
+class Players:
+    """One player as the problem built it (`value`: a module or a list of tensors) and its parameters, in the
+    wire's order."""
+
+    value: Any
+    parameters: list[torch.Tensor]
+
+    @staticmethod
+    def of(player: object, role: str, problem: str, device: str | torch.device, dtype: torch.dtype) -> Players:
+        if isinstance(player, torch.nn.Module):
+            buffers = [name for name, _ in player.named_buffers()]
+            if buffers:
+                raise ProblemError(
+                    f"{problem}: the {role} has buffers {buffers[:5]} (BatchNorm's running statistics, say): they "
+                    "would be state outside z that no algorithm sees; use layers without buffers (GroupNorm, "
+                    "LayerNorm) or make them parameters"
+                )
+            frozen = [name for name, p in player.named_parameters() if not p.requires_grad]
+            if frozen:
+                raise ProblemError(
+                    f"{problem}: the {role}'s parameters {frozen[:5]} have requires_grad off; every parameter is "
+                    "part of z and is trained (leave constants out of the module's parameters)"
+                )
+            player.to(device=device, dtype=dtype)
+            return Players(player, [p for _, p in player.named_parameters()])
+        if isinstance(player, torch.Tensor) or not isinstance(player, Sequence):
+            raise ProblemError(
+                f"{problem}: players() must return two players, each a torch.nn.Module or a list of tensors; "
+                f"the {role} is a {type(player).__name__}"
+            )
+        tensors = []
+        for k, tensor in enumerate(player):
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise ProblemError(
+                    f"{problem}: the {role}'s entry {k} is a {type(tensor).__name__}; expected a float tensor"
+                )
+            tensors.append(tensor.detach().to(device=device, dtype=dtype).clone().requires_grad_(True))
+        return Players(tensors, tensors)
+
+
+def flatten(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor]) -> Array:
+    """z = (x's parameters, then y's), each flattened row-major, widened to a float64 numpy vector."""
+    parts = [p.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for p in (*x, *y)]
+    if not parts:
+        return np.zeros(0)
+    return np.ascontiguousarray(torch.cat(parts).numpy())
+
+
+def unflatten(z: Array, parameters: Sequence[torch.Tensor]) -> None:
+    """Copy z into `parameters` (in their order, each in its own dtype and device: float32 rounds to nearest);
+    ValueError if z's length is not their count."""
+    total = _count(parameters)
+    if np.shape(z) != (total,):
+        raise ValueError(f"z has shape {np.shape(z)}; the players have {total} parameters")
+    flat = torch.from_numpy(np.ascontiguousarray(z, dtype=np.float64))
+    offset = 0
+    with torch.no_grad():
+        for p in parameters:
+            n = int(p.numel())
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+
+def minibatch_rows(seed: int, client: int, round_id: int, call: int, rows: int, batch_size: int) -> Array:
+    """The training rows of client `client`'s stochastic oracle call number `call` (from 0) in round `round_id`:
+    the first `batch_size` entries of a permutation of range(rows) drawn from the stream (seed, 9, client,
+    round_id, call)."""
+    permutation = seeding.rng(seed, seeding.MINIBATCH, client, round_id, call).permutation(rows)
+    return np.asarray(permutation[:batch_size])
+
+
+def configure(threads: int) -> None:
+    """The settings a process's bits depend on (module docstring): deterministic kernels, `threads` threads."""
+    torch.use_deterministic_algorithms(True)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+class TorchShards:
+    """The clients a process hosts for a PyTorch problem: the Shards interface (common/problems/shards.py) over
+    autograd. One pair of players serves every hosted client: each call loads its client's column of z first.
+
+    Checked when made, so that a problem that cannot serve fails before the run's first round, naming the client:
+    the players' parameter counts against `dims()`, `batch_size` against each client's rows, and the loss at the
+    players' initialization (a scalar, finite).
+    """
+
+    def __init__(
+        self,
+        problem: TorchProblem,
+        datas: Sequence[ClientData],
+        indices: Sequence[int],
+        weighting: Literal["uniform", "samples"] = "uniform",
+    ) -> None:
+        if len(datas) != len(indices):
+            raise ValueError(f"{len(indices)} clients need {len(indices)} data files, got {len(datas)}")
+        spec = problem.spec
+        configure(spec.threads)
+        self.problem = problem
+        self.indices = tuple(indices)
+        self.device = torch.device(devices.current())
+        self.dtype = DTYPES[spec.dtype]
+        self.x, self.y = problem.build(self.device, 0)
+        self.parameters = [*self.x.parameters, *self.y.parameters]
+        counts = (_count(self.x.parameters), _count(self.y.parameters))
+        declared = problem.dims()
+        if counts != tuple(declared):
+            raise ProblemError(
+                f"{problem._name()}: its players have {counts[0]} + {counts[1]} parameters (x, y), but dims() "
+                f"declares {declared[0]} + {declared[1]}"
+            )
+        self.dim_x = counts[0]
+        self.dimension = counts[0] + counts[1]
+        self.datas = list(datas)
+        self.contexts = [
+            client_context(i, spec.num_clients, data.samples, weighting)
+            for i, data in zip(self.indices, self.datas, strict=True)
+        ]
+        self.batch_size = spec.batch_size
+        if self.batch_size is not None:
+            for i, data in zip(self.indices, self.datas, strict=True):
+                if self.batch_size > data.samples:
+                    raise ProblemError(
+                        f"{problem._name()}: batch_size is {self.batch_size}, larger than client {i}'s "
+                        f"{data.samples} training rows ({data.path}); set problem.batch_size to at most the "
+                        "smallest client's rows"
+                    )
+        self.train = [self._batch(data.X, data.y, data.group) for data in self.datas]
+        self.test = [
+            None if d.X_test is None or d.y_test is None else self._batch(d.X_test, d.y_test, d.group_test)
+            for d in self.datas
+        ]
+        self._with_context = {name: accepts_client(getattr(problem, name)) for name in ("loss", "test_metrics")}
+        self.domain = problem_domain(problem)
+        self._seed: int | None = None
+        self._round: int | None = None
+        self._calls = [0] * len(self.datas)
+        self._drawing = False
+        for j in range(len(self.datas)):  # the loss at the players' initialization
+            value = float(self._loss(j, self.train[j]).detach())
+            if not np.isfinite(value):
+                raise ProblemError(
+                    f"{self._where('loss', j)} is {value} at the players' initialization (seed 0): f_i must be "
+                    "finite where a run starts"
+                )
+
+    def _batch(self, X: Array, t: Array, group: Array | None) -> Batch:
+        inputs = self.problem.inputs(torch.as_tensor(X, dtype=self.dtype, device=self.device))
+        targets = torch.as_tensor(t, dtype=self.dtype, device=self.device)
+        groups = None if group is None else torch.as_tensor(group, dtype=self.dtype, device=self.device)
+        return Batch(inputs, targets, groups)
+
+    def _where(self, name: str, j: int) -> str:
+        return f"{self.problem._name()}: {name}() on client {self.indices[j]}'s data"
+
+    def _loss(self, j: int, batch: Batch) -> torch.Tensor:
+        try:
+            if self._with_context["loss"]:
+                value = self.problem.loss(self.x.value, self.y.value, batch, client=self.contexts[j])
+            else:
+                value = self.problem.loss(self.x.value, self.y.value, batch)  # type: ignore[call-arg]
+        except Exception as exc:
+            raise ProblemError(f"{self._where('loss', j)} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(value, torch.Tensor):
+            raise ProblemError(f"{self._where('loss', j)} returned a {type(value).__name__}; it must return a tensor")
+        if value.numel() != 1:
+            raise ProblemError(
+                f"{self._where('loss', j)} returned shape {tuple(value.shape)}; f_i is a scalar (reduce over the "
+                "batch's rows, e.g. with .mean())"
+            )
+        return value.reshape(())
+
+    # -- minibatches (common/worker.py drives them) ----------------------------------------------------
+
+    def begin_round(self, seeds: Sequence[int], round_id: int) -> None:
+        """Start the round's minibatch streams: call counts from 0 again."""
+        self._seed, self._round = int(seeds[0]), int(round_id)
+        self._calls = [0] * len(self.datas)
+
+    @contextlib.contextmanager
+    def stochastic(self) -> Iterator[None]:
+        """Oracle calls inside draw their minibatch (when batch_size is set)."""
+        self._drawing = True
+        try:
+            yield
+        finally:
+            self._drawing = False
+
+    def _rows(self, j: int) -> Batch:
+        batch = self.train[j]
+        if not self._drawing or self.batch_size is None:
+            return batch
+        if self._seed is None or self._round is None:
+            raise RuntimeError("a stochastic oracle call outside a round (begin_round was not called)")
+        rows = minibatch_rows(self._seed, self.indices[j], self._round, self._calls[j], batch.rows, self.batch_size)
+        self._calls[j] += 1
+        return batch.take(torch.from_numpy(rows).to(self.device))
+
+    # -- the Shards interface ----------------------------------------------------------------------
+
+    def _columns(self, z: Array) -> list[tuple[int, tuple[int, ...], Array]]:
+        columns = []
+        for j in range(len(self.datas)):
+            for rest in np.ndindex(*z.shape[2:]):
+                where = (j, *rest)
+                columns.append((j, where, np.ascontiguousarray(z[(slice(None), *where)])))
+        return columns
+
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
+        out = np.empty_like(z) if out is None else out
+        for j, where, column in self._columns(z):
+            batch = self._rows(j)
+            unflatten(column, self.parameters)
+            loss = self._loss(j, batch)
+            grads = torch.autograd.grad(loss, self.parameters, allow_unused=True)
+            pieces = zip(self.parameters, grads, strict=True)
+            flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in pieces])
+            g_column = flat.to(device="cpu", dtype=torch.float64).numpy()
+            target: tuple[slice | int, ...] = (slice(None), *where)
+            y_block: tuple[slice | int, ...] = (slice(self.dim_x, None), *where)
+            out[target] = g_column
+            out[y_block] *= -1.0  # G = (grad_x f, -grad_y f)
+        return out
+
+    def objective(self, z: Array) -> Array:
+        values = np.empty(z.shape[1:])
+        with torch.no_grad():
+            for j, where, column in self._columns(z):
+                unflatten(column, self.parameters)
+                values[where] = float(self._loss(j, self.train[j]))
+        return values
+
+    def evaluate(self, z: Array) -> tuple[Array, Array]:
+        names = self.problem.metric_names
+        values = np.zeros((len(self.datas), len(names)))
+        counts = np.zeros(len(self.datas))
+        unflatten(np.ascontiguousarray(z), self.parameters)
+        for j, batch in enumerate(self.test):
+            if batch is None:
+                continue
+            try:
+                with torch.no_grad():
+                    if self._with_context["test_metrics"]:
+                        found = self.problem.test_metrics(self.x.value, self.y.value, batch, client=self.contexts[j])
+                    else:
+                        found = self.problem.test_metrics(self.x.value, self.y.value, batch)  # type: ignore[call-arg]
+            except Exception as exc:
+                raise ProblemError(f"{self._where('test_metrics', j)} raised {type(exc).__name__}: {exc}") from exc
+            if np.shape(found) != (len(names),):
+                raise ProblemError(
+                    f"{self._where('test_metrics', j)} returned shape {np.shape(found)}; it must give one value per "
+                    f"metric name {list(names)}"
+                )
+            values[j] = [float(v) for v in found]
+            counts[j] = batch.rows
+        return values, counts
+
+    def sample_counts(self) -> list[int]:
+        return [data.samples for data in self.datas]

@@ -1,0 +1,299 @@
+"""Problems written in PyTorch: G_i by autograd, the wire order, minibatch local steps, the errors a
+problem's author meets, and bit identity between `simulate` and real client processes (with secure
+aggregation, and across a coordinator killed and resumed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (the torch extra: `make install` adds it)")
+
+from conftest import CLIENT_ENV, fedsaddle, stop_processes  # noqa: E402
+from pydantic import Field  # noqa: E402
+from test_failures import Coordinator, write_config  # noqa: E402
+from test_resume import free_address, resume_coordinator, simulated, without_time  # noqa: E402
+
+from fedsaddle.common.problems import ClientData  # noqa: E402
+from fedsaddle.common.problems.pytorch import (  # noqa: E402
+    Batch,
+    TorchProblem,
+    TorchShards,
+    TorchSpec,
+    flatten,
+    minibatch_rows,
+    unflatten,
+)
+from fedsaddle.common.problems.shards import ProblemError  # noqa: E402
+from fedsaddle.common.tasks import GradientTask, LocalStepsTask  # noqa: E402
+from fedsaddle.common.worker import Worker  # noqa: E402
+from fedsaddle.launch import client_command  # noqa: E402
+from fedsaddle.server.config import ConfigError, parse_config  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "deep-auc.yaml"
+
+
+class TinySpec(TorchSpec):
+    name: Literal["tiny"] = "tiny"
+    num_clients: int = 2
+    dtype: Literal["float32", "float64"] = Field("float64")
+
+
+class Tiny(TorchProblem):
+    """x = a linear model (weight 1 x 3, bias), y = v in R^2:
+    f_i = mean(r^2)/2 + v0 mean(r) + v1 b - |v|^2/2, with r = X w + b - t."""
+
+    Spec = TinySpec
+    spec: TinySpec
+
+    def players(self) -> tuple[Any, Any]:
+        return torch.nn.Linear(3, 1), [torch.zeros(2)]
+
+    def loss(self, x: Any, y: Any, batch: Batch, *, client: Any) -> Any:
+        (v,) = y
+        r = x(batch.inputs).squeeze(1) - batch.targets
+        return 0.5 * torch.mean(r**2) + v[0] * torch.mean(r) + v[1] * x.bias.sum() - 0.5 * torch.sum(v**2)
+
+
+def hand_gradient(X: np.ndarray, t: np.ndarray, z: np.ndarray) -> np.ndarray:
+    w, b, v = z[:3], z[3], z[4:]
+    r = X @ w + b - t
+    grad_w = X.T @ r / len(t) + v[0] * X.mean(axis=0)
+    grad_b = r.mean() + v[0] + v[1]
+    grad_v = np.array([r.mean() - v[0], b - v[1]])
+    return np.concatenate([grad_w, [grad_b], -grad_v])
+
+
+def client_data(rows: int, seed: int) -> ClientData:
+    rng = np.random.default_rng(seed)
+    return ClientData(f"client-{seed}", rng.standard_normal((rows, 3)), rng.standard_normal(rows))
+
+
+def test_the_gradient_is_autograd_of_the_loss_with_the_max_players_block_negated() -> None:
+    problem = Tiny(TinySpec())
+    datas = [client_data(7, 0), client_data(5, 1)]
+    shards = TorchShards(problem, datas, [0, 1])
+    z = np.random.default_rng(2).standard_normal((6, 2))
+    g = shards.gradient(z)
+    for j, data in enumerate(datas):
+        np.testing.assert_allclose(g[:, j], hand_gradient(data.X, data.y, z[:, j]), rtol=1e-12, atol=1e-13)
+        # and f_i's own finite differences agree with G_i, x's block and minus y's
+        step, f = 1e-6, problem.objective
+        numeric = np.array(
+            [(f(data, z[:, j] + step * e) - f(data, z[:, j] - step * e)) / (2 * step) for e in np.eye(6)]
+        )
+        np.testing.assert_allclose(g[: 3 + 1, j], numeric[:4], atol=1e-7)
+        np.testing.assert_allclose(g[4:, j], -numeric[4:], atol=1e-7)
+    assert problem.dims() == (4, 2)
+
+
+def test_the_wire_order_is_the_min_players_named_parameters_then_the_max_players() -> None:
+    problem = Tiny(TinySpec())
+    x, y = problem.build("cpu", seed=5)
+    z = flatten(x.parameters, y.parameters)
+    weight, bias = x.value.weight.detach().numpy().ravel(), x.value.bias.detach().numpy()
+    np.testing.assert_array_equal(z, np.concatenate([weight, bias, [0.0, 0.0]]))
+    # the starting point of `init: problem` is that build, for the run's seed; another seed, another network
+    np.testing.assert_array_equal(problem.initial_point(5), z)
+    assert not np.array_equal(problem.initial_point(6)[:4], z[:4])
+    target = np.arange(6.0) / 7
+    unflatten(target, [*x.parameters, *y.parameters])
+    np.testing.assert_array_equal(x.value.weight.detach().numpy().ravel(), target[:3])
+    np.testing.assert_array_equal(y.value[0].detach().numpy(), target[4:])
+    np.testing.assert_array_equal(flatten(x.parameters, y.parameters), target)
+    with pytest.raises(ValueError, match="shape \\(5,\\); the players have 6 parameters"):
+        unflatten(target[:5], [*x.parameters, *y.parameters])
+    # float32 players round z to nearest, and widen back exactly
+    single = Tiny(TinySpec(dtype="float32"))
+    xs, ys = single.build("cpu", seed=0)
+    unflatten(target, [*xs.parameters, *ys.parameters])
+    assert flatten(xs.parameters, ys.parameters).tolist() == target.astype(np.float32).astype(np.float64).tolist()
+
+
+def test_minibatch_local_steps_take_the_documented_rows_of_each_call() -> None:
+    # Each local step of client i in round r draws the rows minibatch_rows(seed, i, r, step, m, b): the steps
+    # are replayed here by hand from full-batch gradients on those rows alone.
+    problem = Tiny(TinySpec(batch_size=3))
+    datas = [client_data(7, 0), client_data(5, 1)]
+    worker = Worker(TorchShards(problem, datas, [4, 9]), seed=11)
+    z0 = np.random.default_rng(3).standard_normal(6)
+    steps, gamma = 4, 0.1
+    answer = worker.execute(LocalStepsTask(z0, steps, gamma), round_id=7)
+    for row, (i, data) in enumerate(zip((4, 9), datas, strict=True)):
+        z, total = z0.copy(), np.zeros(6)
+        for call in range(steps):
+            rows = minibatch_rows(11, i, 7, call, data.samples, 3)
+            assert rows.shape == (3,) and len(set(rows.tolist())) == 3
+            expected = np.random.default_rng([11, 9, i, 7, call]).permutation(data.samples)[:3]
+            np.testing.assert_array_equal(rows, expected)
+            g = hand_gradient(data.X[rows], data.y[rows], z)
+            total += g
+            z = z - gamma * g
+        np.testing.assert_allclose(answer.vectors[row], total, rtol=1e-12, atol=1e-13)
+    # the same round again: the same bits; another round: other rows
+    again = worker.execute(LocalStepsTask(z0, steps, gamma), round_id=7)
+    np.testing.assert_array_equal(again.vectors, answer.vectors)
+    other = worker.execute(LocalStepsTask(z0, steps, gamma), round_id=8)
+    assert not np.array_equal(other.vectors, answer.vectors)
+    # an exact GRADIENT task takes every row; a stochastic one, the round's first minibatch
+    exact = worker.execute(GradientTask(z0, exact=True), round_id=7)
+    np.testing.assert_allclose(exact.vectors[0], hand_gradient(datas[0].X, datas[0].y, z0), rtol=1e-12)
+    drawn = worker.execute(GradientTask(z0), round_id=7)
+    rows = minibatch_rows(11, 4, 7, 0, 7, 3)
+    np.testing.assert_allclose(drawn.vectors[0], hand_gradient(datas[0].X[rows], datas[0].y[rows], z0), rtol=1e-12)
+    # without batch_size every step takes every row
+    full = Worker(TorchShards(Tiny(TinySpec()), datas, [4, 9]), seed=11).execute(
+        LocalStepsTask(z0, 1, gamma), round_id=7
+    )
+    np.testing.assert_allclose(full.vectors[1], hand_gradient(datas[1].X, datas[1].y, z0), rtol=1e-12)
+
+
+class Declared(Tiny):
+    def dims(self) -> tuple[int, int]:
+        return 5, 2
+
+
+class NotScalar(Tiny):
+    def loss(self, x: Any, y: Any, batch: Batch, *, client: Any) -> Any:
+        return x(batch.inputs).squeeze(1) - batch.targets
+
+
+class NanLoss(Tiny):
+    def loss(self, x: Any, y: Any, batch: Batch, *, client: Any) -> Any:
+        return torch.log(-torch.ones(()) + 0 * x.bias.sum())
+
+
+class WithBuffers(Tiny):
+    def players(self) -> tuple[Any, Any]:
+        return torch.nn.Sequential(torch.nn.Linear(3, 1), torch.nn.BatchNorm1d(1)), [torch.zeros(2)]
+
+
+@pytest.mark.parametrize(
+    ("problem", "message"),
+    [
+        (Declared(TinySpec()), r"players have 4 \+ 2 parameters \(x, y\), but dims\(\) declares 5 \+ 2"),
+        (NotScalar(TinySpec()), r"loss\(\) on client 0's data returned shape \(7,\); f_i is a scalar"),
+        (NanLoss(TinySpec()), r"loss\(\) on client 0's data is nan at the players' initialization"),
+        (Tiny(TinySpec(batch_size=6)), r"batch_size is 6, larger than client 1's 5 training rows \(client-1\)"),
+        (WithBuffers(TinySpec()), r"the min player \(x\) has buffers \['1.running_mean'"),
+    ],
+    ids=["dims", "not-scalar", "nan", "batch-size", "buffers"],
+)
+def test_a_problem_that_cannot_serve_is_named_before_the_first_round(problem: TorchProblem, message: str) -> None:
+    with pytest.raises(ProblemError, match=message):
+        TorchShards(problem, [client_data(7, 0), client_data(5, 1)], [0, 1])
+
+
+def test_init_problem_is_refused_for_a_problem_without_a_starting_point() -> None:
+    config = {"problem": {"name": "quadratic_game", "num_clients": 2, "dim": 4}, "init": "problem"}
+    with pytest.raises(ConfigError, match=r"init.*quadratic_game has no starting point of its own"):
+        parse_config({**config, "algorithms": [{"name": "minibatch_md", "gamma": 0.1}]})
+
+
+def test_a_device_this_machine_lacks_is_refused_naming_it(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "run.yaml", **small_config())
+    done = fedsaddle("simulate", "--config", str(path), "--device", "gpu0")
+    assert done.returncode == 2 and "--device: device 'gpu0': expected cpu, cuda or cuda:K" in done.stderr
+    if not torch.cuda.is_available():
+        done = fedsaddle("simulate", "--config", str(path), "--device", "cuda:3")
+        assert done.returncode == 2, done.stderr
+        assert "--device: device 'cuda:3': this machine has no CUDA device that PyTorch can use" in done.stderr
+
+
+# -- bit identity with real processes ----------------------------------------------------------------------
+
+
+def small_config(**fields: Any) -> dict[str, Any]:
+    """deep_auc shrunk to seconds: 3 clients, a narrow CNN, minibatches of 8."""
+    problem = {"name": "deep_auc", "num_clients": 3, "channels": 2, "hidden": 4, "batch_size": 8, "skew_alpha": 2.0}
+    return {
+        "name": "deep-small",
+        "problem": problem,
+        "init": "problem",
+        "sync": {"kind": "fixed", "tau": 3},
+        "rounds": 12,
+        "algorithms": [{"name": "fedavg_s", "gamma_local": 0.2, "decay": "constant"}],
+        "output": {"plot": False, "checkpoint_every": 5},
+        **fields,
+    }
+
+
+def summary_of(run_dir: Path) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    return result
+
+
+def test_the_example_gives_the_same_bits_in_simulate_and_in_local(tmp_path: Path) -> None:
+    example = yaml.safe_load(EXAMPLE.read_text())
+    example["rounds"] = 8  # the example's own fields otherwise, shortened
+    example["evaluate_every"] = 4
+    path = write_config(tmp_path / "deep-auc.yaml", **example)
+    runs = {}
+    for command, extra in (("simulate", []), ("local", ["--clients-per-process", "5", "--quiet-clients"])):
+        done = fedsaddle(command, "--config", str(path), "--out", str(tmp_path / command), *extra, timeout=300)
+        assert done.returncode == 0, done.stderr
+        (run_dir,) = (tmp_path / command).iterdir()
+        runs[command] = (summary_of(run_dir), without_time(run_dir / "metrics.jsonl"))
+    (simulate, simulate_lines), (local, local_lines) = runs["simulate"], runs["local"]
+    assert [a["name"] for a in simulate["algorithms"]] == ["local_sgda_plus", "fedgda_gt"]
+    for a, b in zip(simulate["algorithms"], local["algorithms"], strict=True):
+        assert a["status"] == b["status"] == "ok"
+        assert a["z_sha256"] == b["z_sha256"]
+    assert simulate_lines == local_lines  # test_auc included, bit for bit
+    aucs = [line["test_auc"] for line in simulate_lines if "test_auc" in line]
+    assert aucs and all(0.0 <= auc <= 1.0 for auc in aucs)
+
+
+# Each process that loads a PyTorch problem imports torch (seconds on a loaded machine): these runs start few.
+SECURE = small_config(name="deep-secure", rounds=24, privacy={"secure_aggregation": True})
+
+
+@pytest.fixture(scope="module")
+def secure_simulated(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    return simulated(tmp_path_factory.mktemp("secure"), SECURE)[1]
+
+
+def test_simulate_equals_a_secure_federation_of_client_processes(
+    tmp_path: Path, secure_simulated: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    path = write_config(tmp_path / "run.yaml", **SECURE)
+    done = fedsaddle("local", "--config", str(path), "--out", str(tmp_path / "runs"), "--quiet-clients", timeout=300)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    (a,), (b,) = secure_simulated[0]["algorithms"], summary_of(run_dir)["algorithms"]
+    assert summary_of(run_dir)["transport"]["client_processes"] == 3
+    assert a["z_sha256"] == b["z_sha256"] and a["status"] == b["status"] == "ok"
+    assert b["traffic"]["privacy"]["rounds"] >= 1  # it did run masked
+    assert without_time(run_dir / "metrics.jsonl") == secure_simulated[1]
+
+
+def test_a_coordinator_killed_mid_run_resumes_to_the_same_bits(
+    tmp_path: Path, secure_simulated: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    # SECURE checkpoints every 5 rounds; one client process hosts the three clients, and reconnects by itself.
+    address = free_address()
+    first = Coordinator(write_config(tmp_path / "run.yaml", **SECURE), tmp_path / "runs", listen=address)
+    clients = [subprocess.Popen(client_command(address, "0-2", "--connect-timeout", "60"), env=CLIENT_ENV)]
+    try:
+        first.wait_for(r"fedavg_s\s+round\s+1\d/24", 120)
+        first.process.send_signal(signal.SIGKILL)
+        first.finish(timeout=30)
+        (run_dir,) = (tmp_path / "runs").iterdir()
+        resumed = resume_coordinator(run_dir, address)
+        _, log = resumed.communicate(timeout=300)
+    finally:
+        codes = stop_processes(clients)
+    assert resumed.returncode == 0, log
+    assert re.search(r"resuming .* from its checkpoint: fedavg_s at step \d+", log), log
+    assert codes == [0]  # never restarted
+    (a,), (b,) = secure_simulated[0]["algorithms"], summary_of(run_dir)["algorithms"]
+    assert a["z_sha256"] == b["z_sha256"] and b["status"] == "ok"
+    assert without_time(run_dir / "metrics.jsonl") == secure_simulated[1]
