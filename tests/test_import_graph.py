@@ -10,6 +10,8 @@ from a reader). Imports under `if TYPE_CHECKING:` are left out: they never run.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -127,3 +129,20 @@ def test_the_top_level_folders_import_one_another_without_cycles() -> None:
     assert {"fedsaddle", "server", "client", "common", "proto"} <= set(graph)
     found = cycle(graph)
     assert found is None, "folder cycle: " + " -> ".join(found or [])
+
+
+def test_a_run_without_a_pytorch_problem_never_imports_torch(tmp_path: Path) -> None:
+    # PyTorch is an extra of about 5 GB: the command line, the API and a whole run of a numpy problem do
+    # without it (common/problems/pytorch.py is imported only when a config names a PyTorch problem).
+    code = (
+        "import sys\n"
+        "from fedsaddle import api, cli\n"
+        "config = {'problem': {'name': 'paper_regression', 'num_clients': 2, 'dim': 4}, 'rounds': 5,\n"
+        "          'algorithms': [{'name': 'fedavg_s', 'gamma_local': 0.1}], 'output': {'plot': False}}\n"
+        "report = api.run(config, out=sys.argv[1])\n"
+        "assert report.failure is None, report.failure\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
