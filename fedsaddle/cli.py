@@ -796,7 +796,7 @@ def cmd_new(args: argparse.Namespace) -> int:
         )
     out = Path(args.out or args.name)
     try:
-        written = new_problem(args.name, out)
+        written = new_problem(args.name, out, torch=args.torch)
     except ScaffoldError as exc:
         raise UsageError(str(exc)) from None
     for path in written:
@@ -1396,6 +1396,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("name", help="its name, a Python module name (e.g. robust_regression)")
     p.add_argument("--out", help="folder to write (default: ./NAME; must not exist or be empty)")
+    p.add_argument(
+        "--torch", action="store_true", help="a problem written in PyTorch (an MLP; needs the torch extra to run)"
+    )
 
     p = command(
         "compare-runs",

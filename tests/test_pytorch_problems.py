@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -297,3 +298,23 @@ def test_a_coordinator_killed_mid_run_resumes_to_the_same_bits(
     (a,), (b,) = secure_simulated[0]["algorithms"], summary_of(run_dir)["algorithms"]
     assert a["z_sha256"] == b["z_sha256"] and b["status"] == "ok"
     assert without_time(run_dir / "metrics.jsonl") == secure_simulated[1]
+
+
+def test_new_problem_torch_writes_a_package_whose_test_passes_and_whose_config_is_valid(tmp_path: Path) -> None:
+    made = fedsaddle("new", "problem", "deep_fit", "--torch", "--out", str(tmp_path / "deep_fit"))
+    assert made.returncode == 0, made.stderr
+    package = tmp_path / "deep_fit"
+    assert "class DeepFit(TorchProblem)" in (package / "src" / "deep_fit" / "problem.py").read_text()
+    tested = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=package,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert tested.returncode == 0, tested.stdout[-3000:]
+    assert "2 passed" in tested.stdout
+    # its config names the class by its path, found in src/ beside it, and starts from the built network
+    shown = fedsaddle("show-config", "--config", str(package / "run.yaml"))
+    assert shown.returncode == 0, shown.stderr
+    assert "init: problem" in shown.stdout and "batch_size: 16" in shown.stdout
