@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.problems import PaperRegressionSpec, make_shards
+from fedsaddle.common.problems import ClientData, PaperRegressionSpec, make_shards
+from fedsaddle.common.problems.regression import LinearRegression, LinearRegressionSpec
+from fedsaddle.common.problems.shards import ProblemError, ProblemShards
 from fedsaddle.common.tasks import GradientTask, LocalStepsTask
 from fedsaddle.common.worker import Worker
 
@@ -96,3 +98,42 @@ def test_a_gradient_task_of_several_hosted_clients_reads_one_vector_with_the_sam
         assert np.array_equal(answer.vectors, expected.vectors)
         assert answer.objective is not None and expected.objective is not None
         assert np.array_equal(answer.objective, expected.objective)
+
+
+class MinibatchRegressionSpec(LinearRegressionSpec):
+    batch_size: int | None = None
+
+
+class MinibatchRegression(LinearRegression):
+    """A numpy problem whose spec has a batch_size: its local steps draw minibatches too."""
+
+    Spec = MinibatchRegressionSpec
+
+    def moments(self, data: ClientData) -> tuple[Array, Array]:
+        # LinearRegression keeps each file's moments; a minibatch's rows (data.path + "#minibatch") change per call
+        if data.path.endswith("#minibatch"):
+            return data.X.T @ data.X / data.samples, data.X.T @ data.y / data.samples
+        return super().moments(data)
+
+
+def test_a_numpy_problem_with_a_batch_size_takes_minibatch_local_steps_from_the_documented_stream() -> None:
+    rng = np.random.default_rng(4)
+    datas = [ClientData(f"c{i}", rng.standard_normal((9, 3)), rng.standard_normal(9)) for i in range(2)]
+    problem = MinibatchRegression(MinibatchRegressionSpec(features=3, num_clients=2, batch_size=4))
+    worker = Worker(ProblemShards(problem, datas, [0, 1]), seed=21)
+    z0 = rng.standard_normal(6)
+    answer = worker.execute(LocalStepsTask(z0, 3, 0.1), round_id=5)
+    for i, data in enumerate(datas):
+        z, total = z0.copy(), np.zeros(6)
+        for call in range(3):
+            rows = np.random.default_rng([21, 9, i, 5, call]).permutation(9)[:4]
+            g = problem.gradient(ClientData("rows#minibatch", data.X[rows], data.y[rows]), z)
+            total, z = total + g, z - 0.1 * g
+        np.testing.assert_array_equal(answer.vectors[i], total)
+    # without a batch_size (every built-in problem), each step takes every row, as before
+    plain = Worker(ProblemShards(LinearRegression(LinearRegressionSpec(features=3, num_clients=2)), datas, [0, 1]), 21)
+    first = plain.execute(LocalStepsTask(z0, 1, 0.1), round_id=5)
+    np.testing.assert_array_equal(first.vectors[1], problem.gradient(datas[1], z0))
+    with pytest.raises(ProblemError, match="batch_size is 10, larger than client 0's 9 training rows"):
+        too_large = MinibatchRegressionSpec(features=3, num_clients=2, batch_size=10)
+        ProblemShards(MinibatchRegression(too_large), datas, [0, 1])

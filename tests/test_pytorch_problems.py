@@ -186,7 +186,10 @@ class WithBuffers(Tiny):
         (Declared(TinySpec()), r"players have 4 \+ 2 parameters \(x, y\), but dims\(\) declares 5 \+ 2"),
         (NotScalar(TinySpec()), r"loss\(\) on client 0's data returned shape \(7,\); f_i is a scalar"),
         (NanLoss(TinySpec()), r"loss\(\) on client 0's data is nan at the players' initialization"),
-        (Tiny(TinySpec(batch_size=6)), r"batch_size is 6, larger than client 1's 5 training rows \(client-1\)"),
+        (
+            Tiny(TinySpec(batch_size=6)),
+            r"batch_size is 6, larger than client 1's 5 training rows; set problem\.batch_size",
+        ),
         (WithBuffers(TinySpec()), r"the min player \(x\) has buffers \['1.running_mean'"),
     ],
     ids=["dims", "not-scalar", "nan", "batch-size", "buffers"],

@@ -52,9 +52,8 @@ every row. A `batch_size` larger than a client's rows is refused.
 from __future__ import annotations
 
 import abc
-import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -62,7 +61,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedsaddle.common import devices, seeding
+from fedsaddle.common import devices
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems.base import (
     ClientContext,
@@ -73,7 +72,7 @@ from fedsaddle.common.problems.base import (
     client_context,
 )
 from fedsaddle.common.problems.domains import problem_domain
-from fedsaddle.common.problems.shards import ProblemError
+from fedsaddle.common.problems.shards import Minibatches, ProblemError, minibatch_rows
 
 if TYPE_CHECKING:
     from fedsaddle.common.problems.shards import Shards
@@ -283,14 +282,6 @@ def unflatten(z: Array, parameters: Sequence[torch.Tensor]) -> None:
             offset += n
 
 
-def minibatch_rows(seed: int, client: int, round_id: int, call: int, rows: int, batch_size: int) -> Array:
-    """The training rows of client `client`'s stochastic oracle call number `call` (from 0) in round `round_id`:
-    the first `batch_size` entries of a permutation of range(rows) drawn from the stream (seed, 9, client,
-    round_id, call)."""
-    permutation = seeding.rng(seed, seeding.MINIBATCH, client, round_id, call).permutation(rows)
-    return np.asarray(permutation[:batch_size])
-
-
 def configure(threads: int) -> None:
     """The settings a process's bits depend on (module docstring): deterministic kernels, `threads` threads."""
     torch.use_deterministic_algorithms(True)
@@ -339,14 +330,8 @@ class TorchShards:
             for i, data in zip(self.indices, self.datas, strict=True)
         ]
         self.batch_size = spec.batch_size
-        if self.batch_size is not None:
-            for i, data in zip(self.indices, self.datas, strict=True):
-                if self.batch_size > data.samples:
-                    raise ProblemError(
-                        f"{problem._name()}: batch_size is {self.batch_size}, larger than client {i}'s "
-                        f"{data.samples} training rows ({data.path}); set problem.batch_size to at most the "
-                        "smallest client's rows"
-                    )
+        self.draws = Minibatches(self.indices, [d.samples for d in self.datas], spec.batch_size, problem._name())
+        self.begin_round, self.stochastic = self.draws.begin_round, self.draws.stochastic
         self.train = [self._batch(data.X, data.y, data.group) for data in self.datas]
         self.test = [
             None if d.X_test is None or d.y_test is None else self._batch(d.X_test, d.y_test, d.group_test)
@@ -354,10 +339,6 @@ class TorchShards:
         ]
         self._with_context = {name: accepts_client(getattr(problem, name)) for name in ("loss", "test_metrics")}
         self.domain = problem_domain(problem)
-        self._seed: int | None = None
-        self._round: int | None = None
-        self._calls = [0] * len(self.datas)
-        self._drawing = False
         for j in range(len(self.datas)):  # the loss at the players' initialization
             value = float(self._loss(j, self.train[j]).detach())
             if not np.isfinite(value):
@@ -392,31 +373,11 @@ class TorchShards:
             )
         return value.reshape(())
 
-    # -- minibatches (common/worker.py drives them) ----------------------------------------------------
-
-    def begin_round(self, seeds: Sequence[int], round_id: int) -> None:
-        """Start the round's minibatch streams: call counts from 0 again."""
-        self._seed, self._round = int(seeds[0]), int(round_id)
-        self._calls = [0] * len(self.datas)
-
-    @contextlib.contextmanager
-    def stochastic(self) -> Iterator[None]:
-        """Oracle calls inside draw their minibatch (when batch_size is set)."""
-        self._drawing = True
-        try:
-            yield
-        finally:
-            self._drawing = False
-
     def _rows(self, j: int) -> Batch:
+        """Client j's rows for this call: its minibatch inside a stochastic call (`draws`), else all of them."""
+        rows = self.draws.rows(j)
         batch = self.train[j]
-        if not self._drawing or self.batch_size is None:
-            return batch
-        if self._seed is None or self._round is None:
-            raise RuntimeError("a stochastic oracle call outside a round (begin_round was not called)")
-        rows = minibatch_rows(self._seed, self.indices[j], self._round, self._calls[j], batch.rows, self.batch_size)
-        self._calls[j] += 1
-        return batch.take(torch.from_numpy(rows).to(self.device))
+        return batch if rows is None else batch.take(torch.from_numpy(rows).to(self.device))
 
     # -- the Shards interface ----------------------------------------------------------------------
 

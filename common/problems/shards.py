@@ -19,7 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
+from numpy.typing import NDArray
 
+from fedsaddle.common import seeding
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems.base import DataProblem, accepts_client, client_context
 from fedsaddle.common.problems.data import ClientData
@@ -44,6 +46,63 @@ class Shards(Protocol):
 class ProblemError(ValueError):
     """A problem's own code failed, or returned something of the wrong shape; the message names the
     problem, the method and the client."""
+
+
+def minibatch_rows(seed: int, client: int, round_id: int, call: int, rows: int, batch_size: int) -> NDArray[np.int64]:
+    """The training rows of client `client`'s stochastic oracle call number `call` (from 0) in round `round_id`:
+    the first `batch_size` entries of a permutation of range(rows) drawn from the stream (seed, 9, client,
+    round_id, call) (docs/reference/client-arithmetic.md, Minibatches)."""
+    permutation = seeding.rng(seed, seeding.MINIBATCH, client, round_id, call).permutation(rows)
+    return np.asarray(permutation[:batch_size], dtype=np.int64)
+
+
+class Minibatches:
+    """The minibatch draws of the clients a process hosts, for a problem whose spec sets `batch_size`.
+
+    The worker (common/worker.py) starts each round's streams (`begin_round`) and marks the stochastic oracle
+    calls (`stochastic`); inside one, `rows(j)` is hosted client j's next minibatch, and outside, or without a
+    batch_size, None: every row. `where` names the problem in errors: a batch_size larger than a client's rows
+    is refused here, before any round.
+    """
+
+    def __init__(self, indices: Sequence[int], rows: Sequence[int], batch_size: int | None, where: str) -> None:
+        self.indices = tuple(indices)
+        self.counts = tuple(rows)
+        self.batch_size = batch_size
+        if batch_size is not None:
+            for i, m in zip(self.indices, self.counts, strict=True):
+                if batch_size > m:
+                    raise ProblemError(
+                        f"{where}: batch_size is {batch_size}, larger than client {i}'s {m} training rows; set "
+                        "problem.batch_size to at most the smallest client's rows"
+                    )
+        self._seed: int | None = None
+        self._round: int | None = None
+        self._calls = [0] * len(self.indices)
+        self._drawing = False
+
+    def begin_round(self, seeds: Sequence[int], round_id: int) -> None:
+        """Start the round's streams: call counts from 0 again."""
+        self._seed, self._round = int(seeds[0]), int(round_id)
+        self._calls = [0] * len(self.indices)
+
+    @contextlib.contextmanager
+    def stochastic(self) -> Iterator[None]:
+        """Oracle calls inside draw their minibatch (when batch_size is set)."""
+        self._drawing = True
+        try:
+            yield
+        finally:
+            self._drawing = False
+
+    def rows(self, j: int) -> NDArray[np.int64] | None:
+        """Hosted client j's rows for this call: its next minibatch inside `stochastic`, else None (every row)."""
+        if not self._drawing or self.batch_size is None:
+            return None
+        if self._seed is None or self._round is None:
+            raise RuntimeError("a stochastic oracle call outside a round (begin_round was not called)")
+        call, self._calls[j] = self._calls[j], self._calls[j] + 1
+        return minibatch_rows(self._seed, self.indices[j], self._round, call, self.counts[j], self.batch_size)
 
 
 class ProblemShards:
@@ -73,6 +132,13 @@ class ProblemShards:
             client_context(i, n, data.samples, weighting) for i, data in zip(self.indices, self.datas, strict=True)
         ]
         self.domain = problem_domain(problem)
+        # Minibatch oracle calls, for a problem whose spec has a batch_size (a plug-in's; none of the built-in
+        # numpy problems has one).
+        where = f"problem {problem.spec.name!r}"
+        batch_size = getattr(problem.spec, "batch_size", None)
+        self.draws = Minibatches(self.indices, [d.samples for d in self.datas], batch_size, where)
+        self.batch_size = batch_size
+        self.begin_round, self.stochastic = self.draws.begin_round, self.draws.stochastic
         # Which of the problem's methods take the client's context (detected once, by signature).
         self._with_context = {
             name: accepts_client(getattr(problem, name)) for name in ("gradient", "objective", "metrics")
@@ -85,14 +151,15 @@ class ProblemShards:
         if problem.metric_names:
             self.evaluate(zero[:, 0])
 
-    def _call(self, name: str, j: int, z: Array) -> Any:
-        """The problem's method `name` on client j's data at z (with its context, if the method takes
-        it); ProblemError if it raises."""
+    def _call(self, name: str, j: int, z: Array, data: ClientData | None = None) -> Any:
+        """The problem's method `name` on client j's data (or `data`, some of its rows) at z (with its context,
+        if the method takes it); ProblemError if it raises."""
         method: Callable[..., Any] = getattr(self.problem, name)
+        data = self.datas[j] if data is None else data
         try:
             if self._with_context[name]:
-                return method(self.datas[j], z, client=self.contexts[j])
-            return method(self.datas[j], z)
+                return method(data, z, client=self.contexts[j])
+            return method(data, z)
         except Exception as exc:
             raise ProblemError(f"{self._where(name, j)} raised {type(exc).__name__}: {exc}") from exc
 
@@ -143,7 +210,7 @@ class ProblemShards:
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         out = np.empty_like(z) if out is None else out
         for j, where, column in self._columns(z):
-            g = self._call("gradient", j, column)
+            g = self._call("gradient", j, column, self._drawn(j))
             if np.shape(g) != (self.dimension,):
                 dim_x, dim_y = self.problem.dims()
                 raise ProblemError(
@@ -154,6 +221,17 @@ class ProblemShards:
             target: tuple[slice | int, ...] = (slice(None), *where)
             out[target] = g
         return out
+
+    def _drawn(self, j: int) -> ClientData | None:
+        """Client j's training rows for a stochastic call: its minibatch, None for every row."""
+        rows = self.draws.rows(j)
+        if rows is None:
+            return None
+        data = self.datas[j]
+        group = None if data.group is None else data.group[rows]
+        # Another path: a problem that caches per file (LinearRegression's moments) must not take these rows for it.
+        path = f"{data.path}#minibatch"
+        return ClientData(path, data.X[rows], data.y[rows], group, data.X_test, data.y_test, data.group_test)
 
     def objective(self, z: Array) -> Array:
         values = np.empty(z.shape[1:])
