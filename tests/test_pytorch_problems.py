@@ -324,3 +324,20 @@ def test_new_problem_torch_writes_a_package_whose_test_passes_and_whose_config_i
     shown = fedsaddle("show-config", "--config", str(package / "run.yaml"))
     assert shown.returncode == 0, shown.stderr
     assert "init: problem" in shown.stdout and "batch_size: 16" in shown.stdout
+
+
+def test_a_batch_of_seeds_equals_each_run_alone() -> None:
+    # Sweeps (experiments, `fedsaddle experiment`) batch runs into one worker: each run still draws its own
+    # minibatches from its own seed's streams.
+    from fedsaddle.common.problems import make_problem
+    from fedsaddle.server.batch import BatchRun, run_batch
+    from fedsaddle.server.driver import run_algorithm
+    from fedsaddle.server.local_pool import LocalPool
+
+    configs = [parse_config(small_config(seed=seed, rounds=9)) for seed in (0, 1)]
+    # (a batch measures distances to a reference point; a network has no z*, any point does)
+    members = [BatchRun(c, c.algorithms[0], reference=np.zeros(make_problem(c.problem).dimension)) for c in configs]
+    batched = run_batch(members)
+    alone = [run_algorithm(c.algorithms[0], c, LocalPool()) for c in configs]
+    assert [r.z_sha256 for r in batched] == [r.z_sha256 for r in alone]
+    assert batched[0].z_sha256 != batched[1].z_sha256
