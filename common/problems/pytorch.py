@@ -130,6 +130,7 @@ class TorchProblem(DataProblem):
     def __init__(self, spec: Any) -> None:
         super().__init__(spec)
         self._counts: tuple[int, int] | None = None
+        self._lones: list[tuple[ClientData, int, str, TorchShards]] = []  # `_lone`'s recent shards
 
     # -- what the author writes ------------------------------------------------------------------
 
@@ -207,8 +208,16 @@ class TorchProblem(DataProblem):
         return tuple(float(v) for v in values[0])
 
     def _lone(self, data: ClientData, client: ClientContext | None) -> TorchShards:
+        """Shards of one client on `data`, kept for the next calls on the same data (finite differences make
+        many)."""
         index = 0 if client is None else client.index
-        return TorchShards(self, [data], [index], "uniform" if client is None else client.weighting)
+        weighting = "uniform" if client is None else client.weighting
+        for held, i, w, shards in self._lones:
+            if held is data and i == index and w == weighting:
+                return shards
+        shards = TorchShards(self, [data], [index], weighting)
+        self._lones = [*self._lones[-3:], (data, index, weighting, shards)]
+        return shards
 
     def _name(self) -> str:
         return f"problem {self.spec.name!r}"
@@ -348,9 +357,11 @@ class TorchShards:
                 )
 
     def _batch(self, X: Array, t: Array, group: Array | None) -> Batch:
-        inputs = self.problem.inputs(torch.as_tensor(X, dtype=self.dtype, device=self.device))
-        targets = torch.as_tensor(t, dtype=self.dtype, device=self.device)
-        groups = None if group is None else torch.as_tensor(group, dtype=self.dtype, device=self.device)
+        # Copies (torch.tensor, never a view of numpy's memory): every process holds its rows in torch's own
+        # allocations, so no kernel's result can depend on where numpy happened to put an array.
+        inputs = self.problem.inputs(torch.tensor(X, dtype=self.dtype, device=self.device))
+        targets = torch.tensor(t, dtype=self.dtype, device=self.device)
+        groups = None if group is None else torch.tensor(group, dtype=self.dtype, device=self.device)
         return Batch(inputs, targets, groups)
 
     def _where(self, name: str, j: int) -> str:
