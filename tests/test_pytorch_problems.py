@@ -341,3 +341,43 @@ def test_a_batch_of_seeds_equals_each_run_alone() -> None:
     alone = [run_algorithm(c.algorithms[0], c, LocalPool()) for c in configs]
     assert [r.z_sha256 for r in batched] == [r.z_sha256 for r in alone]
     assert batched[0].z_sha256 != batched[1].z_sha256
+
+
+def test_deep_auc_is_the_aucm_loss_on_imbalanced_label_skewed_digits() -> None:
+    from fedsaddle.common.problems.auc import roc_auc
+    from fedsaddle.common.problems.deep_auc import DeepAuc, DeepAucSpec, split_digits
+
+    spec = DeepAucSpec(num_clients=10, channels=2, hidden=4, dtype="float64", lam=1e-3)
+    problem = DeepAuc(spec)
+    datas = split_digits(spec)
+    train = np.concatenate([d.y for d in datas])
+    test = np.concatenate([d.y_test for d in datas if d.y_test is not None])
+    assert len(train) + len(test) == 1797 and round(0.3 * 1797) == len(test)
+    assert 0.08 < train.mean() < 0.12 and problem.positive_rate == train.mean()  # digit 9: about 10% positives
+    shares = [d.y.mean() for d in datas]
+    assert max(shares) - min(shares) > 0.1  # label skew
+    z = problem.initial_point(3)
+    z[:2], z[-1] = [0.2, 0.6], 0.7  # a, b (a module's own parameters come before its submodules'), alpha
+    model, _ = problem.unflatten(z)
+    data = datas[0]
+    with torch.no_grad():
+        logits = model.net(torch.tensor(data.X).reshape(-1, 1, 8, 8)).numpy()
+    weights = np.concatenate([p.detach().numpy().ravel() for p in model.net.parameters()])
+    s, pos, p = 1 / (1 + np.exp(-logits)), data.y, problem.positive_rate
+    a, b, alpha = 0.2, 0.6, 0.7
+    aucm = (
+        (1 - p) * np.mean((s - a) ** 2 * pos)
+        + p * np.mean((s - b) ** 2 * (1 - pos))
+        + 2 * alpha * (p * (1 - p) * 1.0 + np.mean(p * s * (1 - pos) - (1 - p) * s * pos))
+        - p * (1 - p) * alpha**2
+    )
+    penalty = 1e-3 / 2 * weights @ weights
+    assert problem.objective(data, z) == pytest.approx(aucm + penalty, rel=1e-12)
+    ce = DeepAuc(spec.model_copy(update={"loss_kind": "cross_entropy"}))
+    bce = np.mean(np.logaddexp(0, -logits) * pos + np.logaddexp(0, logits) * (1 - pos))
+    assert ce.objective(data, z) == pytest.approx(bce + penalty, rel=1e-12)
+    # the pooled test AUC is the AUC of the network's scores on every client's held-out images
+    X = np.concatenate([d.X_test for d in datas if d.X_test is not None])
+    with torch.no_grad():
+        pooled = model.net(torch.tensor(X).reshape(-1, 1, 8, 8)).numpy()
+    assert problem.pooled_test_auc(z) == roc_auc(pooled, test > 0)

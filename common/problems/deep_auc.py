@@ -20,6 +20,9 @@ Dirichlet(`skew_alpha`) proportions, as `fedsaddle data split --partition label-
 this is a benchmark source like the synthetic ones: public data, built from a public spec. Each client's
 held-out rows follow its training rows' proportions; `pooled_test_auc` scores a z on all held-out rows.
 Pixels are scaled to [0, 1] (divided by 16).
+
+`loss_kind: cross_entropy` trains the same network on the same clients with binary cross-entropy instead (the
+usual baseline; a, b and alpha stay at their start).
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ class DeepAucSpec(TorchSpec):
     hidden: int = Field(32, ge=1, le=4096, description="the hidden layer's width")
     margin: float = Field(1.0, gt=0, description="m, AUC-M's margin")
     lam: float = Field(1e-4, ge=0, description="L2 weight on the network's parameters")
+    loss_kind: Literal["aucm", "cross_entropy"] = Field(
+        "aucm",
+        description="aucm: the AUC-M min-max margin loss; cross_entropy: the baseline, binary cross-entropy of the "
+        "same network on the same data (a, b and alpha then stay where they start)",
+    )
 
 
 class Cnn(torch.nn.Module):
@@ -76,7 +84,8 @@ class Cnn(torch.nn.Module):
 
 
 class AucModel(torch.nn.Module):
-    """The min player: the network, then AUC-M's a and b (its parameters in this order on the wire)."""
+    """The min player: the network and AUC-M's a and b. On the wire (named_parameters order, which lists a
+    module's own parameters before its submodules'): a, b, then the network's."""
 
     def __init__(self, channels: int, hidden: int) -> None:
         super().__init__()
@@ -158,6 +167,10 @@ class DeepAuc(TorchProblem, SyntheticProblem):
         model: AucModel = x
         (alpha,) = y
         p, margin = self.positive_rate, self.spec.margin
+        if self.spec.loss_kind == "cross_entropy":
+            logits = model.net(batch.inputs)
+            value = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.targets)
+            return self._regularized(model, value)
         score = torch.sigmoid(model.net(batch.inputs))
         positive = batch.targets
         negative = 1.0 - positive
@@ -167,6 +180,9 @@ class DeepAuc(TorchProblem, SyntheticProblem):
             + 2 * alpha * (p * (1 - p) * margin + torch.mean(p * score * negative - (1 - p) * score * positive))
             - p * (1 - p) * alpha**2
         )
+        return self._regularized(model, value)
+
+    def _regularized(self, model: AucModel, value: torch.Tensor) -> torch.Tensor:
         if self.spec.lam:
             value = value + self.spec.lam / 2 * sum(torch.sum(w**2) for w in model.net.parameters())
         result: torch.Tensor = value.reshape(())
