@@ -4,7 +4,6 @@ aggregation, and across a coordinator killed and resumed)."""
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import yaml
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (the torch extra: `make install` adds it)")
 
-from conftest import CLIENT_ENV, fedsaddle, stop_processes  # noqa: E402
+from conftest import CLIENT_ENV, fedsaddle, stop_processes, summary_of  # noqa: E402
 from pydantic import Field  # noqa: E402
 from test_docs import CLIENT_PAGE, titled_block  # noqa: E402
 from test_failures import Coordinator, write_config  # noqa: E402
@@ -233,11 +232,6 @@ def small_config(**fields: Any) -> dict[str, Any]:
     }
 
 
-def summary_of(run_dir: Path) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
-    return result
-
-
 def test_the_example_gives_the_same_bits_in_simulate_and_in_local(tmp_path: Path) -> None:
     example = yaml.safe_load(EXAMPLE.read_text())
     example["rounds"] = 8  # the example's own fields otherwise, shortened
@@ -248,7 +242,7 @@ def test_the_example_gives_the_same_bits_in_simulate_and_in_local(tmp_path: Path
         done = fedsaddle(command, "--config", str(path), "--out", str(tmp_path / command), *extra, timeout=300)
         assert done.returncode == 0, done.stderr
         (run_dir,) = (tmp_path / command).iterdir()
-        runs[command] = (summary_of(run_dir), without_time(run_dir / "metrics.jsonl"))
+        runs[command] = (summary_of(tmp_path / command), without_time(run_dir / "metrics.jsonl"))
     (simulate, simulate_lines), (local, local_lines) = runs["simulate"], runs["local"]
     assert [a["name"] for a in simulate["algorithms"]] == ["local_sgda_plus", "fedgda_gt"]
     for a, b in zip(simulate["algorithms"], local["algorithms"], strict=True):
@@ -275,8 +269,8 @@ def test_simulate_equals_a_secure_federation_of_client_processes(
     done = fedsaddle("local", "--config", str(path), "--out", str(tmp_path / "runs"), "--quiet-clients", timeout=300)
     assert done.returncode == 0, done.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
-    (a,), (b,) = secure_simulated[0]["algorithms"], summary_of(run_dir)["algorithms"]
-    assert summary_of(run_dir)["transport"]["client_processes"] == 3
+    (a,), (b,) = secure_simulated[0]["algorithms"], summary_of(tmp_path / "runs")["algorithms"]
+    assert summary_of(tmp_path / "runs")["transport"]["client_processes"] == 3
     assert a["z_sha256"] == b["z_sha256"] and a["status"] == b["status"] == "ok"
     assert b["traffic"]["privacy"]["rounds"] >= 1  # it did run masked
     assert without_time(run_dir / "metrics.jsonl") == secure_simulated[1]
@@ -301,7 +295,7 @@ def test_a_coordinator_killed_mid_run_resumes_to_the_same_bits(
     assert resumed.returncode == 0, log
     assert re.search(r"resuming .* from its checkpoint: fedavg_s at step \d+", log), log
     assert codes == [0]  # never restarted
-    (a,), (b,) = secure_simulated[0]["algorithms"], summary_of(run_dir)["algorithms"]
+    (a,), (b,) = secure_simulated[0]["algorithms"], summary_of(tmp_path / "runs")["algorithms"]
     assert a["z_sha256"] == b["z_sha256"] and b["status"] == "ok"
     assert without_time(run_dir / "metrics.jsonl") == secure_simulated[1]
 

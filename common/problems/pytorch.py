@@ -26,10 +26,10 @@ and `unflatten` convert both ways. A player's buffers (BatchNorm's running
 statistics) would be state outside z that no algorithm sees: modules with buffers
 are refused, as are parameters with requires_grad off.
 
-Arithmetic. Each oracle call copies z (float64) into the parameters in the spec's
-`dtype` (float32 by default: z's entries rounded to nearest), computes f_i and its
-gradient in that dtype, and widens the gradient to float64 exactly. The algorithms'
-arithmetic stays float64.
+Arithmetic. Each oracle call copies z (float64, as the worker computes) into the
+parameters in the spec's `dtype` (float32 by default: z's entries rounded to nearest),
+computes f_i and its gradient in that dtype, and widens the gradient to float64
+exactly. What travels is the run's `precision`, as for any problem.
 
 Determinism. In every process that hosts clients fedsaddle calls
 `torch.use_deterministic_algorithms(True)` and `torch.set_num_threads(spec.threads)`
@@ -96,7 +96,7 @@ class TorchSpec(ProblemSpec):
         "None: every row (full batch)",
     )
     dtype: Literal["float32", "float64"] = Field(
-        "float32", description="what the players compute in (the vectors on the wire stay float64)"
+        "float32", description="what the players compute in (the wire carries the run's precision)"
     )
     threads: int = Field(1, ge=1, le=256, description="torch's CPU threads in each process that hosts clients")
 
