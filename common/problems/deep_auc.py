@@ -19,7 +19,9 @@ the training rows dealt to `num_clients` clients with label skew (each digit's r
 Dirichlet(`skew_alpha`) proportions, as `fedsaddle data split --partition label-skew` deals a table's). So
 this is a benchmark source like the synthetic ones: public data, built from a public spec. Each client's
 held-out rows follow its training rows' proportions; `pooled_test_auc` scores a z on all held-out rows.
-Pixels are scaled to [0, 1] (divided by 16).
+Pixels are scaled to [0, 1] (divided by 16). With `validation_fraction` > 0, that share of the training rows
+is set aside, drawn from its own stream, before the rest is dealt: no client trains on it, and
+`pooled_validation_auc` scores a z there (for choosing step sizes without looking at the test rows).
 
 `loss_kind: cross_entropy` trains the same network on the same clients with binary cross-entropy instead (the
 usual baseline; a, b and alpha stay at their start).
@@ -57,6 +59,9 @@ class DeepAucSpec(TorchSpec):
     hidden: int = Field(32, ge=1, le=4096, description="the hidden layer's width")
     margin: float = Field(1.0, gt=0, description="m, AUC-M's margin")
     lam: float = Field(1e-4, ge=0, description="L2 weight on the network's parameters")
+    validation_fraction: float = Field(
+        0.0, ge=0, lt=1, description="the share of the training images set aside for validation (no client has them)"
+    )
     loss_kind: Literal["aucm", "cross_entropy"] = Field(
         "aucm",
         description="aucm: the AUC-M min-max margin loss; cross_entropy: the baseline, binary cross-entropy of the "
@@ -112,6 +117,7 @@ def split_digits(spec: DeepAucSpec) -> list[ClientData]:
     order = rng.permutation(len(digits))
     n_test = round(spec.test_fraction * len(digits))
     test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
+    train = np.setdiff1d(train, validation_rows(spec))
     n = spec.num_clients
     for _ in range(1000):
         shares = rng.dirichlet(np.full(n, spec.skew_alpha), size=10)
@@ -128,6 +134,15 @@ def split_digits(spec: DeepAucSpec) -> list[ClientData]:
         ClientData(f"deep_auc:client-{i}", images[tr], labels[tr], None, images[te], labels[te])
         for i, (tr, te) in enumerate(zip(dealt_train, dealt_test, strict=True))
     ]
+
+
+def validation_rows(spec: DeepAucSpec) -> NDArray[np.int64]:
+    """The images set aside for validation (`validation_fraction` of the training rows; none by default), drawn
+    from a stream of their own so that the split without them is the one it always was."""
+    order = np.random.default_rng([spec.split_seed, 1]).permutation(DIGITS_ROWS)
+    train = np.sort(order[round(spec.test_fraction * DIGITS_ROWS) :])
+    picked = np.random.default_rng([spec.split_seed, 2]).permutation(len(train))
+    return np.sort(train[picked[: round(spec.validation_fraction * len(train))]])
 
 
 def _deal(
@@ -205,6 +220,17 @@ class DeepAuc(TorchProblem, SyntheticProblem):
         datas = split_digits(self.spec)
         X = np.concatenate([d.X_test for d in datas if d.X_test is not None])
         t = np.concatenate([d.y_test for d in datas if d.y_test is not None])
+        return self._auc(z, X, t)
+
+    def pooled_validation_auc(self, z: Array) -> float:
+        """The AUC of z on the validation images (`validation_fraction`; ValueError when there are none)."""
+        rows = validation_rows(self.spec)
+        if not len(rows):
+            raise ValueError("problem deep_auc: validation_fraction is 0, so there are no validation images")
+        images, digits = _digits()
+        return self._auc(z, images[rows], (digits[rows] == self.spec.positive_digit).astype(np.float64))
+
+    def _auc(self, z: Array, X: Array, t: Array) -> float:
         model, _ = self.unflatten(z)
         with torch.no_grad():
             images = self.inputs(torch.as_tensor(X, dtype=model.a.dtype))
