@@ -445,6 +445,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             )
             print(f"report: {out / 'agnostic.md'} (figure_agnostic.png; {time.perf_counter() - started:.1f} s)")
             return EXIT_OK
+        if args.which == "deep-auc":
+            return _deep_auc(args, out, command, progress)
         if args.which == "ablations":
             from fedsaddle.experiments.ablations import run_ablations, variant_count
 
@@ -468,6 +470,7 @@ EXPERIMENT_FLAGS: dict[str, tuple[str, ...]] = {
     "problems": ("rounds",),
     "agnostic": ("seeds", "rounds", "transport"),
     "dp": ("seeds", "rounds", "epsilons"),
+    "deep-auc": ("seeds", "rounds", "libauc_python"),
     "compare": ("seeds", "s", "rounds", "convention", "tau", "algorithms", "problems", "eps", "grid", "ray"),
 }
 
@@ -481,13 +484,51 @@ def _refuse_flags_not_taken(args: argparse.Namespace) -> None:
         return
     given = [
         name
-        for name in ("seeds", "s", "rounds", "epsilons", "convention", "tau", "init", "transport", *COMPARE_FLAGS)
+        for name in (
+            "seeds",
+            "s",
+            "rounds",
+            "epsilons",
+            "convention",
+            "tau",
+            "init",
+            "transport",
+            "libauc_python",
+            *COMPARE_FLAGS,
+        )
         if getattr(args, name, None) is not None and name not in takes
     ]
     if given:
-        flags = ", ".join(f"--{name}" for name in given)
-        allowed = ", ".join(f"--{name}" for name in (*takes, "out"))
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        allowed = ", ".join(f"--{name.replace('_', '-')}" for name in (*takes, "out"))
         raise UsageError(f"experiment {args.which} does not take {flags} (it takes {allowed})")
+
+
+def _deep_auc(args: argparse.Namespace, out: Path, command: str, progress: Progress) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UsageError("experiment deep-auc needs PyTorch: pip install 'fedsaddle[torch,data]'") from None
+    if args.libauc_python is not None and not Path(args.libauc_python).is_file():
+        raise UsageError(f"--libauc-python {args.libauc_python}: no such file (a Python that has libauc)")
+    from fedsaddle import api
+    from fedsaddle.experiments.deep_auc import run_deep_auc
+
+    started = time.perf_counter()
+    try:
+        run_deep_auc(
+            api.run,
+            out,
+            command,
+            range(args.seeds or 10),
+            args.rounds or 30,
+            args.libauc_python,
+            lambda done, total: progress.update("runs", done, total),
+        )
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"report: {out / 'deep_auc.md'} (runs.csv, figure_deep_auc.png; {time.perf_counter() - started:.1f} s)")
+    return EXIT_OK
 
 
 def _compare(args: argparse.Namespace, out: Path, command: str, progress: Progress) -> int:
@@ -1188,16 +1229,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
         "which",
-        choices=["paper", "ablations", "noise", "problems", "agnostic", "dp", "compare"],
+        choices=["paper", "ablations", "noise", "problems", "agnostic", "dp", "deep-auc", "compare"],
         help="the paper's sweep, ablations of its open choices, stochastic gradients, the real problems, "
         "agnostic federated learning on breast_cancer, differential privacy (held-out AUC against epsilon), "
+        "federated deep AUC maximization with a CNN on digits (PyTorch), "
         "or a comparison of chosen algorithms on chosen problems (docs/how-to/compare.md)",
     )
     p.add_argument(
         "--seeds",
         type=positive_int,
-        help="seeds per setting (default 5, or 1 with --transport grpc; the docs use 20; 10 for dp and agnostic; "
-        "3 for compare)",
+        help="seeds per setting (default 5, or 1 with --transport grpc; the docs use 20; 10 for dp, agnostic and "
+        "deep-auc; 3 for compare)",
     )
     p.add_argument(
         "--s",
@@ -1208,8 +1250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds",
         type=positive_int,
-        help="communication budget per run (default 500; 1000 for problems; 20 for dp; 2000 for agnostic; 300 for "
-        "compare)",
+        help="communication budget per run (default 500; 1000 for problems; 20 for dp; 2000 for agnostic; 30 for "
+        "deep-auc; 300 for compare)",
     )
     p.add_argument(
         "--epsilons", type=positive_float, nargs="+", help="dp: target epsilons (default 0.5 1 2 4 8; delta 1e-5)"
@@ -1250,6 +1292,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray",
         metavar="ADDRESS",
         help="compare: run the tasks on the Ray cluster whose head is at HOST:PORT ('local': a one-node Ray)",
+    )
+    p.add_argument(
+        "--libauc-python",
+        metavar="PATH",
+        help="deep-auc: a Python with libauc, torch and fedsaddle, for the centralized LibAUC baseline",
     )
     p.add_argument("--out", help="report folder (default: runs/experiment-WHICH-TIME)")
 

@@ -1,0 +1,343 @@
+"""Federated deep AUC maximization on real images, against centralized LibAUC and cross-entropy.
+
+    fedsaddle experiment deep-auc [--seeds 10] [--rounds 40] [--libauc-python PATH] [--out DIR]
+
+The built-in `deep_auc` problem (common/problems/deep_auc.py): LibAUC's AUC-M min-max square-margin loss
+with its small CNN, on scikit-learn's handwritten digits, 9 against the rest (about 10% positives), dealt
+to 10 clients with Dirichlet(0.5) label skew over the ten digits. To make the task hard enough that no
+method reaches AUC 1, half of the images are held out for testing and a quarter of the rest for
+validation, so each seed trains on about 670 images (about 67 positives) across the 10 clients. Seed k
+splits with `split_seed` k and starts the network from the seed-k initialization of the problem
+(`init: problem`); minibatches of 16 rows, tau = 5 local steps per sync, the same communication budget
+(every exchange counted) for every algorithm.
+
+Rows of the table:
+
+* Local SGDA+, FedGDA-GT, SCAFFOLD-S and FedAvg-S (constant step) on AUC-M;
+* FedAvg-S on the same network with cross-entropy (`loss: cross_entropy`: no max player);
+* LibAUC: the same network, the same initialization, on the pooled training images of the same split,
+  trained centrally with LibAUC's own `AUCMLoss` and `PESG` (experiments/libauc_baseline.py, run in a
+  Python that has libauc: `--libauc-python`), for as many minibatch gradients as the whole federation
+  computes at most (clients x rounds x tau steps of the same batch size).
+
+Steps are chosen on a small grid per method by the *validation* AUC of the first seed (`TUNING_SEEDS`);
+the test AUC is read only for the chosen step, over every seed, and reported as median [interquartile
+range].
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .report import markdown
+
+CLIENTS = 10
+BATCH = 16
+TAU = 5
+TUNING_SEEDS = 1  # the first seeds, on whose validation images each method's step is chosen
+PROBLEM: dict[str, Any] = {
+    "name": "deep_auc",
+    "num_clients": CLIENTS,
+    "positive_digit": 9,
+    "test_fraction": 0.5,
+    "validation_fraction": 0.25,
+    "batch_size": BATCH,
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    key: str  # in runs.csv
+    name: str  # in tables
+    algorithm: str
+    step_field: tuple[str, ...]  # the spec fields the step sets
+    grid: tuple[float, ...]
+    extra: dict[str, Any] = field(default_factory=dict)  # other algorithm fields
+    loss: str = "aucm"
+
+    def entry(self, step: float) -> dict[str, Any]:
+        return {"name": self.algorithm, **dict.fromkeys(self.step_field, step), **self.extra}
+
+
+METHODS = (
+    Method("local_sgda_plus", "Local SGDA+", "local_sgda_plus", ("eta_x", "eta_y"), (1.0, 3.0)),
+    Method("fedgda_gt", "FedGDA-GT", "fedgda_gt", ("eta",), (1.0, 3.0)),
+    Method("scaffold_s", "SCAFFOLD-S", "scaffold_s", ("gamma_local",), (1.0, 3.0)),
+    Method("fedavg_s", "FedAvg-S", "fedavg_s", ("gamma_local",), (1.0, 3.0), {"decay": "constant"}),
+    Method(
+        "fedavg_ce",
+        "FedAvg-S, cross-entropy",
+        "fedavg_s",
+        ("gamma_local",),
+        (0.3, 1.0),
+        {"decay": "constant"},
+        "cross_entropy",
+    ),
+)
+LIBAUC_GRID = (0.1, 0.3)  # PESG's lr
+
+
+@dataclass
+class Point:
+    """One run: a method at one step on one seed."""
+
+    method: str
+    step: float
+    seed: int
+    validation_auc: float
+    test_auc: float
+    wall_s: float
+    z_sha256: str = ""
+
+
+def problem_spec(seed: int, loss: str = "aucm") -> dict[str, Any]:
+    return {**PROBLEM, "split_seed": seed, "loss": loss}
+
+
+def config(method: Method, step: float, seed: int, rounds: int) -> dict[str, Any]:
+    return {
+        "name": f"deep-auc-{method.key}-{step:g}-seed{seed}",
+        "seed": seed,
+        "problem": problem_spec(seed, method.loss),
+        "init": "problem",
+        "rounds": rounds,
+        "sync": {"kind": "fixed", "tau": TAU},
+        "output": {"plot": False},
+        "algorithms": [method.entry(step)],
+    }
+
+
+# api.run's signature, passed in by the command line (experiments never import fedsaddle's front end)
+Runner = Callable[..., Any]
+
+
+def run_point(run: Runner, method: Method, step: float, seed: int, rounds: int, folder: Path) -> Point:
+    from fedsaddle.common.problems.deep_auc import DeepAuc, DeepAucSpec
+
+    problem = DeepAuc(DeepAucSpec(**problem_spec(seed, method.loss)))
+    started = time.perf_counter()
+    report = run(config(method, step, seed, rounds), out=folder)
+    (result,) = report.results
+    z = result.final_z
+    finite = result.status == "ok" and bool(np.isfinite(z).all())
+    validation = problem.pooled_validation_auc(z) if finite else math.nan
+    test = problem.pooled_test_auc(z) if finite else math.nan
+    return Point(
+        method.key,
+        step,
+        seed,
+        validation,
+        test,
+        time.perf_counter() - started,
+        result.z_sha256,
+    )
+
+
+def choose(points: Sequence[Point], method: str, grid: Sequence[float], tuning: Sequence[int]) -> float:
+    """The step of `grid` with the best median validation AUC over the tuning seeds (a NaN counts as 0)."""
+
+    def score(step: float) -> float:
+        values = [p.validation_auc for p in points if p.method == method and p.step == step and p.seed in tuning]
+        return float(np.median([0.0 if math.isnan(v) else v for v in values]))
+
+    return max(grid, key=score)
+
+
+def run_deep_auc(
+    run: Runner,
+    out: Path,
+    command: str,
+    seeds: Sequence[int],
+    rounds: int,
+    libauc_python: str | None,
+    progress: Callable[[int, int], None],
+) -> list[Point]:
+    """Tune on the first seeds, then every seed at the chosen steps; the report under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    tuning = list(seeds[:TUNING_SEEDS])
+    total = sum(len(m.grid) * len(tuning) + len(seeds) - len(tuning) for m in METHODS)
+    points: list[Point] = []
+    steps = CLIENTS * rounds * TAU  # the minibatch gradients a whole federated run computes, at most
+    baseline = None if libauc_python is None else start_libauc(libauc_python, seeds, tuning, steps, out)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fedsaddle-deep-auc-") as scratch:
+        for method in METHODS:
+            for step in method.grid:
+                for seed in tuning:
+                    points.append(run_point(run, method, step, seed, rounds, Path(scratch)))
+                    progress(len(points), total)
+            chosen = choose(points, method.key, method.grid, tuning)
+            for seed in seeds[len(tuning) :]:
+                points.append(run_point(run, method, chosen, seed, rounds, Path(scratch)))
+                progress(len(points), total)
+    federated_s = time.perf_counter() - started
+    libauc = [] if baseline is None else finish_libauc(baseline, out)
+    write_report(out, command, points, libauc, seeds, tuning, rounds, steps, federated_s)
+    return points + libauc
+
+
+def start_libauc(
+    python: str, seeds: Sequence[int], tuning: Sequence[int], steps: int, out: Path
+) -> subprocess.Popen[bytes]:
+    """experiments/libauc_baseline.py in `python` (which must have libauc, torch and fedsaddle), started beside
+    the federated runs."""
+    target = out / "libauc.json"
+    target.unlink(missing_ok=True)
+    command = [
+        python,
+        "-m",
+        "fedsaddle.experiments.libauc_baseline",
+        "--seeds",
+        ",".join(str(s) for s in seeds),
+        "--tuning",
+        ",".join(str(s) for s in tuning),
+        "--steps",
+        str(steps),
+        "--lrs",
+        ",".join(f"{lr:g}" for lr in LIBAUC_GRID),
+        "--out",
+        str(target),
+    ]
+    try:
+        return subprocess.Popen(command)
+    except OSError as exc:
+        raise RuntimeError(f"cannot start the LibAUC baseline in {python}: {exc}") from None
+
+
+def finish_libauc(process: subprocess.Popen[bytes], out: Path) -> list[Point]:
+    if process.wait() != 0:
+        raise RuntimeError(f"the LibAUC baseline failed (exit status {process.returncode}): {process.args}")
+    return [Point(**p) for p in json.loads((out / "libauc.json").read_text())]
+
+
+def _cell(values: Sequence[float]) -> str:
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return "diverged"
+    q1, median, q3 = np.percentile(finite, [25, 50, 75])
+    cell = f"{median:.4f} [{q1:.4f}, {q3:.4f}]"
+    return cell if len(finite) == len(values) else f"{cell} ({len(values) - len(finite)} diverged)"
+
+
+def chosen_points(points: Sequence[Point], seeds: Sequence[int]) -> dict[str, tuple[float, list[Point]]]:
+    """Per method: the chosen step (the one every seed ran) and its points."""
+    found = {}
+    for key in dict.fromkeys(p.method for p in points):
+        mine = [p for p in points if p.method == key]
+        for step in dict.fromkeys(p.step for p in mine):
+            at = [p for p in mine if p.step == step]
+            if {p.seed for p in at} == set(seeds):
+                found[key] = (step, sorted(at, key=lambda p: p.seed))
+    return found
+
+
+def write_report(
+    out: Path,
+    command: str,
+    points: Sequence[Point],
+    libauc: Sequence[Point],
+    seeds: Sequence[int],
+    tuning: Sequence[int],
+    rounds: int,
+    steps: int,
+    federated_s: float,
+) -> None:
+    every = [*points, *libauc]
+    with (out / "runs.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["method", "step", "seed", "validation_auc", "test_auc", "wall_s", "z_sha256"])
+        for p in every:
+            writer.writerow(
+                [
+                    p.method,
+                    f"{p.step:g}",
+                    p.seed,
+                    f"{p.validation_auc:.6f}",
+                    f"{p.test_auc:.6f}",
+                    f"{p.wall_s:.2f}",
+                    p.z_sha256,
+                ]
+            )
+    names = {m.key: m.name for m in METHODS} | {"libauc": "LibAUC AUCMLoss + PESG, centralized"}
+    chosen = chosen_points(every, seeds)
+    rows = []
+    for key, (step, at) in chosen.items():
+        grid = sorted({p.step for p in every if p.method == key})
+        rows.append(
+            (
+                names[key],
+                [
+                    f"{step:g} of {{{', '.join(f'{g:g}' for g in grid)}}}",
+                    _cell([p.validation_auc for p in at]),
+                    _cell([p.test_auc for p in at]),
+                    f"{np.median([p.wall_s for p in at]):.1f}",
+                ],
+            )
+        )
+    table = markdown(
+        f"Test AUC, digit 9 against the rest, {len(seeds)} seed(s) (median [IQR]); {rounds} rounds, every exchange "
+        f"counted; steps chosen by the median validation AUC of seed(s) {', '.join(map(str, tuning))}",
+        "method",
+        ["step (grid)", "validation AUC", "test AUC", "median wall s"],
+        rows,
+    )
+    verdict = _verdict(chosen, names)
+    libauc_line = (
+        f"LibAUC ran {steps} minibatch steps of {BATCH} rows: clients x rounds x tau, the most minibatch gradients "
+        "a federated run computes."
+        if libauc
+        else "LibAUC not run this time: `--libauc-python PATH` names a Python with libauc "
+        "(docs/experiments.md says how to make one)."
+    )
+    (out / "deep_auc.md").write_text(
+        f"<!-- written by `{command}` -->\n\n{table}\n\n{verdict}\n\n{libauc_line} "
+        f"The federated runs took {federated_s:.0f} s in all.\n"
+    )
+    _figure(out / "figure_deep_auc.png", chosen, names)
+
+
+def _verdict(chosen: dict[str, tuple[float, list[Point]]], names: dict[str, str]) -> str:
+    def median(key: str) -> float:
+        return float(np.nanmedian([p.test_auc for p in chosen[key][1]]))
+
+    federated = [m.key for m in METHODS if m.loss == "aucm" and m.key in chosen]
+    if not federated:
+        return ""
+    best = max(federated, key=median)
+    lines = [f"Best federated AUC-M method by median test AUC: {names[best]} ({median(best):.4f})."]
+    if "fedavg_ce" in chosen:
+        gap = median(best) - median("fedavg_ce")
+        lines.append(f"Against federated cross-entropy ({median('fedavg_ce'):.4f}): {gap:+.4f}.")
+    if "libauc" in chosen:
+        gap = median(best) - median("libauc")
+        met = "above it" if gap > 0 else "within 0.01" if gap >= -0.01 else "not within 0.01"
+        lines.append(f"Against centralized LibAUC ({median('libauc'):.4f}): {gap:+.4f}, {met}.")
+    return " ".join(lines)
+
+
+def _figure(path: Path, chosen: dict[str, tuple[float, list[Point]]], names: dict[str, str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(chosen)
+    fig, ax = plt.subplots(figsize=(9, 4.2), dpi=110)
+    ax.boxplot([[p.test_auc for p in chosen[k][1] if not math.isnan(p.test_auc)] for k in keys], vert=False)
+    ax.set_yticks(range(1, len(keys) + 1), [names[k] for k in keys], fontsize=8)
+    ax.set_xlabel("test AUC (digit 9 against the rest), one point per seed")
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
