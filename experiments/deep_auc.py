@@ -162,29 +162,53 @@ def run_deep_auc(
     rounds: int,
     libauc_python: str | None,
     progress: Callable[[int, int], None],
+    jobs: int = 1,
 ) -> list[Point]:
-    """Tune on the first seeds, then every seed at the chosen steps; the report under `out`."""
+    """Tune on the first seeds, then every seed at the chosen steps, the runs spread over `jobs` processes
+    (each run is independent and deterministic: the same points in any order); the report under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     tuning = list(seeds[:TUNING_SEEDS])
     total = sum(len(m.grid) * len(tuning) + len(seeds) - len(tuning) for m in METHODS)
-    points: list[Point] = []
     steps = CLIENTS * rounds * TAU  # the minibatch gradients a whole federated run computes, at most
     baseline = None if libauc_python is None else start_libauc(libauc_python, seeds, tuning, steps, out)
     started = time.perf_counter()
+    points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="fedsaddle-deep-auc-") as scratch:
-        for method in METHODS:
-            for step in method.grid:
-                for seed in tuning:
-                    points.append(run_point(run, method, step, seed, rounds, Path(scratch)))
-                    progress(len(points), total)
-            chosen = choose(points, method.key, method.grid, tuning)
-            for seed in seeds[len(tuning) :]:
-                points.append(run_point(run, method, chosen, seed, rounds, Path(scratch)))
-                progress(len(points), total)
+        tune = [(m, step, seed) for m in METHODS for step in m.grid for seed in tuning]
+        points += _points(run, tune, rounds, Path(scratch), jobs, lambda n: progress(n, total))
+        rest = [(m, choose(points, m.key, m.grid, tuning), seed) for m in METHODS for seed in seeds[len(tuning) :]]
+        points += _points(run, rest, rounds, Path(scratch), jobs, lambda n: progress(len(tune) + n, total))
     federated_s = time.perf_counter() - started
     libauc = [] if baseline is None else finish_libauc(baseline, out)
     write_report(out, command, points, libauc, seeds, tuning, rounds, steps, federated_s)
     return points + libauc
+
+
+def _points(
+    run: Runner,
+    work: Sequence[tuple[Method, float, int]],
+    rounds: int,
+    scratch: Path,
+    jobs: int,
+    progress: Callable[[int], None],
+) -> list[Point]:
+    """run_point for each (method, step, seed) of `work`, in its order."""
+    if jobs == 1:
+        found = []
+        for method, step, seed in work:
+            found.append(run_point(run, method, step, seed, rounds, scratch))
+            progress(len(found))
+        return found
+    import concurrent.futures
+    import multiprocessing
+
+    # spawn: a fresh interpreter per worker, not a fork of one whose torch may already hold threads
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = [pool.submit(run_point, run, m, step, seed, rounds, scratch) for m, step, seed in work]
+        for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
+            progress(done)
+        return [f.result() for f in futures]
 
 
 def start_libauc(

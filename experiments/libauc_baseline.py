@@ -92,7 +92,10 @@ def train(seed: int, lr: float, steps: int) -> dict[str, Any]:
             finite = False
             break
     wall = time.perf_counter() - started
-    z = flatten([*net.parameters(), loss_fn.a, loss_fn.b], [loss_fn.alpha])
+    with torch.no_grad():  # LibAUC's a and b into the problem's model, whose parameters are z's min player in order
+        model.a.copy_(loss_fn.a)
+        model.b.copy_(loss_fn.b)
+    z = flatten(list(model.parameters()), [loss_fn.alpha])
     ok = finite and bool(np.isfinite(z).all())
     return {
         "method": "libauc",

@@ -470,7 +470,7 @@ EXPERIMENT_FLAGS: dict[str, tuple[str, ...]] = {
     "problems": ("rounds",),
     "agnostic": ("seeds", "rounds", "transport"),
     "dp": ("seeds", "rounds", "epsilons"),
-    "deep-auc": ("seeds", "rounds", "libauc_python"),
+    "deep-auc": ("seeds", "rounds", "libauc_python", "jobs"),
     "compare": ("seeds", "s", "rounds", "convention", "tau", "algorithms", "problems", "eps", "grid", "ray"),
 }
 
@@ -494,6 +494,7 @@ def _refuse_flags_not_taken(args: argparse.Namespace) -> None:
             "init",
             "transport",
             "libauc_python",
+            "jobs",
             *COMPARE_FLAGS,
         )
         if getattr(args, name, None) is not None and name not in takes
@@ -521,9 +522,10 @@ def _deep_auc(args: argparse.Namespace, out: Path, command: str, progress: Progr
             out,
             command,
             range(args.seeds or 10),
-            args.rounds or 30,
+            args.rounds or 20,
             args.libauc_python,
             lambda done, total: progress.update("runs", done, total),
+            jobs=args.jobs or 1,
         )
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
@@ -1250,7 +1252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds",
         type=positive_int,
-        help="communication budget per run (default 500; 1000 for problems; 20 for dp; 2000 for agnostic; 30 for "
+        help="communication budget per run (default 500; 1000 for problems; 20 for dp; 2000 for agnostic; 20 for "
         "deep-auc; 300 for compare)",
     )
     p.add_argument(
@@ -1298,6 +1300,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="deep-auc: a Python with libauc, torch and fedsaddle, for the centralized LibAUC baseline",
     )
+    p.add_argument("--jobs", type=positive_int, help="deep-auc: runs at once, each in a process of its own (default 1)")
     p.add_argument("--out", help="report folder (default: runs/experiment-WHICH-TIME)")
 
     p = command("health", "check a coordinator's gRPC health service (exit 0 if serving)", cmd_health)

@@ -1,0 +1,140 @@
+"""The deep AUC experiment: deep_auc's validation images and cross-entropy variant, and the experiment's
+plumbing on a shrunk setup (seconds). Skipped without PyTorch (the torch extra)."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the deep AUC experiment needs PyTorch: pip install 'fedsaddle[torch]'")
+
+from fedsaddle import api  # noqa: E402
+from fedsaddle.common.problems.base import client_context  # noqa: E402
+from fedsaddle.common.problems.deep_auc import DIGITS_ROWS, DeepAuc, DeepAucSpec, split_digits, validation_rows  # noqa: E402
+from fedsaddle.experiments import deep_auc  # noqa: E402
+
+SMALL = {"channels": 2, "hidden": 4}  # the CNN shrunk to seconds
+FEDSADDLE = (sys.executable, "-m", "fedsaddle")
+BASELINE = (sys.executable, "-m", "fedsaddle.experiments.libauc_baseline")
+
+
+def test_validation_images_are_set_aside_and_leave_the_test_rows_as_they_were() -> None:
+    plain = DeepAucSpec(split_seed=3)
+    held = DeepAucSpec(split_seed=3, validation_fraction=0.25)
+    assert len(validation_rows(plain)) == 0
+    rows = validation_rows(held)
+    train_plain = sum(d.samples for d in split_digits(plain))
+    assert len(rows) == round(0.25 * train_plain)
+    assert sum(d.samples for d in split_digits(held)) == train_plain - len(rows)
+
+    def pooled_test(spec: DeepAucSpec) -> list[tuple[float, ...]]:
+        return sorted(tuple(row) for d in split_digits(spec) if d.X_test is not None for row in d.X_test)
+
+    assert pooled_test(plain) == pooled_test(held)  # the test images do not change (their dealing may)
+    # No client trains on a validation image: every image is in exactly one of training, validation, test.
+    test_rows = round(DeepAucSpec().test_fraction * DIGITS_ROWS)
+    assert sum(d.samples for d in split_digits(held)) + len(rows) + test_rows == DIGITS_ROWS
+
+
+def test_pooled_validation_auc_needs_validation_images() -> None:
+    problem = DeepAuc(DeepAucSpec(**SMALL))
+    with pytest.raises(ValueError, match="validation_fraction is 0"):
+        problem.pooled_validation_auc(problem.initial_point(0))
+    held = DeepAuc(DeepAucSpec(**SMALL, validation_fraction=0.2))
+    assert 0.0 <= held.pooled_validation_auc(held.initial_point(0)) <= 1.0
+
+
+def test_cross_entropy_is_the_logistic_loss_and_leaves_the_auc_variables_alone() -> None:
+    spec = DeepAucSpec(**SMALL, num_clients=2, loss="cross_entropy", lam=0.0)
+    problem = DeepAuc(spec)
+    data = split_digits(spec)[0]
+    z = problem.initial_point(1)
+    z[-1] = 0.7  # alpha: takes no part in cross-entropy
+    client = client_context(0, 2, data.samples)
+    g = problem.gradient(data, z, client=client)
+    assert np.all(g[[0, 1, -1]] == 0.0)  # a and b (the min player's first parameters), alpha (the max player)
+    assert np.any(g[2:-1] != 0.0)  # the network
+    model, _ = problem.unflatten(z)
+    with torch.no_grad():
+        logits = model.net(torch.as_tensor(data.X, dtype=torch.float32).reshape(-1, 1, 8, 8)).double().numpy()
+    t = data.y
+    by_hand = float(np.mean(np.logaddexp(0.0, logits) - t * logits))
+    assert problem.objective(data, z, client=client) == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_the_experiment_tunes_on_validation_and_writes_its_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(deep_auc, "PROBLEM", {**deep_auc.PROBLEM, **SMALL})
+    two = (
+        deep_auc.Method("fedavg_s", "FedAvg-S", "fedavg_s", ("gamma_local",), (0.5, 1e-6), {"decay": "constant"}),
+        deep_auc.Method(
+            "fedavg_ce",
+            "FedAvg-S, cross-entropy",
+            "fedavg_s",
+            ("gamma_local",),
+            (0.5,),
+            {"decay": "constant"},
+            "cross_entropy",
+        ),
+    )
+    monkeypatch.setattr(deep_auc, "METHODS", two)
+    done: list[int] = []
+    points = deep_auc.run_deep_auc(api.run, tmp_path, "test", range(2), 2, None, lambda n, total: done.append(total))
+    # fedavg_s: 2 steps on the tuning seed, then the chosen step on seed 1; fedavg_ce: 1 + 1
+    assert len(points) == 5 and done[-1] == 5
+    tuned = {p.step: p.validation_auc for p in points if p.method == "fedavg_s" and p.seed == 0}
+    chosen = max(tuned, key=lambda step: tuned[step])
+    assert [p.step for p in points if p.method == "fedavg_s" and p.seed == 1] == [chosen]
+    assert all(0.0 <= p.test_auc <= 1.0 for p in points)
+    with (tmp_path / "runs.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == [p.method for p in points]
+    report = (tmp_path / "deep_auc.md").read_text()
+    assert "FedAvg-S, cross-entropy" in report and "LibAUC not run this time" in report
+    assert (tmp_path / "figure_deep_auc.png").stat().st_size > 0
+    # The same point again: the same bits.
+    again = deep_auc.run_point(api.run, two[1], 0.5, 1, 2, tmp_path / "again")
+    (first,) = [p for p in points if p.method == "fedavg_ce" and p.seed == 1]
+    assert again.z_sha256 == first.z_sha256 and again.test_auc == first.test_auc
+
+
+def test_the_libauc_baseline_says_what_it_needs_when_libauc_is_absent(tmp_path: Path) -> None:
+    try:
+        import libauc  # noqa: F401
+
+        pytest.skip("libauc is installed here")
+    except ImportError:
+        pass
+    done = subprocess.run(
+        [*BASELINE, "--seeds", "0", "--tuning", "0", "--steps", "1", "--lrs", "0.1", "--out", str(tmp_path / "x.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "the LibAUC baseline needs libauc" in done.stderr and "--libauc-python" in done.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_command_refuses_a_libauc_python_that_is_not_there(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [*FEDSADDLE, "experiment", "deep-auc", "--libauc-python", str(tmp_path / "nope"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert f"--libauc-python {tmp_path / 'nope'}: no such file" in done.stderr
+    done = subprocess.run(
+        [*FEDSADDLE, "experiment", "problems", "--libauc-python", sys.executable],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "experiment problems does not take --libauc-python" in done.stderr
