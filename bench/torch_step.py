@@ -1,0 +1,217 @@
+"""What a PyTorch problem costs: a client's local step against a plain PyTorch loop, and a federation's rounds.
+
+    python bench/torch_step.py steps [--params 1e6] [--steps 20] [--pairs 7]
+    python bench/torch_step.py rounds [--sizes 1e6,1e7] [--rounds 4]
+
+`steps`: one client of the built-in deep_auc problem (the CNN widened to about --params parameters,
+minibatches of --batch rows), running the local steps of a FedAvg-S task as a client process runs them
+(common/worker.py's Worker over the problem's TorchShards: z copied into the network, G_i by autograd,
+widened to float64, the float64 step and the projection of alpha >= 0), against a plain PyTorch loop in the
+same process doing the same steps: the same network, the same rows of the same minibatches, the same loss,
+torch.autograd.grad and an in-place SGD step on the parameters (descent on the network, a and b; ascent on
+alpha, clamped at 0). The two alternate, --pairs times each, in one process with one torch thread; the
+figures are medians of the time per step, and the ratio is of those medians.
+
+`rounds`: `fedsaddle local` with 10 client processes (one client each) on deep_auc widened to each size,
+FedAvg-S, tau = 1, --rounds rounds; every process of the tree sampled every 50 ms: the coordinator's and the
+client processes' peak resident sets (VmHWM), the time per round and the bytes each way on the wire (from the
+run's summary.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from procfs import field_mib  # bench/procfs.py
+
+# The widened CNN of each size: (channels, hidden). deep_auc's parameters are 10c + 18c^2 + 2c + (8c + 1) h
+# + h + 1 + 3; its spec allows c <= 256 and h <= 4096, so the largest is 9.6M.
+SHAPES = {1e6: (32, 3880), 1e7: (256, 4096)}
+
+
+def shape_for(params: float) -> tuple[int, int]:
+    if params not in SHAPES:
+        raise SystemExit(f"--params {params:g}: choose from {', '.join(f'{p:g}' for p in SHAPES)}")
+    return SHAPES[params]
+
+
+def problem_entry(params: float, batch: int, clients: int) -> dict[str, Any]:
+    channels, hidden = shape_for(params)
+    return {
+        "name": "deep_auc",
+        "num_clients": clients,
+        "channels": channels,
+        "hidden": hidden,
+        "batch_size": batch,
+        "skew_alpha": 5.0,  # mild skew: every client holds enough rows for a minibatch
+    }
+
+
+# -- a client's local step against a plain loop ------------------------------------------------------------
+
+
+def bench_steps(args: argparse.Namespace) -> None:
+    import torch
+
+    from fedsaddle.common.problems.base import client_context
+    from fedsaddle.common.problems.deep_auc import DeepAuc, DeepAucSpec, split_digits
+    from fedsaddle.common.problems.pytorch import Batch, minibatch_rows
+    from fedsaddle.common.tasks import LocalStepsTask
+    from fedsaddle.common.worker import Worker
+
+    spec = DeepAucSpec(**problem_entry(args.params, args.batch, 10))
+    problem = DeepAuc(spec)
+    seed, client, gamma = 0, 0, 0.01
+    z0 = problem.initial_point(seed)
+    shards = problem.shards(seed, [client])
+    worker = Worker(shards, seed, reuse_answers=True, scratch_tasks=True)
+    task_z = np.empty_like(z0)
+
+    def client_round(round_id: int) -> float:
+        np.copyto(task_z, z0)
+        task = LocalStepsTask(task_z, args.steps, gamma)
+        started = time.process_time()
+        worker.execute(task, round_id)
+        return (time.process_time() - started) / args.steps
+
+    # The plain loop: what a PyTorch user writes for the same steps.
+    x, y = problem.build("cpu", seed)
+    data = split_digits(spec)[client]
+    inputs = problem.inputs(torch.as_tensor(data.X, dtype=torch.float32))
+    targets = torch.as_tensor(data.y, dtype=torch.float32)
+    context = client_context(client, spec.num_clients, data.samples)
+    start = [p.detach().clone() for p in (*x.parameters, *y.parameters)]
+    descent, ascent = x.parameters, y.parameters
+
+    def plain_round(round_id: int) -> float:
+        with torch.no_grad():
+            for p, p0 in zip((*descent, *ascent), start, strict=True):
+                p.copy_(p0)
+        started = time.process_time()
+        for call in range(args.steps):
+            rows = torch.from_numpy(minibatch_rows(seed, client, round_id, call, data.samples, args.batch))
+            loss = problem.loss(x.value, y.value, Batch(inputs[rows], targets[rows]), client=context)
+            grads = torch.autograd.grad(loss, [*descent, *ascent])
+            with torch.no_grad():
+                for p, g in zip(descent, grads, strict=False):
+                    p.sub_(g, alpha=gamma)
+                for p, g in zip(ascent, grads[len(descent) :], strict=True):
+                    p.add_(g, alpha=gamma).clamp_(min=0.0)
+        return (time.process_time() - started) / args.steps
+
+    client_round(0), plain_round(0)  # warm both
+    fed, plain = [], []
+    for k in range(args.pairs):
+        fed.append(client_round(k + 1))
+        plain.append(plain_round(k + 1))
+    f, p = statistics.median(fed), statistics.median(plain)
+    print(
+        f"deep_auc widened to {problem.dimension:,} parameters (channels {spec.channels}, hidden {spec.hidden}), "
+        f"minibatches of {args.batch}, {args.steps} local steps a task, {args.pairs} alternating pairs, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread"
+    )
+    print("| | ms per local step (median) | ratio |")
+    print("|---|---|---|")
+    print(f"| fedsaddle client (Worker, FedAvg-S task) | {1e3 * f:.2f} | {f / p:.3f} |")
+    print(f"| plain PyTorch loop | {1e3 * p:.2f} | 1 |")
+
+
+# -- a federation of 10 client processes ------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in found.split()]
+
+
+def federation(params: float, rounds: int, batch: int) -> dict[str, Any]:
+    config = {
+        "name": "torch-rounds",
+        "problem": problem_entry(params, batch, 10),
+        "init": "problem",
+        "algorithms": [{"name": "fedavg_s", "gamma_local": 0.01, "decay": "constant"}],
+        "sync": {"kind": "fixed", "tau": 1},
+        "rounds": rounds,
+        "output": {"plot": False},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rounds.yaml"
+        path.write_text(yaml.safe_dump(config))
+        command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(path), "--out", tmp, "--quiet-clients"]
+        local = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        peaks: dict[int, int] = {}
+        while local.poll() is None:
+            for pid in [local.pid, *_children(local.pid)]:
+                hwm = field_mib(f"/proc/{pid}/status", "VmHWM")
+                if hwm is not None:
+                    peaks[pid] = hwm
+            time.sleep(0.05)
+        err = local.stderr.read() if local.stderr else ""
+        if local.returncode != 0:
+            sys.exit(f"fedsaddle local failed ({local.returncode}):\n{err[-2000:]}")
+        (summary_path,) = Path(tmp).glob("*/summary.json")
+        summary = json.loads(summary_path.read_text())
+    (algorithm,) = summary["algorithms"]
+    wire = algorithm["traffic"]["algorithm"]
+    clients = sorted((v for k, v in peaks.items() if k != local.pid), reverse=True)
+    return {
+        "dimension": summary.get("dimension") or algorithm.get("dimension"),
+        "round_s": algorithm["wall_s"] / algorithm["rounds"],
+        "bytes_down": wire.get("bytes_down"),
+        "bytes_up": wire.get("bytes_up"),
+        "rounds": algorithm["rounds"],
+        "coordinator_mib": peaks.get(local.pid, 0),
+        "client_mib": (min(clients), max(clients)) if clients else (0, 0),
+    }
+
+
+def bench_rounds(args: argparse.Namespace) -> None:
+    sizes = [float(s) for s in args.sizes.split(",")]
+    print(
+        f"fedsaddle local, deep_auc widened, 10 client processes (1 client each), FedAvg-S, tau = 1, "
+        f"minibatches of {args.batch}, {args.rounds} rounds"
+    )
+    print("| parameters | s per round | MB per round down / up (wire) | coordinator peak RSS MiB | client peak RSS MiB |")
+    print("|---|---|---|---|---|")
+    for size in sizes:
+        m = federation(size, args.rounds, args.batch)
+        down = m["bytes_down"] / m["rounds"] / 1e6 if m["bytes_down"] else float("nan")
+        up = m["bytes_up"] / m["rounds"] / 1e6 if m["bytes_up"] else float("nan")
+        low, high = m["client_mib"]
+        print(
+            f"| {size:g} | {m['round_s']:.2f} | {down:.1f} / {up:.1f} | {m['coordinator_mib']} | {low}-{high} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="which", required=True)
+    steps = sub.add_parser("steps", help="a client's local step against a plain PyTorch loop")
+    steps.add_argument("--params", type=float, default=1e6, help="model size: 1e6 or 1e7")
+    steps.add_argument("--steps", type=int, default=20, help="local steps per task")
+    steps.add_argument("--pairs", type=int, default=7, help="alternating (client, plain) pairs")
+    steps.add_argument("--batch", type=int, default=16, help="minibatch rows")
+    rounds = sub.add_parser("rounds", help="round time, bytes and peak RSS of a 10-client federation")
+    rounds.add_argument("--sizes", default="1e6,1e7", help="model sizes (1e6, 1e7)")
+    rounds.add_argument("--rounds", type=int, default=4, help="communication rounds")
+    rounds.add_argument("--batch", type=int, default=16, help="minibatch rows")
+    args = parser.parse_args()
+    if args.which == "steps":
+        bench_steps(args)
+    else:
+        bench_rounds(args)
+
+
+if __name__ == "__main__":
+    main()
