@@ -447,6 +447,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             return EXIT_OK
         if args.which == "deep-auc":
             return _deep_auc(args, out, command, progress)
+        if args.which == "robust-mlp":
+            return _robust_mlp(args, out, command, progress)
         if args.which == "ablations":
             from fedsaddle.experiments.ablations import run_ablations, variant_count
 
@@ -471,6 +473,7 @@ EXPERIMENT_FLAGS: dict[str, tuple[str, ...]] = {
     "agnostic": ("seeds", "rounds", "transport"),
     "dp": ("seeds", "rounds", "epsilons"),
     "deep-auc": ("seeds", "rounds", "libauc_python", "jobs"),
+    "robust-mlp": ("seeds", "rounds", "jobs"),
     "compare": ("seeds", "s", "rounds", "convention", "tau", "algorithms", "problems", "eps", "grid", "ray"),
 }
 
@@ -530,6 +533,28 @@ def _deep_auc(args: argparse.Namespace, out: Path, command: str, progress: Progr
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
     print(f"report: {out / 'deep_auc.md'} (runs.csv, figure_deep_auc.png; {time.perf_counter() - started:.1f} s)")
+    return EXIT_OK
+
+
+def _robust_mlp(args: argparse.Namespace, out: Path, command: str, progress: Progress) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UsageError("experiment robust-mlp needs PyTorch: pip install 'fedsaddle[torch,data]'") from None
+    from fedsaddle import api
+    from fedsaddle.experiments.robust_mlp import run_robust_mlp
+
+    started = time.perf_counter()
+    run_robust_mlp(
+        api.run,
+        out,
+        command,
+        range(args.seeds or 10),
+        args.rounds or 30,
+        lambda done, total: progress.update("runs", done, total),
+        jobs=args.jobs or 1,
+    )
+    print(f"report: {out / 'robust_mlp.md'} (runs.csv, figure_robust_mlp.png; {time.perf_counter() - started:.1f} s)")
     return EXIT_OK
 
 
@@ -1231,17 +1256,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
         "which",
-        choices=["paper", "ablations", "noise", "problems", "agnostic", "dp", "deep-auc", "compare"],
+        choices=["paper", "ablations", "noise", "problems", "agnostic", "dp", "deep-auc", "robust-mlp", "compare"],
         help="the paper's sweep, ablations of its open choices, stochastic gradients, the real problems, "
         "agnostic federated learning on breast_cancer, differential privacy (held-out AUC against epsilon), "
-        "federated deep AUC maximization with a CNN on digits (PyTorch), "
+        "federated deep AUC maximization with a CNN on digits, group-robust training of an MLP (both PyTorch), "
         "or a comparison of chosen algorithms on chosen problems (docs/how-to/compare.md)",
     )
     p.add_argument(
         "--seeds",
         type=positive_int,
-        help="seeds per setting (default 5, or 1 with --transport grpc; the docs use 20; 10 for dp, agnostic and "
-        "deep-auc; 3 for compare)",
+        help="seeds per setting (default 5, or 1 with --transport grpc; the docs use 20; 10 for dp, agnostic, "
+        "deep-auc and robust-mlp; 3 for compare)",
     )
     p.add_argument(
         "--s",
@@ -1253,7 +1278,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=positive_int,
         help="communication budget per run (default 500; 1000 for problems; 20 for dp; 2000 for agnostic; 20 for "
-        "deep-auc; 300 for compare)",
+        "deep-auc; 30 for robust-mlp; 300 for compare)",
     )
     p.add_argument(
         "--epsilons", type=positive_float, nargs="+", help="dp: target epsilons (default 0.5 1 2 4 8; delta 1e-5)"
@@ -1300,7 +1325,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="deep-auc: a Python with libauc, torch and fedsaddle, for the centralized LibAUC baseline",
     )
-    p.add_argument("--jobs", type=positive_int, help="deep-auc: runs at once, each in a process of its own (default 1)")
+    p.add_argument(
+        "--jobs", type=positive_int, help="deep-auc, robust-mlp: runs at once, each in a process of its own (default 1)"
+    )
     p.add_argument("--out", help="report folder (default: runs/experiment-WHICH-TIME)")
 
     p = command("health", "check a coordinator's gRPC health service (exit 0 if serving)", cmd_health)
