@@ -138,3 +138,32 @@ def test_the_command_refuses_a_libauc_python_that_is_not_there(tmp_path: Path) -
         timeout=120,
     )
     assert done.returncode == 2 and "experiment problems does not take --libauc-python" in done.stderr
+
+
+# -- the group-robust MLP ------------------------------------------------------------------------------------
+
+
+def test_the_agnostic_weights_ascend_on_each_clients_loss_and_uniform_leaves_them_alone() -> None:
+    from fedsaddle.experiments.robust_mlp import AgnosticMlp, AgnosticMlpSpec, split_classes
+
+    spec = AgnosticMlpSpec(hidden=4, nu=0.5, lam=0.0)
+    problem = AgnosticMlp(spec)
+    datas = split_classes(spec)
+    assert sorted({int(label) for d in datas for label in d.y}) == list(range(10))  # all ten digits, as labels
+    z = problem.initial_point(2)
+    weights = np.linspace(1.0, 2.0, 10)
+    z[-10:] = weights / weights.sum()
+    i = 3
+    client = client_context(i, 10, datas[i].samples)
+    g = problem.gradient(datas[i], z, client=client)
+    mlp, _ = problem.unflatten(z)
+    with torch.no_grad():
+        logits = mlp(torch.as_tensor(datas[i].X, dtype=torch.float32)).double()
+    loss = float(torch.nn.functional.cross_entropy(logits, torch.as_tensor(datas[i].y).long()))
+    # f_i = n lambda_i L_i - nu/2 ||lambda - 1/n||^2, and G's lambda block is -grad_lambda f_i
+    expected = 0.5 * (z[-10:] - 0.1)
+    expected[i] -= 10 * loss
+    assert np.allclose(g[-10:], expected, rtol=1e-5, atol=1e-6)
+    uniform = AgnosticMlp(AgnosticMlpSpec(hidden=4, uniform=True))
+    assert np.all(uniform.gradient(datas[i], z, client=client)[-10:] == 0.0)
+    assert uniform.client_accuracies(z).shape == (10,)
