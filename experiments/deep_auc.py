@@ -14,7 +14,7 @@ splits with `split_seed` k and starts the network from the seed-k initialization
 Rows of the table:
 
 * Local SGDA+, FedGDA-GT, SCAFFOLD-S and FedAvg-S (constant step) on AUC-M;
-* FedAvg-S on the same network with cross-entropy (`loss: cross_entropy`: no max player);
+* FedAvg-S on the same network with cross-entropy (`loss_kind: cross_entropy`: no max player);
 * LibAUC: the same network, the same initialization, on the pooled training images of the same split,
   trained centrally with LibAUC's own `AUCMLoss` and `PESG` (experiments/libauc_baseline.py, run in a
   Python that has libauc: `--libauc-python`), for as many minibatch gradients as the whole federation
@@ -102,7 +102,7 @@ class Point:
 
 
 def problem_spec(seed: int, loss: str = "aucm") -> dict[str, Any]:
-    return {**PROBLEM, "split_seed": seed, "loss": loss}
+    return {**PROBLEM, "split_seed": seed, "loss_kind": loss}
 
 
 def config(method: Method, step: float, seed: int, rounds: int) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def test_pooled_validation_auc_needs_validation_images() -> None:
 
 
 def test_cross_entropy_is_the_logistic_loss_and_leaves_the_auc_variables_alone() -> None:
-    spec = DeepAucSpec(**SMALL, num_clients=2, loss="cross_entropy", lam=0.0)
+    spec = DeepAucSpec(**SMALL, num_clients=2, loss_kind="cross_entropy", lam=0.0)
     problem = DeepAuc(spec)
     data = split_digits(spec)[0]
     z = problem.initial_point(1)
