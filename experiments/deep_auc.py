@@ -241,7 +241,7 @@ def start_libauc(
 
 def finish_libauc(process: subprocess.Popen[bytes], out: Path) -> list[Point]:
     if process.wait() != 0:
-        raise RuntimeError(f"the LibAUC baseline failed (exit status {process.returncode}): {process.args}")
+        raise RuntimeError(f"the LibAUC baseline failed (exit status {process.returncode}); its output is above")
     return [Point(**p) for p in json.loads((out / "libauc.json").read_text())]
 
 

@@ -39,8 +39,8 @@ from .deep_auc import BATCH, problem_spec
 
 def _libauc() -> Any:
     try:
-        import libauc.losses
-        import libauc.optimizers
+        import libauc.losses  # type: ignore[import-not-found]  # (its own Python only; no stubs)
+        import libauc.optimizers  # type: ignore[import-not-found]
     except ImportError:
         sys.exit(
             f"the LibAUC baseline needs libauc, which {sys.executable} does not have: make a Python of its own "
