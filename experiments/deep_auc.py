@@ -358,10 +358,18 @@ def _figure(path: Path, chosen: dict[str, tuple[float, list[Point]]], names: dic
 
     keys = list(chosen)
     fig, ax = plt.subplots(figsize=(9, 4.2), dpi=110)
-    ax.boxplot([[p.test_auc for p in chosen[k][1] if not math.isnan(p.test_auc)] for k in keys], vert=False)
+    values = [[p.test_auc for p in chosen[k][1] if not math.isnan(p.test_auc)] for k in keys]
+    # boxplot's `orientation` arrived in matplotlib 3.10, which deprecates `vert`; the project allows 3.8.
+    sideways = {"orientation": "horizontal"} if _at_least(matplotlib.__version__, (3, 10)) else {"vert": False}
+    ax.boxplot(values, **sideways)
     ax.set_yticks(range(1, len(keys) + 1), [names[k] for k in keys], fontsize=8)
     ax.set_xlabel("test AUC (digit 9 against the rest), one point per seed")
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _at_least(version: str, wanted: tuple[int, ...]) -> bool:
+    parts = tuple(int(p) for p in version.split(".")[: len(wanted)] if p.isdigit())
+    return parts >= wanted
