@@ -65,7 +65,8 @@ def bench_steps(args: argparse.Namespace) -> None:
 
     from fedsaddle.common.problems.base import client_context
     from fedsaddle.common.problems.deep_auc import DeepAuc, DeepAucSpec, split_digits
-    from fedsaddle.common.problems.pytorch import Batch, minibatch_rows
+    from fedsaddle.common.problems.pytorch import Batch
+    from fedsaddle.common.problems.shards import minibatch_rows
     from fedsaddle.common.tasks import LocalStepsTask
     from fedsaddle.common.worker import Worker
 
