@@ -18,6 +18,8 @@ INIT = 6  # a random starting point
 SAMPLING = 7  # the coordinator's choice of the clients that take part in a round
 DP_NOISE = 8  # the coordinator's noise on a round's sum (central differential privacy)
 MINIBATCH = 9  # the training rows of a stochastic oracle call, per client, round and call
+ATTACK = 10  # a simulated Byzantine client's noise (gaussian attack), per client and round
+BUCKETS = 11  # the coordinator's draw of a robust rule's buckets, per round
 SHARED = 2**32 - 1  # "client index" of data shared by all clients
 
 

@@ -32,13 +32,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedsaddle.common.attacks import corrupt_round
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem, solution, stack_shards
 from fedsaddle.common.tasks import Answer, ComputeTask, GradientTask, LocalStepsTask, Task
 from fedsaddle.common.worker import ShardCache, Worker
+from fedsaddle.server.aggregation import round_rule
 from fedsaddle.server.algorithms.base import aggregate
 from fedsaddle.server.config import AlgorithmSpec, RunConfig
-from fedsaddle.server.driver import AlgorithmResult, Run, StepDone, distances, make_run
+from fedsaddle.server.driver import AlgorithmResult, Run, StepDone, distances, make_run, robustness
 from fedsaddle.server.pool import fresh_traffic, sample_clients
 from fedsaddle.server.settlement import RoundTally, settle
 
@@ -56,7 +58,19 @@ class BatchRun:
 class _Member:
     """A run of the batch and its own counts."""
 
-    __slots__ = ("config", "event", "rounds", "run", "traffic", "weights", "z_star")
+    __slots__ = (
+        "attack",
+        "config",
+        "event",
+        "faulty",
+        "faulty_rounds",
+        "rounds",
+        "rule",
+        "run",
+        "traffic",
+        "weights",
+        "z_star",
+    )
 
     def __init__(self, member: BatchRun) -> None:
         self.config = member.config
@@ -71,6 +85,11 @@ class _Member:
         self.traffic: Counter[RoundTally] = Counter()
         self.event: Task | StepDone | None = None
         self.weights: Array | None = None  # the clients' sample counts, when the run weights by samples
+        # As ClientPool's: the run's robust rule and simulated attack, and the clients the rule left out.
+        self.rule = member.config.aggregation.build()
+        self.attack = member.config.attack.attack() if member.config.attack is not None else None
+        self.faulty: Counter[int] = Counter()
+        self.faulty_rounds = 0
 
 
 def _signature(task: Task, round_id: int) -> tuple[object, ...]:
@@ -180,7 +199,10 @@ def run_batch(
         for rows in groups.values():
             _exchange(runs, tuple(rows), workers)
     wall = time.perf_counter() - started
-    return [m.run.result(_traffic_dict(m), wall_s=wall / len(runs)) for m in runs]
+    results = [m.run.result(_traffic_dict(m), wall_s=wall / len(runs)) for m in runs]
+    for member, result in zip(runs, results, strict=True):
+        result.extra.update(robustness(member.config, member.faulty, member.faulty_rounds))
+    return results
 
 
 def _record_boundaries(runs: list[_Member], dim_x: int) -> None:
@@ -232,8 +254,19 @@ def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> 
                 chosen = vectors[i][drawn], None if objective is None else objective[i][drawn]
                 diverged = not (np.isfinite(chosen[0]).all() and (chosen[1] is None or np.isfinite(chosen[1]).all()))
                 reply, aggregated = Answer(sampled, *chosen, diverged), None
-            settlement = settle(tasks[i], n, dimension, sampled, [reply], weights, aggregated)
+            replies = [reply]
+            rule = None
+            if member.attack is not None:  # as ClientPool.exchange: the answers replaced, then settled
+                replies = corrupt_round(member.attack, replies, config.seed, member.rounds)
+            if member.rule is not None:
+                rule, aggregated = round_rule(member.rule, config.seed, member.rounds), None
+            elif member.attack is not None:
+                aggregated = None
+            settlement = settle(tasks[i], n, dimension, sampled, replies, weights, aggregated, rule=rule)
             member.traffic[settlement.tally] += 1
+            if settlement.faulty:
+                member.faulty.update(settlement.faulty)
+                member.faulty_rounds += 1
             if settlement.answers is None:
                 # As a run alone: the round is counted, then the run stops as diverged.
                 member.run.stop("diverged", f"round {member.rounds}: non-finite values from the clients")

@@ -28,6 +28,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from fedsaddle.common import wire
+from fedsaddle.common.attacks import Attack, AttackKind
 from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Precision
 from fedsaddle.common.problems import (
@@ -51,6 +52,21 @@ from fedsaddle.common.secagg.settings import (
     round_threshold,
 )
 from fedsaddle.common.tasks import Decay
+from fedsaddle.server.aggregation import (
+    MAX_ROWS_MIB,
+    Bucketing,
+    CenteredClipping,
+    GeometricMedian,
+    Krum,
+    Mean,
+    Median,
+    PluginNotFound,
+    Rule,
+    TrimmedMean,
+    load_plugin,
+    rule_check,
+    rule_tolerates,
+)
 from fedsaddle.server.algorithms.registry import AlgorithmNotFound, AlgorithmSpecBase, definition, parse_algorithm
 
 if TYPE_CHECKING:
@@ -436,6 +452,109 @@ class PrivacySpec(_Model):
         return SecAggSettings(self.threshold or 0, self.scale_bits, bound, neighbours)
 
 
+AggregationRuleName = Literal[
+    "mean", "median", "trimmed_mean", "krum", "geometric_median", "centered_clipping", "plugin"
+]
+_RULE_PARAMETERS: dict[str, tuple[str, ...]] = {  # which of AggregationSpec's parameters each rule takes
+    "mean": (),
+    "median": (),
+    "trimmed_mean": ("beta",),
+    "krum": ("f", "m"),
+    "geometric_median": ("iterations", "eps", "tol"),
+    "centered_clipping": ("tau", "iterations"),
+    "plugin": ("path", "params"),
+}
+
+
+class AggregationSpec(_Model):
+    """How a round's answers are aggregated (server/aggregation.py; docs/robustness.md): the mean, or a
+    rule that bounds what Byzantine clients can do, optionally after bucketing."""
+
+    rule: AggregationRuleName = Field("mean", description="the aggregation rule of every algorithm exchange")
+    beta: float | None = Field(None, ge=0, lt=0.5, description="trimmed_mean: share cut at each end (default 0.1)")
+    f: int | None = Field(None, ge=0, description="krum: Byzantine clients tolerated (needs n > 2f + 2)")
+    m: int | None = Field(None, ge=1, description="krum: rows averaged (1: Krum, more: Multi-Krum; default 1)")
+    iterations: int | None = Field(
+        None, ge=1, le=10_000, description="geometric_median: Weiszfeld steps (default 100); centered_clipping (3)"
+    )
+    eps: float | None = Field(None, gt=0, description="geometric_median: smoothing of the distances (default 1e-8)")
+    tol: float | None = Field(
+        None, ge=0, description="geometric_median: stop once a step moves by at most tol ||v|| (1e-10)"
+    )
+    tau: float | None = Field(None, gt=0, description="centered_clipping: clipping radius (default 1)")
+    path: str | None = Field(None, description="plugin: module:Class, or an entry point of fedsaddle.aggregations")
+    params: dict[str, Any] = Field(default_factory=dict, description="plugin: keyword arguments of its class")
+    bucketing: int | None = Field(
+        None, ge=1, description="s: average random buckets of s clients first (Karimireddy et al. 2022)"
+    )
+    max_rows_mib: float = Field(
+        MAX_ROWS_MIB, gt=0, description="most MiB of one round's rows (n * D * 8 bytes) the coordinator holds"
+    )
+
+    @model_validator(mode="after")
+    def _parameters_of_the_rule(self) -> AggregationSpec:
+        takes = _RULE_PARAMETERS[self.rule]
+        given = [name for names in _RULE_PARAMETERS.values() for name in names if name not in takes]
+        stray = sorted({name for name in given if name in self.model_fields_set})
+        if stray:
+            raise ValueError(f"{self.rule} takes no {', '.join(stray)} (it takes: {', '.join(takes) or 'nothing'})")
+        if self.rule == "krum" and self.f is None:
+            raise ValueError("krum needs f, the Byzantine clients it tolerates")
+        if self.rule == "plugin" and not self.path:
+            raise ValueError("plugin needs path: module:Class, or an entry point of fedsaddle.aggregations")
+        return self
+
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether the coordinator must hold every client's row (any rule but the plain mean)."""
+        return self.rule != "mean" or self.bucketing is not None
+
+    def build(self) -> Rule | None:
+        """The rule (None: the plain mean, RoundAnswers' own)."""
+        rule: Rule
+        if self.rule == "mean":
+            rule = Mean()
+        elif self.rule == "median":
+            rule = Median()
+        elif self.rule == "trimmed_mean":
+            rule = TrimmedMean(0.1 if self.beta is None else self.beta)
+        elif self.rule == "krum":
+            rule = Krum(self.f or 0, self.m or 1)
+        elif self.rule == "geometric_median":
+            rule = GeometricMedian(self.iterations or 100, self.eps or 1e-8, 1e-10 if self.tol is None else self.tol)
+        elif self.rule == "centered_clipping":
+            rule = CenteredClipping(self.tau or 1.0, self.iterations or 3)
+        else:
+            rule = load_plugin(self.path or "", self.params)
+        if self.bucketing is not None:
+            return Bucketing(rule, self.bucketing)
+        return None if self.rule == "mean" else rule
+
+
+class AttackSpec(_Model):
+    """Byzantine clients, simulated by the coordinator on every algorithm exchange (common/attacks.py)."""
+
+    kind: AttackKind = Field(description="sign_flip, scale, gaussian, alie, ipm or false_diverged")
+    clients: list[int] = Field(min_length=1, description="the Byzantine clients' indices")
+    factor: float = Field(-1.0, description="scale: what their answers are multiplied by")
+    sigma: float = Field(1.0, gt=0, description="gaussian: standard deviation of the noise added")
+    epsilon: float = Field(0.1, description="ipm: they send -epsilon times the mean")
+    z: float | None = Field(None, description="alie: they send mu - z sigma (default: the paper's z_max)")
+    omniscient: bool = Field(
+        False, description="alie, ipm: the honest clients' statistics (else the Byzantine clients' own)"
+    )
+
+    @field_validator("clients")
+    @classmethod
+    def _distinct(cls, value: list[int]) -> list[int]:
+        if len(set(value)) < len(value) or min(value) < 0:
+            raise ValueError(f"clients must be distinct indices >= 0, got {value}")
+        return sorted(value)
+
+    def attack(self) -> Attack:
+        return Attack(self.kind, tuple(self.clients), self.factor, self.sigma, self.epsilon, self.z, self.omniscient)
+
+
 Accuracy = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -503,6 +622,10 @@ class RunConfig(_Model):
     )
     participation: ParticipationSpec = Field(default_factory=ParticipationSpec)
     privacy: PrivacySpec = Field(default_factory=PrivacySpec)
+    aggregation: AggregationSpec = Field(
+        default_factory=AggregationSpec, description="the rule every algorithm exchange is aggregated by"
+    )
+    attack: AttackSpec | None = Field(None, description="simulated Byzantine clients (research and tests)")
     evaluate_every: int = Field(
         0, ge=0, description="every this many steps, clients evaluate the iterate on their held-out data (0: never)"
     )
@@ -555,6 +678,7 @@ class RunConfig(_Model):
             *self._gradient_norm_is_evaluated(),
             *self._dp_is_sound(),
             *self._secure_aggregation_is_sound(),
+            *self._aggregation_is_sound(info),
             *self._labels_unique(),
             *self._precision_fits(),
         ]
@@ -690,6 +814,57 @@ class RunConfig(_Model):
                 "round; raise min_clients or neighbours"
             )
             faults.append((("participation", "min_clients"), why))
+        return faults
+
+    def _aggregation_is_sound(self, info: ValidationInfo) -> list[Fault]:
+        aggregation, attack = self.aggregation, self.attack
+        faults: list[Fault] = []
+        n = self.problem.num_clients
+        per_round = max(1, round(self.participation.fraction * n))  # as sample_clients draws them
+        if aggregation.keeps_rows and self.privacy.secure_aggregation:
+            why = (
+                f"{aggregation.rule}{' with bucketing' if aggregation.bucketing else ''} needs each client's vector, "
+                "and secure aggregation shows the coordinator only their sum: use rule: mean (privacy.dp's "
+                "clipping bounds each client's norm before masking; docs/robustness.md)"
+            )
+            faults.append((("aggregation",), why))
+        if attack is not None and self.privacy.secure_aggregation:
+            why = "a simulated attack replaces clients' vectors at the coordinator, which secure aggregation hides"
+            faults.append((("attack",), why))
+        if aggregation.keeps_rows and self.privacy.dp is not None:
+            why = f"differential privacy's noise is calibrated to the clipped mean, not to {aggregation.rule}"
+            faults.append((("aggregation",), why))
+        if aggregation.keeps_rows and aggregation.rule != "plugin" and self.weighting != "uniform":
+            why = f"{aggregation.rule} gives every client one vote; it needs weighting: uniform"
+            faults.append((("aggregation",), why))
+        if attack is not None and attack.clients[-1] >= n:
+            why = f"client {attack.clients[-1]} does not exist: the federation has clients 0..{n - 1}"
+            faults.append((("attack", "clients"), why))
+        try:
+            rule = aggregation.build()
+        except (PluginNotFound, ValueError) as exc:
+            faults.append((("aggregation",), str(exc)))
+            return faults
+        if rule is not None:
+            try:
+                rule_check(rule, per_round)
+            except ValueError as exc:
+                faults.append((("aggregation",), f"{exc} (a round has {per_round} clients)"))
+            tolerated = rule_tolerates(rule, per_round)
+            if attack is not None and tolerated is not None and len(attack.clients) > tolerated:
+                why = (
+                    f"{len(attack.clients)} Byzantine clients, more than the {tolerated} that {rule.name} tolerates "
+                    f"among {per_round} clients"
+                )
+                faults.append((("attack", "clients"), why))
+        if (rule is not None or attack is not None) and not (info.context and info.context.get("problem_invalid")):
+            held = n * make_problem(self.problem).dimension * 8 / 2**20
+            if held > aggregation.max_rows_mib:
+                why = (
+                    f"a round's rows would hold {n} x {make_problem(self.problem).dimension} float64 = {held:.0f} MiB "
+                    f"at the coordinator, more than max_rows_mib = {aggregation.max_rows_mib:g}"
+                )
+                faults.append((("aggregation", "max_rows_mib"), why))
         return faults
 
     def _labels_unique(self) -> list[Fault]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -344,6 +344,7 @@ def run_info(config: RunConfig, run_id: str, computations: tuple[str, ...] = ())
     privacy = config.privacy
     secure = config.secure_settings() if privacy.secure_aggregation else None
     dp = privacy.dp.settings() if privacy.dp is not None else None
+    attack = config.attack.attack() if config.attack is not None else None
     return RunInfo(
         run_id,
         config.problem,
@@ -355,6 +356,8 @@ def run_info(config: RunConfig, run_id: str, computations: tuple[str, ...] = ())
         dp,
         computations,
         config.precision,
+        config.aggregation.build(),
+        attack,
     )
 
 
@@ -468,9 +471,27 @@ def run_algorithm(
             "noise_added_by": "clients" if config.privacy.secure_aggregation else "coordinator",
             "accountant": "dp-accounting RDP, sampled Gaussian mechanism, one release per algorithm round",
         }
+    result.extra.update(robustness(config, pool.faulty_reports, pool.faulty_rounds))
     if stopped_by is not None:
         raise RunStopped(result, stopped_by) from stopped_by
     return result
+
+
+def robustness(config: RunConfig, reports: Mapping[int, int], rounds: int) -> dict[str, Any]:
+    """What summary.json says of a run's aggregation rule and attack (nothing for the plain mean, unattacked):
+    the rule, and the clients a robust rule left out of rounds for reporting non-finite results."""
+    extra: dict[str, Any] = {}
+    aggregation = config.aggregation
+    if aggregation.keeps_rows:
+        extra["aggregation"] = {
+            **aggregation.model_dump(mode="json", exclude_defaults=True),
+            "rule": aggregation.rule,
+            "diverged_reports": {str(client): count for client, count in sorted(reports.items())},
+            "rounds_with_diverged_reports": rounds,
+        }
+    if config.attack is not None:
+        extra["attack"] = config.attack.model_dump(mode="json")
+    return extra
 
 
 def run_all(config: RunConfig, pool: ClientPool, progress: ProgressHook | None = None) -> list[AlgorithmResult]:

@@ -20,6 +20,7 @@ gRPC traffic, in bytes, is counted apart).
 from __future__ import annotations
 
 import abc
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,6 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedsaddle.common import dp, seeding
+from fedsaddle.common.attacks import Attack, corrupt_round
 from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Array, Precision, element_type, ordered_sum
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
@@ -37,6 +39,7 @@ from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, ComputeTask, GradientTask, Task
+from fedsaddle.server.aggregation import Rule, round_rule
 from fedsaddle.server.algorithms.base import RoundAnswers
 from fedsaddle.server.config import Weighting
 from fedsaddle.server.fold import OrderedFold
@@ -87,10 +90,19 @@ class RunInfo:
     dp: DpSettings | None = None  # differential privacy: clipping and noise on every algorithm round's sum
     computations: tuple[str, ...] = ()  # the local computations the algorithm's tasks name (a client needs each)
     precision: Precision = "float64"  # the element type of tasks, answers and the algorithm's state
+    # The coordinator's own, never sent to clients: a robust aggregation rule (None: the mean), and a simulated
+    # attack (common/attacks.py). Either makes the coordinator keep each round's rows (server/aggregation.py).
+    rule: Rule | None = None
+    attack: Attack | None = None
 
     @property
     def element(self) -> np.dtype[np.floating]:
         return element_type(self.precision)
+
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether each client's row must reach the settlement (no running fold of the answers)."""
+        return self.rule is not None or self.attack is not None
 
     @cached_property
     def problem_object(self) -> Problem:
@@ -211,6 +223,10 @@ class ClientPool(abc.ABC):
         self.failure: str | None = None  # why the runs on this pool failed, if they did (told to clients at close)
         self.farewell = "the run is over"  # what clients are told at close when nothing failed
         self.secure: SecureRounds | None = None  # the run's secure aggregation, when it has it
+        # Robust rule: how often each client reported non-finite results and was left out of a round (a false
+        # "diverged" report, or a real one from a minority), and in how many rounds that happened.
+        self.faulty_reports: Counter[int] = Counter()
+        self.faulty_rounds = 0
 
     def start_run(self, run: RunInfo) -> None:
         """Announce a run (clients load their data for it); counters and round ids start afresh."""
@@ -219,6 +235,7 @@ class ClientPool(abc.ABC):
         self.traffic = fresh_traffic(run.num_clients, privacy=run.secure is not None)
         self.weights = None
         self.secure = None
+        self.faulty_reports, self.faulty_rounds = Counter(), 0
         counts = self._announce(run)
         if run.secure is not None:  # the clients weight their own rows: the coordinator never learns a count
             self._agree_keys(run, run.secure)
@@ -257,9 +274,18 @@ class ClientPool(abc.ABC):
         if self.secure is not None:
             return self._secure_exchange(task, category, participants)
         replies = self._exchange(task, self.round_id, category, participants)
+        algorithm = category == "algorithm"
+        if run.attack is not None and algorithm:
+            replies = corrupt_round(run.attack, replies, run.seed, self.round_id)
         folded = self._folded()
-        settlement = settle(task, run.num_clients, run.dimension, participants, replies, self.weights, folded=folded)
+        rule = round_rule(run.rule, run.seed, self.round_id) if run.rule is not None and algorithm else None
+        settlement = settle(
+            task, run.num_clients, run.dimension, participants, replies, self.weights, folded=folded, rule=rule
+        )
         self.traffic[category].add(settlement.tally)
+        if settlement.faulty:
+            self.faulty_reports.update(settlement.faulty)
+            self.faulty_rounds += 1
         if settlement.answers is None:
             raise Diverged(self.round_id, settlement.diverged)
         if run.dp is not None and category == "algorithm":

@@ -16,7 +16,7 @@ either way, which is what lets a transport answer with a sum alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -57,11 +57,15 @@ def round_traffic(
 
 
 class Settlement(NamedTuple):
-    """A settled round. `answers` is None when clients reported non-finite results (`diverged`)."""
+    """A settled round. `answers` is None when clients reported non-finite results (`diverged`).
+
+    Under a robust rule a minority of clients reporting non-finite results does not end the run: they are
+    left out of the round, as a straggler is, and named in `faulty` (and `answers` is the others')."""
 
     tally: RoundTally
     answers: RoundAnswers | None
     diverged: tuple[int, ...] = ()  # the clients whose results were not finite, in index order
+    faulty: tuple[int, ...] = ()  # robust rule: clients that reported non-finite results and were left out
 
 
 def settle(
@@ -73,6 +77,7 @@ def settle(
     weights: Array | None = None,
     aggregated: tuple[Array, float | None] | None = None,
     folded: OrderedFold | None = None,
+    rule: Callable[[Array, Array | None], Array] | None = None,
 ) -> Settlement:
     """Settle one round of `task` among `num_clients` clients.
 
@@ -81,13 +86,18 @@ def settle(
     weights: the run's weight per client (sample counts), None for the paper's uniform 1/n;
     aggregated: the round's (mean, mean objective), when the caller computed them by the same rule;
     folded: the replies' vectors added up as they came, in index order (server/fold.py); the replies
-        then carry who answered, their objectives and divergence, and no vectors.
+        then carry who answered, their objectives and divergence, and no vectors;
+    rule: the round's robust rule (server/aggregation.py), for an algorithm round of a run that has one:
+        the rows are kept for it, and clients that report non-finite results are left out unless they are
+        at least half of those that answered (then the round diverged, as under the mean).
 
     The answering clients are the ones the replies speak for: fewer than were asked
     when a straggler deadline closed the round. Evaluation rounds weigh each client's
     metrics by its held-out rows (the replies' `counts`), whatever the run's weights.
     """
     evaluation = isinstance(task, EvaluateTask)
+    if rule is not None and not evaluation:
+        return _settle_robust(task, num_clients, dimension, participants, replies, weights, rule)
     if aggregated is not None and participants is None and len(replies) == 1 and not evaluation:
         # The caller aggregated already (the batched driver, for all its runs at once): when its one
         # reply is every client's, its rows are the round's, in order, and are not summed again.
@@ -169,3 +179,38 @@ def _summed_in_place(
                 objective[[row_of[i] for i in reply.indices]] = reply.objective
     mean = aggregate_rows([vector for _, vector in rows], weights)
     return RoundAnswers(None, objective, weights, indices, aggregated=(mean, None))
+
+
+def _settle_robust(
+    task: Task,
+    num_clients: int,
+    dimension: int,
+    participants: tuple[int, ...] | None,
+    replies: Sequence[Answer],
+    weights: Array | None,
+    rule: Callable[[Array, Array | None], Array],
+) -> Settlement:
+    """An algorithm round under a robust rule: every answering client's row kept, in index order, for the
+    rule; a minority that reports non-finite results left out (and named), as stragglers are."""
+    answered = sorted(i for reply in replies for i in reply.indices)
+    everyone = participants is None and len(answered) == num_clients
+    tally = round_traffic(task, num_clients, dimension, participants, None if everyone else tuple(answered))
+    faulty = sorted(i for reply in replies if reply.diverged for i in reply.indices)
+    if faulty and 2 * len(faulty) >= len(answered):  # no rule outvotes half: the round diverged
+        return Settlement(tally, None, tuple(faulty))
+    kept = [i for i in answered if i not in set(faulty)] if faulty else answered
+    position = {index: row for row, index in enumerate(kept)}
+    vectors = np.empty((len(kept), dimension))
+    want_objective = isinstance(task, GradientTask) and task.want_objective
+    objective = np.empty(len(kept)) if want_objective else None
+    for reply in replies:
+        if reply.diverged:
+            continue
+        rows = [position[i] for i in reply.indices]
+        vectors[rows] = reply.vectors
+        if objective is not None and reply.objective is not None:
+            objective[rows] = reply.objective
+    indices = None if everyone and not faulty else tuple(kept)
+    run_weights = None if weights is None else weights[kept]
+    answers = RoundAnswers(vectors, objective, run_weights, indices, rule=rule)
+    return Settlement(tally, answers, faulty=tuple(faulty))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import json
 import typing
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -40,14 +40,16 @@ T = TypeVar("T")
 class RoundAnswers:
     """The answers to one exchange: one row per answering client, in client-index order.
 
-    `mean()` is the aggregation rule, the only one in fedsaddle: the paper's
-    (1/n) sum_i v_i, or, when the run weights clients by their sample counts,
+    `mean()` is the round's aggregate, what every algorithm calls: by default the
+    paper's (1/n) sum_i v_i, or, when the run weights clients by their sample counts,
     sum_i m_i v_i / sum_i m_i. Either way the sum runs in client-index order. A
     driver that aggregates many runs at once may pass the means in (`aggregated`),
-    computed by the same rule.
+    computed by the same rule. A run with a robust rule (server/aggregation.py)
+    passes the round's `rule` instead, and `mean()` is that rule's aggregate of the rows
+    (and `mean_objective()` of the objective values).
     """
 
-    __slots__ = ("_mean", "_mean_objective", "element", "indices", "objective", "vectors", "weights")
+    __slots__ = ("_mean", "_mean_objective", "element", "indices", "objective", "rule", "vectors", "weights")
     _mean: Array | None
     _mean_objective: float | None
 
@@ -58,7 +60,9 @@ class RoundAnswers:
         weights: Array | None = None,
         indices: tuple[int, ...] | None = None,
         aggregated: tuple[Array, float | None] | None = None,
+        rule: Callable[[Array, Array | None], Array] | None = None,
     ) -> None:
+        self.rule = rule  # the round's robust rule (rows, weights) -> vector; None: the mean
         self.vectors = vectors  # (m, D); None when the pool passed the mean in (large D)
         self.objective = objective  # (m,) f_i(z), when the task asked for it
         self.weights = weights  # (m,) sample counts, or None for uniform weights
@@ -71,7 +75,10 @@ class RoundAnswers:
         """The aggregated vector (D,)."""
         if self._mean is None:
             assert self.vectors is not None
-            self._mean = aggregate(self.vectors[None], self.weights)[0]
+            if self.rule is not None:
+                self._mean = self.rule(self.vectors, self.weights)
+            else:
+                self._mean = aggregate(self.vectors[None], self.weights)[0]
         if self.element is not None and self._mean.dtype != self.element:
             self._mean = self._mean.astype(self.element)
         return self._mean
@@ -83,7 +90,10 @@ class RoundAnswers:
         if self.objective is None:
             return None
         if self._mean_objective is None:
-            self._mean_objective = float(aggregate(self.objective[None, :, None], self.weights)[0, 0])
+            if self.rule is not None:
+                self._mean_objective = float(self.rule(self.objective[:, None], self.weights)[0])
+            else:
+                self._mean_objective = float(aggregate(self.objective[None, :, None], self.weights)[0, 0])
         return self._mean_objective
 
 

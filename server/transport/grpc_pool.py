@@ -312,7 +312,7 @@ class GrpcPool(ClientPool):
         run = self.run
         assert run is not None
         # Central differential privacy clips each client's row: those rounds keep the rows, not their sum.
-        fold = not masked and run.dp is None and self.fold_answers
+        fold = not masked and run.dp is None and self.fold_answers and not run.keeps_rows
         request = round_request(
             run, round_id, task, self.chunk_bytes, participants, masked, fold, self.weights, masked_sum
         )
