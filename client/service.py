@@ -33,6 +33,7 @@ from google.protobuf.message import DecodeError
 from fedsaddle.client.probe import TlsFiles, probe
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import blas, eventloop, wire
+from fedsaddle.common.attacks import Attack
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.stop import Stopped
 from fedsaddle.common.text import printable
@@ -73,6 +74,7 @@ class ClientOptions:
     # which grows with the link): at d = 1e6 gRPC's own held much of a 30 MiB task in its buffers. One
     # default chunk: 1 MiB held no less, and made the d = 1e6 round about 30 ms longer (bench/README.md).
     receive_window_mib: float = 2.0
+    attack: Attack | None = None  # research and tests: this process lies about its answers (common/attacks.py)
 
 
 def _hung_up(options: ClientOptions) -> str | None:
@@ -177,7 +179,7 @@ def _parse(data: bytes) -> pb.Instruction | wire.RawChunk | wire.InlineTask | _G
 
 async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: ShardCache, waiting: _Waiting) -> None:
     """One session, until a DONE goodbye (return), a FAILED one (RunFailed) or a lost stream (_Lost)."""
-    session = ClientSession(options.indices, shards)
+    session = ClientSession(options.indices, shards, options.attack)
     open_session = channel.stream_stream(
         wire.SESSION_METHOD, request_serializer=wire.serialized, response_deserializer=_parse
     )

@@ -19,6 +19,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from fedsaddle.common import blas, wire
+from fedsaddle.common.attacks import Attack, corrupt_answer
 from fedsaddle.common.computations import find_computation
 from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.indices import some
@@ -63,8 +64,11 @@ class RunFailed(ClientError):
 class ClientSession:
     """The state of one session: the welcome, the current run and its worker, a task being assembled."""
 
-    def __init__(self, indices: tuple[int, ...], shards: ShardCache | None = None) -> None:
+    def __init__(
+        self, indices: tuple[int, ...], shards: ShardCache | None = None, attack: Attack | None = None
+    ) -> None:
         self.indices = indices
+        self.attack = attack  # research and tests: lie about every algorithm answer (common/attacks.py)
         self._answers: wire.AnswerWriter | None = None  # made by the Welcome, with its chunk size
         self.run: pb.RunSpec | None = None
         self._run_id, self._dimension = "", 0  # the run's, read once (not per task)
@@ -315,7 +319,7 @@ class ClientSession:
         inline = inline and self._element == wire.FLOAT64  # (its bytes are float64's)
         assert self._answers is not None  # (the Welcome came before the run)
         self._answers.dtype = self._element
-        gradient = worker.lone_gradient() if inline and not self._parties else None
+        gradient = worker.lone_gradient() if inline and not self._parties and self.attack is None else None
         if gradient is not None:
             self._lone = LoneGradient(
                 run.run_id, worker.indices[0], self._dimension, gradient, worker.answer, self._answers
@@ -382,9 +386,19 @@ class ClientSession:
             answer = self._masked(message, task, clients)
         else:
             assert self._answers is not None  # (a run has begun: the Welcome came before it)
-            answer = self._answers.encode(run_id, round_id, self.worker.execute(task, round_id, clients))
+            answer = self._answers.encode(
+                run_id, round_id, self._lie(task, self.worker.execute(task, round_id, clients), round_id)
+            )
         self._answered(round_id)
         return answer
+
+    def _lie(self, task: Task, answer: Answer, round_id: int) -> Answer:
+        """The answer as this process sends it: its own, unless it simulates a Byzantine client (never on
+        held-out evaluation)."""
+        if self.attack is None or isinstance(task, EvaluateTask):
+            return answer
+        assert self.run is not None
+        return corrupt_answer(self.attack, answer, self.run.noise_seed, round_id)
 
     def _answered(self, round_id: int) -> None:
         """Count a task answered; a line in the log every `heartbeat_s`."""
@@ -416,7 +430,7 @@ class ClientSession:
         """The task's answer as masked rows, one per answering client, each masked by its own party."""
         assert self.worker is not None
         round_clients = tuple(int(i) for i in message.round_clients) or tuple(range(self._federation_size))
-        answer = self.worker.execute(task, message.round_id, clients)
+        answer = self._lie(task, self.worker.execute(task, message.round_id, clients), message.round_id)
         self._last_masked = (message.round_id, round_clients, row_length(task, self._dimension))
         self._upcoming = None
         try:

@@ -328,10 +328,15 @@ def cmd_client(args: argparse.Namespace) -> int:
     from fedsaddle.client.probe import TlsFiles
     from fedsaddle.client.service import ECHOES_COORDINATOR, ClientError, ClientOptions, serve
     from fedsaddle.client.session import RunFailed
+    from fedsaddle.common.attacks import parse_own_attack
 
     _device(args)
     token = _read_token(args.token_file)
     hosted = parse_indices(args.clients)
+    try:
+        attack = parse_own_attack(args.attack, hosted) if args.attack else None
+    except ValueError as exc:
+        raise UsageError(f"--attack: {exc}") from None
     options = ClientOptions(
         args.coordinator,
         hosted,
@@ -346,6 +351,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         client_certificate=bool(args.cert),
         check_statistics=not args.statistics_checked,
         tls_files=TlsFiles(args.ca, args.cert, args.key) if args.ca else None,
+        attack=attack,
     )
     try:
         stopped_by = serve(options)
@@ -1240,6 +1246,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="MODULE:CLASS",
         help="a plugin problem this process agrees to load (built-in and entry-point problems always load)",
+    )
+    p.add_argument(
+        "--attack",
+        metavar="KIND[:VALUE]",
+        help="research and tests: these clients lie about every answer (sign_flip, scale:FACTOR, gaussian:SIGMA, "
+        "false_diverged; docs/robustness.md)",
     )
     # Set by `fedsaddle local` for the clients it starts: it compared the spec with all their data already.
     p.add_argument("--statistics-checked", action="store_true", help=argparse.SUPPRESS)
