@@ -50,6 +50,7 @@ class Rule:
     """A robust aggregation rule: rows (m, D) in client-index order, weights, a round's generator -> (D,)."""
 
     name = "rule"
+    draws = False  # whether it uses the round's generator (a plug-in that does not say is given one)
 
     def aggregate(self, rows: Array, weights: Array | None, rng: np.random.Generator) -> Array:
         raise NotImplementedError
@@ -120,7 +121,9 @@ class Krum(Rule):
     Byzantine tolerant gradient descent", NeurIPS 2017). Each row's score is the sum of its squared
     distances to its m - f - 2 nearest other rows; Krum returns the row of least score, Multi-Krum
     (`m` > 1 here, `select`) the mean of the `select` rows of least score (ties: the lower client index).
-    Needs m > 2f + 2 rows; tolerates f."""
+    Needs m > 2f + 2 rows (the config checks the round's clients); tolerates f. A round left with fewer
+    (clients left out for reporting non-finite results, stragglers) takes the largest f its rows allow,
+    floor((m - 3) / 2): the clients left out are the likeliest of the f to be Byzantine."""
 
     name = "krum"
 
@@ -137,14 +140,17 @@ class Krum(Rule):
 
     def aggregate(self, rows: Array, weights: Array | None, rng: np.random.Generator) -> Array:
         m = rows.shape[0]
-        self.check(m)
+        if m <= 2:  # nothing to compare: no neighbours to score
+            mean: Array = ordered_sum(rows) / m
+            return mean
+        f = min(self.f, (m - 3) // 2)
         gram = rows @ rows.T
         squares = np.diag(gram)
         distances = np.maximum(squares[:, None] + squares[None, :] - 2 * gram, 0.0)
         np.fill_diagonal(distances, np.inf)
-        nearest = np.sort(distances, axis=1)[:, : m - self.f - 2]
+        nearest = np.sort(distances, axis=1)[:, : m - f - 2]
         scores = nearest.sum(axis=1)
-        chosen = np.sort(np.argsort(scores, kind="stable")[: self.select])
+        chosen = np.sort(np.argsort(scores, kind="stable")[: min(self.select, m)])
         result: Array = ordered_sum(rows[chosen]) / len(chosen)
         return result
 
@@ -170,9 +176,11 @@ class GeometricMedian(Rule):
     def aggregate(self, rows: Array, weights: Array | None, rng: np.random.Generator) -> Array:
         v: Array = ordered_sum(rows) / rows.shape[0]
         for _ in range(self.iterations):
-            b = 1.0 / np.maximum(self.eps, np.linalg.norm(rows - v, axis=1))
-            previous, v = v, ordered_sum(b[:, None] * rows) / float(ordered_sum(b[:, None])[0])
-            if np.linalg.norm(v - previous) <= self.tol * max(float(np.linalg.norm(v)), self.eps):
+            offsets = rows - v
+            b = 1.0 / np.maximum(self.eps, np.sqrt(np.einsum("ij,ij->i", offsets, offsets)))
+            previous, v = v, ordered_sum(b[:, None] * rows) / float(b.cumsum()[-1])
+            step, size = v - previous, float(np.dot(v, v))
+            if float(np.dot(step, step)) <= self.tol**2 * max(size, self.eps**2):
                 break
         return v
 
@@ -212,6 +220,7 @@ class Bucketing(Rule):
         if s < 1:
             raise ValueError(f"bucketing needs s >= 1, got {s}")
         self.inner, self.s = inner, s
+        self.draws = True
         self.name = f"{inner.name} after bucketing s={s}"
 
     def buckets(self, m: int) -> int:
@@ -279,12 +288,18 @@ def load_plugin(path: str, params: Mapping[str, Any]) -> Any:
     return rule
 
 
+_NO_DRAWS = np.random.default_rng(0)  # given to rules that say they draw nothing (never read)
+
+
 def round_rule(rule: Rule, seed: int, round_id: int) -> Callable[[Array, Array | None], Array]:
     """The rule as one round applies it: its generator named by (run seed, round id), drawn afresh for
     each call, so a round's vector and its objective values are bucketed alike in every transport."""
 
+    draws = getattr(rule, "draws", True)
+
     def apply(rows: Array, weights: Array | None) -> Array:
-        result: Array = rule.aggregate(rows, weights, seeding.rng(seed, seeding.BUCKETS, round_id))
+        rng = seeding.rng(seed, seeding.BUCKETS, round_id) if draws else _NO_DRAWS
+        result: Array = rule.aggregate(rows, weights, rng)
         return result
 
     return apply
