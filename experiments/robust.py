@@ -127,7 +127,7 @@ def configure(cell: Cell, rounds: int) -> Any:
 
 
 def cells(seeds: Sequence[int]) -> list[Cell]:
-    found = []
+    found: list[Cell] = []
     for s in HETEROGENEITY:
         scenarios = [(0, NONE)] + [(f, attack) for f in BYZANTINE for attack in ATTACKS]
         for f, attack in scenarios:

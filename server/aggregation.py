@@ -50,7 +50,7 @@ class Rule:
     """A robust aggregation rule: rows (m, D) in client-index order, weights, a round's generator -> (D,)."""
 
     name = "rule"
-    draws = False  # whether it uses the round's generator (a plug-in that does not say is given one)
+    draws = True  # whether it reads the round's generator (the built-in rules that do not say False)
 
     def aggregate(self, rows: Array, weights: Array | None, rng: np.random.Generator) -> Array:
         raise NotImplementedError
@@ -69,6 +69,7 @@ class Mean(Rule):
     """The plain (weighted) mean, by the same additions as `RoundAnswers.mean`: breakdown point 0."""
 
     name = "mean"
+    draws = False
 
     def aggregate(self, rows: Array, weights: Array | None, rng: np.random.Generator) -> Array:
         result: Array = weighted_mean(rows[None], weights)[0]
@@ -84,6 +85,7 @@ class Median(Rule):
     (the mean of the two middle ones when m is even). Breakdown point 1/2."""
 
     name = "median"
+    draws = False
 
     def aggregate(self, rows: Array, weights: Array | None, rng: np.random.Generator) -> Array:
         result: Array = np.median(rows, axis=0)
@@ -96,6 +98,7 @@ class TrimmedMean(Rule):
     Tolerates floor(beta m) Byzantine clients."""
 
     name = "trimmed_mean"
+    draws = False
 
     def __init__(self, beta: float) -> None:
         if not 0 <= beta < 0.5:
@@ -126,6 +129,7 @@ class Krum(Rule):
     floor((m - 3) / 2): the clients left out are the likeliest of the f to be Byzantine."""
 
     name = "krum"
+    draws = False
 
     def __init__(self, f: int, select: int = 1) -> None:
         if f < 0 or select < 1:
@@ -165,6 +169,7 @@ class GeometricMedian(Rule):
     `iterations` steps or until a step moves v by at most `tol` ||v||. Breakdown point 1/2."""
 
     name = "geometric_median"
+    draws = False
 
     def __init__(self, iterations: int = 100, eps: float = 1e-8, tol: float = 1e-10) -> None:
         if iterations < 1 or eps <= 0 or tol < 0:
@@ -193,6 +198,7 @@ class CenteredClipping(Rule):
     from the coordinate-wise median, a centre a minority cannot move far."""
 
     name = "centered_clipping"
+    draws = False
 
     def __init__(self, tau: float = 1.0, iterations: int = 3) -> None:
         if not tau > 0 or iterations < 1:
