@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import config, federation
+from conftest import config, fedsaddle, federation
 
 from fedsaddle.common.attacks import Attack, alie_z, corrupt_answer, corrupt_round, parse_own_attack
 from fedsaddle.common.tasks import Answer, GradientTask
@@ -168,6 +168,12 @@ def test_a_client_process_attack_is_parsed_and_applied_to_its_own_rows() -> None
     for bad, why in [("alie", "can make the attacks"), ("scale:x", "must be a number"), ("sign_flip:2", "no value")]:
         with pytest.raises(ValueError, match=why):
             parse_own_attack(bad, (1,))
+
+
+def test_a_client_process_refuses_an_attack_it_cannot_make() -> None:
+    done = fedsaddle("client", "--coordinator", "127.0.0.1:1", "--clients", "0", "--attack", "alie", timeout=60)
+    assert done.returncode == 2
+    assert "--attack: a client process can make the attacks sign_flip, scale, gaussian, false_diverged" in done.stderr
 
 
 # -- the config -------------------------------------------------------------------------------
