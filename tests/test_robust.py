@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import config, fedsaddle, federation
+from conftest import config, federation, fedsaddle
 
 from fedsaddle.common.attacks import Attack, alie_z, corrupt_answer, corrupt_round, parse_own_attack
 from fedsaddle.common.tasks import Answer, GradientTask
@@ -54,6 +54,9 @@ def rows(*values: list[float]) -> np.ndarray:
 def test_median_and_trimmed_mean_take_each_entry_alone() -> None:
     x = rows([1, 10], [2, -50], [3, 20], [100, 30], [4, 40])
     assert Median().aggregate(x, None, RNG).tolist() == [3.0, 20.0]
+    for m in (4, 5, 10):  # numpy's median, bit for bit
+        many = np.random.default_rng(m).standard_normal((m, 1000))
+        assert np.array_equal(Median().aggregate(many, None, RNG), np.median(many, axis=0))
     # beta 0.2 of 5 cuts one at each end: entry 0 keeps 2, 3, 4; entry 1 keeps 10, 20, 30
     assert TrimmedMean(0.2).aggregate(x, None, RNG).tolist() == [3.0, 20.0]
     assert TrimmedMean(0.0).aggregate(x, None, RNG).tolist() == Mean().aggregate(x, None, RNG).tolist()
