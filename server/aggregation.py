@@ -97,7 +97,8 @@ def coordinate_median(rows: Array) -> Array:
     ordered = np.sort(rows, axis=0)
     half = rows.shape[0] // 2
     if rows.shape[0] % 2:
-        return ordered[half]
+        middle: Array = ordered[half]
+        return middle
     result: Array = (ordered[half - 1] + ordered[half]) / 2
     return result
 
