@@ -495,7 +495,8 @@ class AggregationSpec(_Model):
     def _parameters_of_the_rule(self) -> AggregationSpec:
         takes = _RULE_PARAMETERS[self.rule]
         given = [name for names in _RULE_PARAMETERS.values() for name in names if name not in takes]
-        stray = sorted({name for name in given if name in self.model_fields_set})
+        # (A value left at its default is not given: a run directory's config.json writes every field.)
+        stray = sorted({name for name in given if getattr(self, name) not in (None, {})})
         if stray:
             raise ValueError(f"{self.rule} takes no {', '.join(stray)} (it takes: {', '.join(takes) or 'nothing'})")
         if self.rule == "krum" and self.f is None:

@@ -3,6 +3,7 @@ the same bits in every transport, and real client processes that lie."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,16 @@ EVERY: list[dict[str, Any]] = [
 
 def rows(*values: list[float]) -> np.ndarray:
     return np.array(values, dtype=float)
+
+
+ROBUST_SETTINGS: list[dict[str, Any]] = [
+    {"aggregation": {"rule": "median", "bucketing": 2}, "attack": {"kind": "gaussian", "clients": [4], "sigma": 2}},
+    {"aggregation": {"rule": "krum", "f": 1, "m": 2}, "attack": {"kind": "alie", "clients": [1], "omniscient": True}},
+    {"aggregation": {"rule": "geometric_median"}, "attack": {"kind": "false_diverged", "clients": [0]}},
+    {"aggregation": {"rule": "centered_clipping", "tau": 0.5}, "attack": {"kind": "ipm", "clients": [2, 3]}},
+    {"aggregation": {"rule": "trimmed_mean", "beta": 0.2}},
+    {"attack": {"kind": "scale", "clients": [1], "factor": 3.0}},
+]
 
 
 # -- the rules -------------------------------------------------------------------------------
@@ -219,6 +230,13 @@ def test_bad_aggregation_and_attack_configs_are_refused(fields: dict[str, Any], 
         config(problem=PAPER, algorithms=EVERY[:1], **fields)
 
 
+@pytest.mark.parametrize("settings", [{}, *ROBUST_SETTINGS], ids=lambda s: str(s.get("aggregation", {}).get("rule")))
+def test_a_run_directory_s_config_json_reads_back_as_the_same_config(settings: dict[str, Any]) -> None:
+    run = config(problem=PAPER, algorithms=EVERY[:1], **settings)
+    written = json.loads(run.model_dump_json())  # what a run directory holds, every field written (resume reads it)
+    assert config(**written) == run
+
+
 def test_a_plugin_rule_is_made_from_its_path_and_params() -> None:
     run = config(
         problem=PAPER,
@@ -241,16 +259,6 @@ def test_a_plugin_rule_is_made_from_its_path_and_params() -> None:
 def robust_run(algorithm: dict[str, Any], **fields: Any) -> Any:
     problem = {**PAPER, "s": 1.0}
     return config(problem=problem, algorithms=[algorithm], rounds=24, seed=3, gradient_noise=0.05, **fields)
-
-
-ROBUST_SETTINGS: list[dict[str, Any]] = [
-    {"aggregation": {"rule": "median", "bucketing": 2}, "attack": {"kind": "gaussian", "clients": [4], "sigma": 2}},
-    {"aggregation": {"rule": "krum", "f": 1, "m": 2}, "attack": {"kind": "alie", "clients": [1], "omniscient": True}},
-    {"aggregation": {"rule": "geometric_median"}, "attack": {"kind": "false_diverged", "clients": [0]}},
-    {"aggregation": {"rule": "centered_clipping", "tau": 0.5}, "attack": {"kind": "ipm", "clients": [2, 3]}},
-    {"aggregation": {"rule": "trimmed_mean", "beta": 0.2}},
-    {"attack": {"kind": "scale", "clients": [1], "factor": 3.0}},
-]
 
 
 def test_robust_runs_are_bit_identical_in_process_and_over_grpc_with_the_same_counts() -> None:
