@@ -168,8 +168,29 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not args.config:
         raise UsageError("simulate needs --config (or --resume RUN_DIR)")
     config = _config(args)
+    given = _given_reference(args, config)
     pool, transport = local_pool(config)
+    if given is not None:
+        return _run(config, pool, transport, given.z, accuracy=given.accuracy)
     return _run(config, pool, transport, _reference(config, pool))
+
+
+def _given_reference(args: argparse.Namespace, config: RunConfig) -> Any:
+    """--reference FILE: z* and its accuracy (server/reference.py), checked against the config's problem
+    before any process starts; None without the option."""
+    if not getattr(args, "reference", None):
+        return None
+    from fedsaddle.common.problems import make_problem
+    from fedsaddle.server.reference import ReferenceError, load_reference
+
+    problem = make_problem(config.problem)
+    try:
+        reference = load_reference(Path(args.reference), config.problem.name, problem.dimension)
+    except ReferenceError as exc:
+        raise UsageError(str(exc)) from None
+    exact = "exact (no .json beside it)" if reference.accuracy == 0 else f"accurate to {reference.accuracy:.1e}"
+    log.info("measuring against z* from %s, %s", reference.path, exact)
+    return reference
 
 
 def _reference(config: RunConfig, pool: Any) -> Any:
@@ -223,9 +244,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         if not args.config:
             raise UsageError("coordinator needs --config (or --resume RUN_DIR)")
         config = _config(args)
+        given = _given_reference(args, config)  # before the clients are waited for
         pool, transport = serving(config)
         try:
-            code = _run(config, pool, transport)
+            if given is not None:
+                code = _run(config, pool, transport, given.z, accuracy=given.accuracy)
+            else:
+                code = _run(config, pool, transport)
         finally:
             pool.close()
     return _hold_coordinator(*served[-1], code) if args.hold else code
@@ -304,7 +329,14 @@ def _resume(
         raise UsageError("--resume takes the config from the run directory; leave out --config")
     if args.out:
         raise UsageError("--resume goes on in the run directory it names; leave out --out")
-    progress = Progress()
+    given = None
+    saved_config = Path(args.resume) / "config.json"
+    if getattr(args, "reference", None) and saved_config.is_file():  # (resume_run names a folder without one)
+        from fedsaddle.server.config import load_config
+
+        given = _given_reference(args, load_config(saved_config))
+        reference_for = lambda config, pool: given.z  # noqa: E731
+    progress = Progress(floor=given.accuracy if given is not None else 0.0)
     made: list[tuple[RunConfig, dict[str, Any]]] = []
 
     def pool_of(config: RunConfig) -> tuple[Any, dict[str, Any]]:
@@ -313,7 +345,14 @@ def _resume(
         return pool, {**transport, "resumed": True}
 
     try:
-        outcome = resume_run(Path(args.resume), pool_of, progress.rounds, progress.step, reference_for=reference_for)
+        outcome = resume_run(
+            Path(args.resume),
+            pool_of,
+            progress.rounds,
+            progress.step,
+            reference_for=reference_for,
+            reference_accuracy=given.accuracy if given is not None else 0.0,
+        )
     except CheckpointError as exc:
         raise UsageError(f"cannot resume: {exc}") from None
     finally:
@@ -388,7 +427,10 @@ def cmd_local(args: argparse.Namespace) -> int:
         if args.resume:
             return _resume(args, federation)
         config = _config(args)
+        given = _given_reference(args, config)  # before any process starts
         pool, transport = federation(config)
+        if given is not None:
+            return _run(config, pool, transport, given.z, timed=True, accuracy=given.accuracy)
         return _run(config, pool, transport, timed=True)
 
 
@@ -909,10 +951,16 @@ def cmd_check_problem(args: argparse.Namespace) -> int:
         return EXIT_RUN_FAILED
     assert report.z_star is not None
     if args.save_reference:
-        import numpy as np
+        from fedsaddle.server.reference import ReferenceError, save_reference
 
-        np.save(args.save_reference, report.z_star.z, allow_pickle=False)
-        print(f"z* written to {args.save_reference} (api.run(..., reference=np.load(...)))")
+        found = report.z_star
+        try:
+            written, note = save_reference(
+                Path(args.save_reference), found.z, found.accuracy, found.residual, found.method, config.problem.name
+            )
+        except ReferenceError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"z* written to {written}, its accuracy to {note} (simulate/local/coordinator --reference {written})")
     dim_x, _ = make_problem(config.problem).dims()
     for run_dir in args.run_dir or []:
         print("\n".join(distances(report, Path(run_dir), dim_x)))
@@ -930,13 +978,19 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 
 
 def _run(
-    config: RunConfig, pool: ClientPool, transport: dict[str, Any], reference: Any = None, timed: bool = False
+    config: RunConfig,
+    pool: ClientPool,
+    transport: dict[str, Any],
+    reference: Any = None,
+    timed: bool = False,
+    accuracy: float = 0.0,
 ) -> int:
-    """Run a config; `timed`: say how long after the command the first round was done."""
+    """Run a config; `timed`: say how long after the command the first round was done; `accuracy`:
+    the reference's (distances finer than it are shown as below it)."""
     from fedsaddle.progress import Progress
     from fedsaddle.server.coordinator import run_config
 
-    progress = Progress()
+    progress = Progress(floor=accuracy)
     first: list[float] = []
 
     def hook(name: str, spent: int, budget: int, dist_z: float) -> None:
@@ -947,7 +1001,7 @@ def _run(
 
     with _naming_memory(config):
         try:
-            outcome = run_config(config, pool, transport, hook, reference, progress.step)
+            outcome = run_config(config, pool, transport, hook, reference, progress.step, accuracy)
         finally:
             progress.close()
             pool.close()  # clients are told goodbye (and log it) before the table, which ends the output
@@ -1202,11 +1256,20 @@ def build_parser() -> argparse.ArgumentParser:
             help="go on with a run that was stopped, from its last checkpoint (the config is the run directory's)",
         )
 
+    def with_reference(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--reference",
+            metavar="FILE.npy",
+            help="z* to measure distances against (check-problem --save-reference writes it, with its accuracy "
+            "in FILE.json beside it: distances finer than that are shown as below it; no .json: exact)",
+        )
+
     p = command("simulate", "run a config in one process (the in-process transport)", cmd_simulate)
     with_config(p, "required, unless --resume")
     with_data(p, "each client's")
     with_device(p, "this process's")
     with_resume(p)
+    with_reference(p)
 
     p = command("coordinator", "serve a config to client processes over gRPC", cmd_coordinator)
     with_config(p, "required, unless --resume")
@@ -1218,6 +1281,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="when the run has ended, answer health checks only (the server SERVING, the federation NOT_SERVING) "
         "until SIGTERM instead of exiting: for orchestrators that restart what exits (a Kubernetes Deployment)",
     )
+    with_reference(p)
 
     p = command("client", "host clients' data and run their local steps", cmd_client)
     p.add_argument("--coordinator", required=True, type=address(False), help="HOST:PORT of the coordinator")
@@ -1264,6 +1328,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_data(p, "each client's")
     with_device(p, "the client processes'")
     with_resume(p)
+    with_reference(p)
 
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(
@@ -1512,7 +1577,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=positive_int, default=20, help="random pairs for the monotonicity check")
     p.add_argument("--seed", type=int, default=0, help="seed of the random points")
     p.add_argument("--seconds", type=positive_float, default=60.0, help="time allowed for a numerical z*")
-    p.add_argument("--save-reference", metavar="PATH", help="write z* to PATH (.npy)")
+    p.add_argument(
+        "--save-reference",
+        metavar="FILE.npy",
+        help="write z* to FILE.npy and its accuracy to FILE.json beside it (what --reference reads)",
+    )
     p.add_argument(
         "--run-dir",
         action="append",

@@ -10,9 +10,10 @@ Compared, exactly (floats bit for bit, as the JSON files hold them):
 * metrics.jsonl, record by record, every field;
 * config.json, every field.
 
-Measured against z* (`dist_x`, `dist_z`, `rounds_to`) are compared when both runs know z*; when
-one does and the other does not (an in-process run on data computes z* from all clients' files,
-a gRPC coordinator never has them), they are left out, and the verdict says so.
+Measured against z* (`dist_x`, `dist_z`, `rounds_to`, `distance_scale`, `reference_accuracy`) are
+compared when both runs know z*; when one does and the other does not (an in-process run on data
+computes z* from all clients' files, a gRPC coordinator never has them), they are left out, and so
+is each algorithm's `verdict` (judged by ||z - z*|| in one run only), and the verdict says so.
 
 Ignored, because they differ between equal runs: wall-clock times (`wall_s`, every record's
 `time_s`), the bytes on the wire (`bytes_down`, `bytes_up`: only a gRPC transport measures
@@ -33,7 +34,8 @@ import numpy as np
 
 IGNORED_FIELDS = frozenset({"wall_s", "time_s", "bytes_down", "bytes_up", "detail"})
 IGNORED_CONFIG_SECTIONS = frozenset({"output", "transport"})
-REFERENCE_FIELDS = ("dist_x", "dist_z", "rounds_to")  # known only where z* is
+REFERENCE_FIELDS = ("dist_x", "dist_z", "rounds_to", "distance_scale", "reference_accuracy")  # known only where z* is
+VERDICT_FIELDS = ("verdict", "verdict_detail")  # judged by ||z - z*|| where z* is known, else by ||G||
 ONE_SIDED_REFERENCE = "distances to z* known in one run only, not compared"
 
 
@@ -101,6 +103,8 @@ def _one_sided(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def _without_one_sided_reference(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """a and b without the measurements against z* that only one of them could make."""
     one_sided = _one_sided(a, b)
+    if one_sided:  # a verdict judged by ||z - z*|| in one run and without it in the other
+        one_sided += VERDICT_FIELDS
     return {k: v for k, v in a.items() if k not in one_sided}, {k: v for k, v in b.items() if k not in one_sided}
 
 

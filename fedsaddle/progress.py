@@ -6,6 +6,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
+from fedsaddle.server.reference import shown
+
 if TYPE_CHECKING:
     from fedsaddle.server.driver import Run, StepDone
     from fedsaddle.server.pool import ClientPool
@@ -18,9 +20,10 @@ class Progress:
     a plain line every 10% and at the end, so output stays readable.
     """
 
-    def __init__(self, stream: TextIO | None = None, unit: str = "round") -> None:
+    def __init__(self, stream: TextIO | None = None, unit: str = "round", floor: float = 0.0) -> None:
         self.stream = stream or sys.stderr
         self.unit = unit
+        self.floor = floor  # z*'s accuracy: a distance finer than it is shown as below it
         self.tty = self.stream.isatty()
         self._bars: dict[str, Any] = {}
         self._deciles: dict[str, int] = {}
@@ -63,7 +66,7 @@ class Progress:
     def rounds(self, name: str, spent: int, budget: int, dist_z: float) -> None:
         """The driver's progress hook: rounds spent of the budget, ||z - z*|| (when known), and
         the latest evaluation metrics (when the run evaluates: see `step`)."""
-        notes = ("" if dist_z != dist_z else f"||z-z*|| {dist_z:.3e}", self._metrics.get(name, ""))
+        notes = ("" if dist_z != dist_z else f"||z-z*|| {shown(dist_z, self.floor)}", self._metrics.get(name, ""))
         self.update(name, spent, budget, "  ".join(note for note in notes if note))
 
     def step(self, run: Run, done: StepDone, pool: ClientPool) -> None:

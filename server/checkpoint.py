@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -162,6 +163,9 @@ def read(run_dir: Path, config: RunConfig, state_types: list[type]) -> Checkpoin
                 wall_s=summary["wall_s"],
                 detail=summary["detail"],
                 extra={k: summary[k] for k in ("meta_iterations", "syncs", "steps", "theta") if k in summary},
+                floor=summary.get("reference_accuracy", 0.0),
+                scale=math.nan if summary.get("distance_scale") is None else summary["distance_scale"],
+                converged_below=config.output.converged_below,
             )
         )
     at = StepDone(int(meta["steps"]), state, StepCost(*meta["spent"]))

@@ -592,6 +592,33 @@ class OutputSpec(_Model):
             raise ValueError(f"each tracker at most once, got {list(value)}")
         return value
 
+    converged_below: Accuracy = Field(
+        1e-6,
+        description="a run's verdict is `converged` when its last ||z - z*|| (without z*: the projected residual, "
+        "or ||G(z)||, with gradient_norm) is at most this (server/verdict.py says every rule)",
+    )
+    save_every: int | None = Field(
+        None,
+        description="keep every this many steps' iterate as iterates-NAME/step-NNNNNN.npy along the run "
+        "(null: only the final one); at most save_max files per algorithm",
+    )
+    save_max: int = Field(
+        100,
+        ge=2,
+        le=100_000,
+        description="the most iterates save_every keeps per algorithm: when one more is due, every other one is "
+        "removed and the interval doubles, so the files still span the whole run",
+    )
+
+    @field_validator("save_every")
+    @classmethod
+    def _save_every(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(
+                f"must be a number of steps >= 1, got {value}; leave it out (null) to keep only the final iterate"
+            )
+        return value
+
 
 class RunConfig(_Model):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")

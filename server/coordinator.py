@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem
 from fedsaddle.common.stop import Stopped
@@ -37,7 +39,7 @@ from fedsaddle.server.driver import (
     run_algorithm,
 )
 from fedsaddle.server.pool import ClientPool, PoolError
-from fedsaddle.server.report import make_run_dir, strict_json, write_summary
+from fedsaddle.server.report import iterates_folder, make_run_dir, strict_json, write_summary
 from fedsaddle.server.trackers import Trackers
 from fedsaddle.server.trackers import check as check_trackers
 
@@ -59,8 +61,38 @@ class Outcome:
         return self.cause is not None and not isinstance(self.cause, PoolError | Stopped | KeyboardInterrupt)
 
 
+class IterateKeeper:
+    """output.save_every: an algorithm's iterate every `every` steps, as iterates-NAME/step-NNNNNN.npy
+    (the final iterate's format). At most `limit` files: when one more is due, every other one kept
+    is removed and the interval doubles, so the files always span the run so far, evenly."""
+
+    def __init__(self, folder: Path, every: int, limit: int) -> None:
+        self.folder, self.every, self.limit = folder, every, limit
+        # A resumed run finds the files it kept before (the steps after its checkpoint are saved again).
+        self.kept = sorted(int(path.stem.removeprefix("step-")) for path in folder.glob("step-*.npy"))
+        spacing = math.gcd(*self.kept)  # the interval it had reached: a power of two times `every`
+        while spacing and spacing % (2 * self.every) == 0:
+            self.every *= 2
+
+    def offer(self, step: int, z: Array) -> None:
+        if step % self.every:
+            return
+        if step not in self.kept:
+            if len(self.kept) >= self.limit:
+                self.every *= 2
+                for old in [s for s in self.kept if s % self.every]:
+                    (self.folder / f"step-{old:06d}.npy").unlink(missing_ok=True)
+                self.kept = [s for s in self.kept if s % self.every == 0]
+                if step % self.every:
+                    return
+            self.kept.append(step)
+        self.folder.mkdir(exist_ok=True)
+        stored = "<f4" if z.dtype == np.float32 else "<f8"  # as the final iterate is written
+        np.save(self.folder / f"step-{step:06d}.npy", np.ascontiguousarray(z, dtype=stored), allow_pickle=False)
+
+
 class _Recorder:
-    """Streams metrics.jsonl and writes checkpoints, step by step."""
+    """Streams metrics.jsonl, keeps iterates along the way and writes checkpoints, step by step."""
 
     def __init__(self, config: RunConfig, run_dir: Path, metrics: IO[str], lines: int) -> None:
         self.config, self.run_dir, self.metrics, self.lines = config, run_dir, metrics, lines
@@ -68,11 +100,18 @@ class _Recorder:
         self.finished: list[AlgorithmResult] = []
         self.index = 0
         self.last_checkpoint = -1
+        self.keepers: dict[str, IterateKeeper] = {}
 
     def on_step(self, run: Run, step: StepDone, pool: ClientPool) -> None:
         self.metrics.write(strict_json({"algorithm": run.name, **run.records[-1]}) + "\n")
         self.metrics.flush()
         self.lines += 1
+        output = self.config.output
+        if output.save_every is not None:
+            if run.name not in self.keepers:
+                folder = self.run_dir / iterates_folder(run.name)
+                self.keepers[run.name] = IterateKeeper(folder, output.save_every, output.save_max)
+            self.keepers[run.name].offer(step.steps, run.final_z)
         every = self.config.output.checkpoint_every
         rounds = pool.traffic["algorithm"].rounds
         if every and run.status == "ok" and (self.last_checkpoint < 0 or rounds - self.last_checkpoint >= every):
@@ -98,16 +137,18 @@ def run_config(
     progress: ProgressHook | None = None,
     reference: Array | None = None,
     on_step: StepHook | None = None,
+    reference_accuracy: float = 0.0,
 ) -> Outcome:
     """Run the config's algorithms one after another; outputs are kept however the run ends.
 
-    `reference`: a known z* to measure against (see run_algorithm); `on_step` sees every
-    step's record once it is written (the command line shows the latest metrics with it)."""
+    `reference`: a known z* to measure against (see run_algorithm), solved to `reference_accuracy`;
+    `on_step` sees every step's record once it is written (the command line shows the latest
+    metrics with it)."""
     check_reference(make_problem(config.problem), reference)  # before anything is written
     check_trackers(config)
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
-    return _run(config, pool, transport, run_dir, 0, [], None, progress, reference, on_step)
+    return _run(config, pool, transport, run_dir, 0, [], None, progress, reference, on_step, reference_accuracy)
 
 
 def resume_run(
@@ -116,12 +157,14 @@ def resume_run(
     progress: ProgressHook | None = None,
     on_step: StepHook | None = None,
     reference_for: Callable[[RunConfig, ClientPool], Array | None] | None = None,
+    reference_accuracy: float = 0.0,
 ) -> Outcome:
     """Go on with a checkpointed run in `run_dir` on the pool `pool_for(config)` makes, with the
     description of its transport that the summary records.
 
     CheckpointError if it cannot be resumed; then nothing in run_dir has changed.
-    `reference_for(config, pool)`: z* to measure against, as run_config's `reference`.
+    `reference_for(config, pool)`: z* to measure against, as run_config's `reference` (solved to
+    `reference_accuracy`).
     """
     if not (run_dir / "config.json").is_file():
         raise checkpoint.CheckpointError(
@@ -168,7 +211,9 @@ def resume_run(
         # checkpoint run again, and a stopped run's summary goes (this run writes its own when it ends).
         (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
         (run_dir / "summary.json").unlink(missing_ok=True)
-        return _run(config, pool, transport, run_dir, first, finished, resume, progress, reference, on_step)
+        return _run(
+            config, pool, transport, run_dir, first, finished, resume, progress, reference, on_step, reference_accuracy
+        )
     finally:
         pool.close()
 
@@ -203,6 +248,7 @@ def _run(
     progress: ProgressHook | None,
     reference: Array | None,
     on_step: StepHook | None = None,
+    reference_accuracy: float = 0.0,
 ) -> Outcome:
     outcome = Outcome(list(finished), run_dir)
     trackers = Trackers(config, run_dir) if config.output.trackers else None
@@ -230,7 +276,14 @@ def _run(
                 spec = config.algorithms[index]
                 start = resume if index == first else None
                 result = run_algorithm(
-                    spec, config, pool, progress=progress, reference=reference, resume=start, on_step=step
+                    spec,
+                    config,
+                    pool,
+                    progress=progress,
+                    reference=reference,
+                    resume=start,
+                    on_step=step,
+                    reference_accuracy=reference_accuracy,
                 )
                 outcome.results.append(result)
                 recorder.finished.append(result)

@@ -32,6 +32,7 @@ from fedsaddle.server.algorithms import Algorithm, RoundAnswers, StepCost, build
 from fedsaddle.server.algorithms.registry import definition
 from fedsaddle.server.config import AlgorithmSpec, RoundConvention, RunConfig
 from fedsaddle.server.pool import ClientPool, Diverged, RunInfo, fresh_traffic
+from fedsaddle.server.verdict import Verdict, judge
 
 # A run has diverged when its iterate is not finite, or when its distance to z* has
 # grown this much over the distance it started from (a converging method may rise
@@ -117,6 +118,22 @@ class AlgorithmResult:
     wall_s: float
     detail: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # What the verdict is judged against (server/verdict.py): z*'s accuracy (0: exact; distances finer
+    # are below it), max(||z*||, ||z0 - z*||) (nan: no z*), and the config's output.converged_below.
+    floor: float = 0.0
+    scale: float = math.nan
+    converged_below: float = 1e-6
+
+    @property
+    def verdict(self) -> Verdict:
+        """Converged, not converged (and how it was going) or diverged, by server/verdict.py's rules."""
+        return judge(
+            self.records,
+            self.detail if self.status == "diverged" else None,
+            self.scale,
+            self.floor,
+            self.converged_below,
+        )
 
     @property
     def z_sha256(self) -> str:
@@ -143,6 +160,7 @@ class AlgorithmResult:
         return None
 
     def summary(self) -> dict[str, Any]:
+        verdict = self.verdict
         return {
             "name": self.name,
             "spec": self.spec,
@@ -156,6 +174,10 @@ class AlgorithmResult:
             "z_sha256": self.z_sha256,
             "metrics": self.metrics,
             "traffic": self.traffic,
+            "verdict": verdict.kind,
+            "verdict_detail": verdict.detail,
+            "distance_scale": self.scale,
+            **({"reference_accuracy": self.floor} if self.floor > 0 else {}),
             **self.extra,
         }
 
@@ -206,6 +228,7 @@ class Run:
         start = None if resume is None else resume.at
         self.loop = run_loop(algorithm, z0, config.seed, config.rounds, config.round_convention, start)
         self.budget, self.convention = config.rounds, config.round_convention
+        self.converged_below = config.output.converged_below
         self.started = time.perf_counter() - (resume.elapsed_s if resume else 0.0)
         self.records: list[dict[str, float | int]] = list(resume.records) if resume else []
         self.state: Any = None if resume is None else resume.at.state
@@ -281,6 +304,7 @@ class Run:
             wall_s=time.perf_counter() - self.started if wall_s is None else wall_s,
             detail=self.detail,
             extra=state_counters(self.state),
+            converged_below=self.converged_below,
         )
 
 
@@ -372,6 +396,11 @@ def gradient_norms(pool: ClientPool, z: Array, domain: Domain | None) -> dict[st
     return found
 
 
+def distance_scale(z_star: Array, z0: Array) -> float:
+    """The scale a distance to z* is judged against: max(||z*||, ||z0 - z*||)."""
+    return max(norm(z_star), norm(z0 - z_star))
+
+
 def check_reference(problem: Problem, z_star: Array | None) -> None:
     """DomainError if a reference z* is not a vector of the problem's size inside its domain."""
     if z_star is None:
@@ -396,6 +425,7 @@ def run_algorithm(
     reference: Array | None = None,
     resume: Resume | None = None,
     on_step: StepHook | None = None,
+    reference_accuracy: float = 0.0,
 ) -> AlgorithmResult:
     """Run one algorithm on a pool until its next step would exceed the round budget.
 
@@ -405,7 +435,8 @@ def run_algorithm(
     the problem's metrics on the clients' held-out data (evaluation traffic),
     and so does the last.
     `on_step(run, step, pool)` sees every step's finished record (to stream it,
-    to checkpoint); `resume` goes on from a checkpoint.
+    to checkpoint); `resume` goes on from a checkpoint. `reference_accuracy`: how far `reference`
+    may be from the true z* (distances finer than it are below what z* can tell).
     """
     run = make_run(spec, config, resume)
     problem = make_problem(config.problem)
@@ -460,6 +491,9 @@ def run_algorithm(
         stopped_by = exc
     traffic = pool.traffic or fresh_traffic(config.problem.num_clients)  # empty if the run never started
     result = run.result({category: counts.as_dict() for category, counts in traffic.items()})
+    if z_star is not None:
+        result.floor = reference_accuracy if reference is not None else 0.0
+        result.scale = distance_scale(z_star, initial_point(config))
     dp = config.privacy.dp
     if dp is not None:
         epsilon_spent = privacy_spent(config, traffic["algorithm"].rounds if "algorithm" in traffic else 0)

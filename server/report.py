@@ -17,6 +17,7 @@ from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.driver import AlgorithmResult
+from fedsaddle.server.reference import shown
 
 log = logging.getLogger("fedsaddle.coordinator")
 
@@ -77,6 +78,11 @@ def _stored(z: Array) -> str:
     return "<f4" if z.dtype == np.float32 else "<f8"
 
 
+def iterates_folder(name: str) -> str:
+    """The folder of an algorithm's iterates kept along the run (output.save_every): iterates-NAME."""
+    return "iterates-" + final_iterate_file(name)[len("final_z-") : -len(".npy")]
+
+
 def write_final_iterates(run_dir: Path, results: Sequence[AlgorithmResult]) -> list[str]:
     """Each algorithm's final iterate z = (x, y) as a 1-D little-endian float64 (float32, in a run of
     precision float32) .npy file (numpy's
@@ -106,11 +112,14 @@ def measured(results: Sequence[AlgorithmResult]) -> bool:
 
 def rounds_to(result: AlgorithmResult, config: RunConfig) -> dict[str, int | None]:
     """The rounds (the config's convention) until ||x - x*|| <= each of output.accuracies: None where
-    not reached; empty when z* is unknown."""
+    not reached, or where the accuracy is finer than z*'s own (a --reference's); empty when z* is unknown."""
     if not measured([result]):
         return {}
     convention = config.round_convention
-    return {accuracy_label(a): result.rounds_to(a, convention) for a in config.output.accuracies}
+    return {
+        accuracy_label(a): result.rounds_to(a, convention) if a >= result.floor else None
+        for a in config.output.accuracies
+    }
 
 
 def metric_names(results: Sequence[AlgorithmResult]) -> list[str]:
@@ -157,6 +166,9 @@ def plot_distances(path: Path, config: RunConfig, results: Sequence[AlgorithmRes
                 ax.plot([xs[-1]], [ys[-1]], "x", color=line.get_color(), ms=9)
     if finite:
         ax.set_ylim(max(min(finite), 1e-300) / 10, ceiling * 10)
+    floor = max(r.floor for r in results)
+    if floor > 0:  # below this line z* (a --reference) cannot tell distances apart
+        ax.axhline(floor, color="gray", linestyle=":", label=f"z*'s accuracy {floor:.1e}")
     ax.set_xlabel(axis)
     ax.set_ylabel(r"$\|x - x^\star\|$")
     ax.set_title(_title(config))
@@ -206,19 +218,21 @@ def plot_metrics(path: Path, config: RunConfig, results: Sequence[AlgorithmResul
     plt.close(fig)
 
 
-def _fmt(value: float) -> str:
-    """A distance: '-' when unknown (no z* to measure against) or not finite."""
-    return f"{value:.3e}" if math.isfinite(value) else "-"
+def _fmt(value: float, floor: float = 0.0) -> str:
+    """A distance: '-' when unknown (no z* to measure against) or not finite; '<FLOOR' when finer than
+    z*'s accuracy (a --reference solved to FLOOR cannot tell it)."""
+    return shown(value, floor)
 
 
 def table(results: Sequence[AlgorithmResult]) -> str:
-    """One row per algorithm: accuracy (and the final evaluation metrics, if any), communication and time."""
+    """One row per algorithm: accuracy (and the final evaluation metrics, if any), communication, time and
+    the verdict (server/verdict.py), then a line per algorithm that says what the verdict rests on."""
     names = metric_names(results)
     width = {name: max(10, len(name)) for name in names}
     metrics_header = "".join(f" {name:>{width[name]}}" for name in names)
     header = (
         f"{'algorithm':<22} {'||x-x*||':>10} {'||z-z*||':>10}{metrics_header} {'rounds':>6} "
-        f"{'msgs down/up':>13} {'MB down/up (payload)':>21} {'MB down/up (wire)':>18} {'wall s':>7}"
+        f"{'msgs down/up':>13} {'MB down/up (payload)':>21} {'MB down/up (wire)':>18} {'wall s':>7} verdict"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -230,10 +244,11 @@ def table(results: Sequence[AlgorithmResult]) -> str:
         final = r.metrics
         values = "".join(f" {_metric(final.get(name)):>{width[name]}}" for name in names)
         lines.append(
-            f"{r.name:<22} {_fmt(r.dist_x):>10} {_fmt(r.dist_z):>10}{values} {t['rounds']:>6} "
+            f"{r.name:<22} {_fmt(r.dist_x, r.floor):>10} {_fmt(r.dist_z, r.floor):>10}{values} {t['rounds']:>6} "
             f"{str(t['messages_down']) + '/' + str(t['messages_up']):>13} {payload:>21} {wire:>18} "
-            f"{r.wall_s:>7.2f}{status}"
+            f"{r.wall_s:>7.2f} {r.verdict.kind:<13}{status}".rstrip()
         )
+    lines += [f"  {r.name}: {r.verdict.kind}: {r.verdict.detail}" for r in results]
     return "\n".join(lines)
 
 
@@ -253,8 +268,14 @@ def rounds_table(results: Sequence[AlgorithmResult], config: RunConfig) -> str |
     ]
     for r in results:
         reached = rounds_to(r, config)  # empty for a run stopped before its first step
-        cells = "".join(f" {_count(reached.get(label)):>{width}}" for label in labels)
+        cells = "".join(
+            f" {'n/a' if a < r.floor else _count(reached.get(label)):>{width}}"
+            for a, label in zip(config.output.accuracies, labels, strict=True)
+        )
         lines.append(f"{r.name:<22}{cells}")
+    floor = max(r.floor for r in results)
+    if any(a < floor for a in config.output.accuracies):
+        lines.append(f"n/a: finer than z*'s accuracy ({floor:.1e}, the reference's), which cannot tell it")
     return "\n".join(lines)
 
 
