@@ -376,6 +376,9 @@ def cmd_client(args: argparse.Namespace) -> int:
         attack = parse_own_attack(args.attack, hosted) if args.attack else None
     except ValueError as exc:
         raise UsageError(f"--attack: {exc}") from None
+    data = _data_paths(args.data, hosted)
+    if not args.statistics_checked:  # (`fedsaddle local` checked every file before starting its clients)
+        _check_client_start(tuple(args.problem or ()), hosted, data)
     options = ClientOptions(
         args.coordinator,
         hosted,
@@ -385,7 +388,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         credentials=_channel_credentials(args),
         metadata=(("authorization", f"Bearer {token}"),) if token else (),
         server_name=args.server_name,
-        data=_data_paths(args.data, hosted),
+        data=data,
         trusted=tuple(args.problem or ()),
         client_certificate=bool(args.cert),
         check_statistics=not args.statistics_checked,
@@ -400,6 +403,43 @@ def cmd_client(args: argparse.Namespace) -> int:
         log.error("%s", exc, extra={ECHOES_COORDINATOR: isinstance(exc, RunFailed)})
         return EXIT_RUN_FAILED
     return _hold_client() if args.hold and not stopped_by else EXIT_OK
+
+
+def _check_client_start(plugins: Sequence[str], hosted: Sequence[int], data: dict[int, str]) -> None:
+    """What a client can check before it connects (UsageError, exit 2, with the whole message): each
+    --problem plug-in imports and is a problem class; each --data file reads, and, with one plug-in
+    whose spec has a default for every field, passes that problem's own load and check. The run's
+    spec (its hyper-parameters) comes from the coordinator, so the rest is checked when a run starts."""
+    from pydantic import ValidationError
+
+    from fedsaddle.common.problems import DataError, DataProblem, ProblemNotFound, read_client_data
+    from fedsaddle.common.problems.registry import load_path
+
+    classes = []
+    for plugin in plugins:
+        try:
+            classes.append((plugin, load_path(plugin, "plugin")))
+        except ProblemNotFound as exc:
+            raise UsageError(f"--problem {plugin}: {exc}") from None
+    loader: DataProblem | None = None
+    if len(classes) == 1 and issubclass(classes[0][1], DataProblem):
+        plugin, cls = classes[0]
+        fields = {"name": cls.Spec.model_fields["name"].default, "plugin": plugin, "num_clients": max(hosted) + 1}
+        try:
+            problem = cls(cls.Spec.model_validate(fields))
+        except ValidationError as exc:  # fields without a default: the run's spec gives them
+            log.debug("--problem %s: its data is checked when a run starts (%s)", plugin, exc.errors()[0]["msg"])
+        except Exception as exc:  # the plug-in's own code failed on its default spec
+            raise UsageError(f"--problem {plugin}: making the problem failed: {type(exc).__name__}: {exc}") from None
+        else:
+            loader = problem if isinstance(problem, DataProblem) else None
+    for index, path in data.items():
+        try:
+            loader.load(path) if loader is not None else read_client_data(path)
+        except DataError as exc:
+            raise UsageError(f"client {index}: {exc}") from None
+        except Exception as exc:  # a plug-in's load or check that fails other than by DataError
+            raise UsageError(f"client {index}: loading {path} failed: {type(exc).__name__}: {exc}") from None
 
 
 def cmd_local(args: argparse.Namespace) -> int:

@@ -323,41 +323,108 @@ def test_a_plugin_module_that_does_not_compile_is_a_config_error_naming_its_file
     )
 
 
-def test_a_client_whose_copy_of_the_plugin_does_not_compile_refuses_the_run_naming_it(tmp_path: Path) -> None:
-    # The coordinator's copy imports; the client's, in the folder it is started in, does not. The client
-    # used to die with "error: invalid syntax (...)", and the coordinator said only "disconnected".
-    good, site = tmp_path / "coordinator", tmp_path / "site"
-    good.mkdir()
+def test_a_client_whose_copy_of_the_plugin_does_not_compile_says_so_before_it_connects(tmp_path: Path) -> None:
+    # The client's copy of the plug-in, in the folder it is started in, does not compile: it used to connect
+    # and refuse the run only when the run started. Now it exits 2 at once with the whole message, and never
+    # dials (nothing listens at the address it is given).
+    site = tmp_path / "site"
     site.mkdir()
-    (good / "short_problem.py").write_text(PLUGIN)
     (site / "short_problem.py").write_text(PLUGIN + "\ndef oops(:\n")
     np.savez(site / "client-0.npz", X=np.ones((4, 3)), y=np.ones(4))
-    np.savez(site / "client-1.npz", X=np.ones((4, 3)), y=np.ones(4))
-    config = {"problem": {"name": "short", "plugin": "short_problem:Short", "num_clients": 2}, "rounds": 3,
-              "algorithms": [{"name": "minibatch_md", "gamma": 0.1}], "output": {"plot": False}}  # fmt: skip
-    (good / "run.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in CLIENT_ENV.items() if k != "PYTHONPATH"}
+    client = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "client", "--coordinator", "127.0.0.1:9", "--clients", "0",
+         "--problem", "short_problem:Short", "--data", "client-{i}.npz", "--connect-timeout", "30"],
+        cwd=site, capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    fault = (
+        "--problem short_problem:Short: plugin 'short_problem:Short': importing 'short_problem' failed: "
+        f"SyntaxError: invalid syntax ({site / 'short_problem.py'}, line 18)"
+    )
+    assert client.returncode == 2 and fault in client.stderr, client.stderr
+    assert "reach" not in client.stderr and "Traceback" not in client.stderr
+
+    # A data file the plug-in's own check refuses (its spec has defaults, so the client can make it): exit 2,
+    # the file and the fault named, before connecting.
+    (site / "short_problem.py").write_text(PLUGIN + CHECKED)
+    np.savez(site / "client-1.npz", X=np.ones((4, 2)), y=np.ones(4))
+    client = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "client", "--coordinator", "127.0.0.1:9", "--clients", "0-1",
+         "--problem", "short_problem:Short", "--data", "client-{i}.npz", "--connect-timeout", "30"],
+        cwd=site, capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert client.returncode == 2, client.stderr
+    assert "fedsaddle: client 1: client-1.npz: 2 features, the problem takes 3" in client.stderr, client.stderr
+
+
+CHECKED = """
+from fedsaddle.common.problems import DataError
+
+def _check(self, data):
+    if data.X.shape[1] != 3:
+        raise DataError(f"{data.path}: {data.X.shape[1]} features, the problem takes 3")
+    return data
+
+Short.check = _check
+"""
+
+# A spec with a field that has no default: a client cannot make the problem before the run says its value,
+# so the data is checked when the run starts, and the refusal (long: it lists every row) goes to the coordinator.
+NEEDS_SPEC = """
+from typing import Literal
+import numpy as np
+from fedsaddle.common.problems import DataError, DataProblem, ProblemSpec
+
+class PickySpec(ProblemSpec):
+    name: Literal["picky"] = "picky"
+    rows: int
+
+class Picky(DataProblem):
+    Spec = PickySpec
+    def dims(self):
+        return 1, 1
+    def check(self, data):
+        if len(data.y) != self.spec.rows:
+            listed = ", ".join(f"row {i} = {v:g}" for i, v in enumerate(data.y))
+            raise DataError(f"{data.path}: {len(data.y)} rows, not {self.spec.rows}: {listed}; end of the list")
+        return data
+    def gradient(self, data, z):
+        return np.array([z[0] + z[1], z[1] - z[0]])
+    def objective(self, data, z):
+        return 0.5 * z[0] ** 2 + z[0] * z[1] - 0.5 * z[1] ** 2
+"""
+
+
+def test_the_coordinator_keeps_a_clients_whole_refusal(tmp_path: Path) -> None:
+    (tmp_path / "picky_problem.py").write_text(NEEDS_SPEC)
+    np.savez(tmp_path / "client-0.npz", X=np.ones((80, 1)), y=np.arange(80.0))
+    config = {
+        "problem": {"name": "picky", "plugin": "picky_problem:Picky", "num_clients": 1, "rows": 5},
+        "rounds": 3,
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.1}],
+        "output": {"plot": False},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {**CLIENT_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     coordinator = subprocess.Popen(
-        [sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(good / "run.yaml"),
+        [sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(tmp_path / "run.yaml"),
          "--listen", "127.0.0.1:0", "--out", str(tmp_path / "runs")],
-        cwd=good, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
         address = listening_address(coordinator)
         client = subprocess.run(
-            [sys.executable, "-m", "fedsaddle", "client", "--coordinator", address, "--clients", "0-1",
-             "--problem", "short_problem:Short", "--data", "client-{i}.npz"],
-            cwd=site, capture_output=True, text=True, timeout=60, env=env,
+            [sys.executable, "-m", "fedsaddle", "client", "--coordinator", address, "--clients", "0",
+             "--problem", "picky_problem:Picky", "--data", "client-{i}.npz"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env,
         )  # fmt: skip
         _, said = coordinator.communicate(timeout=60)
     finally:
         if coordinator.poll() is None:
             coordinator.kill()
             coordinator.wait()
-    fault = (
-        "plugin 'short_problem:Short': importing 'short_problem' failed: SyntaxError: "
-        f"invalid syntax ({site / 'short_problem.py'}, line 18)"
-    )
-    assert client.returncode == 1 and fault in client.stderr, client.stderr
-    assert coordinator.returncode == 1 and "cannot serve run" in said and fault in said, said
-    assert "disconnected" not in said and "Traceback" not in client.stderr
+    assert client.returncode == 1, client.stderr  # its data fits only the run's spec, so it refused the run
+    whole = "client-0.npz: 80 rows, not 5: row 0 = 0, " + ", ".join(f"row {i} = {i}" for i in range(1, 80))
+    assert len(whole) > 1000  # (it used to be cut after 512 characters)
+    assert coordinator.returncode == 1 and "cannot serve run" in said, said
+    assert whole + "; end of the list" in said and "more characters" not in said, said

@@ -85,6 +85,9 @@ NOT_REPORTED = "not reported"  # a client whose Ready leaves numeric_stack empty
 # A session refused this many times in one round (since its last accepted answer) is ended. An honest
 # one is refused once or twice in a round at most: a straggler's answer that comes after the round closed.
 MAX_REFUSED_IN_A_ROUND = 32
+# A client's reason for refusing a run is kept whole up to this many characters (4 KiB): a plug-in's
+# import error or a data file's fault, with its path, fits; a hostile megabyte does not reach the log.
+REFUSAL_CHARACTERS = 4096
 
 
 class Phase(enum.Enum):
@@ -594,7 +597,7 @@ class Coordination:
     def _problem_with(self, session: Session, ready: pb.Ready, run: RunInfo) -> str | None:
         """Why a session's Ready does not let the run go on, or None."""
         if ready.error:
-            said = f"cannot serve run {run.run_id}: {printable(ready.error, 512)}"
+            said = f"cannot serve run {run.run_id}: {printable(ready.error, REFUSAL_CHARACTERS)}"
             for index in session.indices:
                 self._said[index] = (said, f"cannot serve run {run.run_id} (it told the coordinator why)")
             return f"{session.describe()} {said}"
