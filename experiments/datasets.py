@@ -20,7 +20,10 @@ usual non-IID benchmark; for regression the classes are target quartiles). Each
 client's held-out rows follow the same proportions as its training rows. Or
 `by-column`, the natural sites: every distinct value of a column (a hospital, a
 region) is one client, in sorted order, and holds out `test_fraction` of its
-own rows.
+own rows; a numeric column may be cut into bins first (`binned`: edges or
+quantiles, one client per bin, in increasing order), and a bundled dataset's own
+feature column may be the site column (`by_dataset_column`). The site column is
+never a feature.
 Features are standardized with the training rows' mean and deviation (the one
 preprocessing step that sees all training rows: it stands for what a
 consortium agrees on before federating).
@@ -35,9 +38,10 @@ DataProblem.statistics).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,7 @@ class Table:
     sites: tuple[str, ...] | None = None  # each row's site (the by-column partition)
     codes: dict[str, dict[str, int]] | None = None  # a file's target and group values, as written (0 and 1)
     skipped: tuple[str, ...] = ()  # a file's columns left out as not numeric
+    site_order: tuple[str, ...] | None = None  # the sites' client order, when not their sorted order (bins)
     image_shape: tuple[int, int, int] | None = None  # images: (C, H, W) of each row (experiments/images.py)
     class_names: tuple[str, ...] | None = None  # images of more than two classes: each class index's name
 
@@ -150,6 +155,76 @@ def load_dataset(name: str) -> Table:
     raise ValueError(f"unknown dataset {name!r}; choose from {list(DATASETS)}")
 
 
+def by_dataset_column(table: Table, column: str) -> Table:
+    """A bundled dataset with one of its own feature columns as the by-column partition's site column:
+    the column (as the dataset holds it, before standardizing) names each row's site and leaves the
+    features, as a table's --by column does."""
+    if column not in table.feature_names:
+        raise ValueError(f"{table.name} has no feature column {column!r}; its columns are {list(table.feature_names)}")
+    at = table.feature_names.index(column)
+    keep = [i for i in range(len(table.feature_names)) if i != at]
+    sites = tuple(f"{v:g}" for v in table.X[:, at])
+    order = tuple(f"{v:g}" for v in np.unique(table.X[:, at]))  # increasing values, not text order
+    names = tuple(table.feature_names[i] for i in keep)
+    return replace(table, X=table.X[:, keep], feature_names=names, sites=sites, site_order=order)
+
+
+def binned(table: Table, column: str, edges: Sequence[float] | None = None, quantiles: int | None = None) -> Table:
+    """The table with its numeric site column cut into bins, one client per bin, in increasing order:
+    `edges` e_1 < ... < e_k make k + 1 bins (-inf, e_1), [e_1, e_2), ..., [e_k, inf); `quantiles` q makes
+    q bins of about equal row counts (the edges are the column's q-quantiles). ValueError naming the
+    column when a value is not a number, the edges do not increase, or a bin holds no row (a client
+    with no data)."""
+    assert table.sites is not None
+    if (edges is None) == (quantiles is None):
+        raise ValueError("bins need either edges or a number of quantiles")
+    try:
+        values = np.array([float(v) for v in table.sites])
+    except ValueError:
+        bad = next(v for v in table.sites if not _is_number(v))
+        raise ValueError(f"column {column!r} must be numeric to be cut into bins; it holds {bad[:40]!r}") from None
+    if not np.isfinite(values).all():
+        raise ValueError(f"column {column!r} must hold finite numbers to be cut into bins")
+    if quantiles is not None:
+        if quantiles < 2:
+            raise ValueError(f"--quantiles must be at least 2 (one bin is one client: use iid), got {quantiles}")
+        cuts = np.quantile(values, np.linspace(0, 1, quantiles + 1)[1:-1])
+        if np.any(np.diff(cuts) <= 0):
+            raise ValueError(
+                f"column {column!r} has too few distinct values for {quantiles} quantile bins (tied edges "
+                f"{', '.join(f'{c:g}' for c in cuts)}): some bin would leave a client empty; give fewer "
+                "quantiles or --bins edges"
+            )
+    else:
+        assert edges is not None
+        cuts = np.asarray(edges, dtype=float)
+        if cuts.size == 0 or np.any(np.diff(cuts) <= 0):
+            raise ValueError(f"bin edges must be increasing numbers, got {', '.join(f'{c:g}' for c in cuts)}")
+    labels = _bin_labels(column, cuts)
+    which = np.searchsorted(cuts, values, side="right")
+    counts = np.bincount(which, minlength=len(labels))
+    for label, count in zip(labels, counts, strict=True):
+        if count == 0:
+            raise ValueError(
+                f"bin {label!r} of column {column!r} holds no rows, so its client would have no data "
+                f"(the column runs from {values.min():g} to {values.max():g}); choose other edges"
+            )
+    return replace(table, sites=tuple(labels[i] for i in which), site_order=tuple(labels))
+
+
+def _bin_labels(column: str, cuts: Array) -> list[str]:
+    inner = [f"{low:g} <= {column} < {high:g}" for low, high in itertools.pairwise(cuts)]
+    return [f"{column} < {cuts[0]:g}", *inner, f"{column} >= {cuts[-1]:g}"]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass
 class ClientShare:
     client: int
@@ -196,7 +271,7 @@ def split(
     if partition == "by-column":
         if table.sites is None:
             raise ValueError("the by-column partition needs a column whose values are the sites (--by COLUMN)")
-        site_names = sorted(set(table.sites))
+        site_names = list(table.site_order) if table.site_order is not None else sorted(set(table.sites))
         if clients is not None and clients != len(site_names):
             raise ValueError(
                 f"the site column has {len(site_names)} distinct values, so {len(site_names)} clients, "
@@ -230,8 +305,10 @@ def split(
         dealt_test = _deal(test, classes, shares, rng)
     X = _standardized(table, train)
     y = table.y.copy()
+    standardized = None
     if table.task == "regression":
-        y = (y - y[train].mean()) / y[train].std()
+        standardized = {"mean": float(y[train].mean()), "scale": float(y[train].std())}
+        y = (y - standardized["mean"]) / standardized["scale"]
     out.mkdir(parents=True, exist_ok=True)
     shares_out = []
     written: list[ClientData] = []
@@ -244,10 +321,11 @@ def split(
         written.append(ClientData(str(path), arrays["X"], arrays["y"], arrays.get("group")))
         group_rate = None if table.group is None else float(table.group[rows].mean())
         site = None if site_names is None else site_names[client]
+        # In the units the files hold: a regression target standardized, as written.
         counts = None
         if table.class_names is not None:
             counts = np.bincount(classes[rows], minlength=len(table.class_names)).tolist()
-        share = ClientShare(client, len(rows), len(held), float(table.y[rows].mean()), group_rate, site, counts)
+        share = ClientShare(client, len(rows), len(held), float(y[rows].mean()), group_rate, site, counts)
         shares_out.append(share)
     # Named as held-out rows, not X and y: a client given this file by mistake is refused (no array 'X'),
     # instead of training on rows that every client holds out.
@@ -258,6 +336,8 @@ def split(
     summary: dict[str, Any] = {
         "dataset": table.name,
         "task": table.task,
+        # y as the files hold it is (y - mean) / scale, with the training rows' mean and deviation
+        "target_standardized": standardized,
         "partition": partition,
         "alpha": alpha if partition == "label-skew" else None,
         "seed": seed,
@@ -355,6 +435,12 @@ def describe(summary: dict[str, Any]) -> str:
     codes = summary.get("codes", {})
     for role, mapping in codes.items():
         lines.append(f"{role} values written as " + ", ".join(f"{value} -> {code}" for value, code in mapping.items()))
+    standardized = summary.get("target_standardized")
+    if standardized:  # the shares' mean y are in the files' units, not the table's
+        lines.append(
+            f"y is standardized in the files, as shown below: (y - {standardized['mean']:.6g}) / "
+            f"{standardized['scale']:.6g} (the training rows' mean and deviation)"
+        )
     if summary.get("image_shape"):
         channels, height, width = summary["image_shape"]
         lines.append(
@@ -367,15 +453,15 @@ def describe(summary: dict[str, Any]) -> str:
     if summary.get("skipped_columns"):
         lines.append(f"left out (not numeric; name them with --features to see why): {summary['skipped_columns']}")
     lines.append(
-        f"{'client':>6} {'rows':>6} {'held-out':>8} {label:>9}"
+        f"{'client':>6} {'rows':>6} {'held-out':>8} {label:>12}"
         + (f" {'group 1':>8}" if summary["group_rate"] is not None else "")
         + ("  site" if sites else "")
     )
     for share in summary["shares"]:
-        row = f"{share['client']:>6} {share['rows']:>6} {share['heldout']:>8} {share['label_mean']:>9.3f}"
+        row = f"{share['client']:>6} {share['rows']:>6} {share['heldout']:>8} {share['label_mean']:>12.3f}"
         if multiclass:  # how many of the classes it holds, and its rows of each
             held = sum(1 for c in share["class_counts"] if c)
-            row = f"{share['client']:>6} {share['rows']:>6} {share['heldout']:>8} {held:>9}  {share['class_counts']}"
+            row = f"{share['client']:>6} {share['rows']:>6} {share['heldout']:>8} {held:>12}  {share['class_counts']}"
         if share["group_rate"] is not None:
             row += f" {share['group_rate']:>8.3f}"
         if sites:

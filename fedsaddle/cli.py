@@ -858,7 +858,10 @@ def cmd_data_split(args: argparse.Namespace) -> int:
     from fedsaddle.experiments.datasets import (
         DATASETS,
         Table,
+        binned,
+        by_dataset_column,
         describe,
+        load_dataset,
         load_image_table,
         load_table,
         problem_entry,
@@ -878,7 +881,8 @@ def cmd_data_split(args: argparse.Namespace) -> int:
         raise UsageError("give the table as FILE or as --dataset, not both")
     bundled = source in DATASETS
     images = not bundled and is_image_source(source)
-    table_options = (args.target, args.features, args.group, args.by, args.positive, args.task)
+    table_options = (args.target, args.features, args.group, args.positive, args.task)
+    bins = _bins(args)
     if args.labels is not None and not images:
         raise UsageError("--labels gives the labels of images in a .npy file")
     try:
@@ -893,9 +897,11 @@ def cmd_data_split(args: argparse.Namespace) -> int:
             if any(option is not None for option in table_options):
                 raise UsageError(
                     f"{source} is a bundled dataset with its own columns; "
-                    "--target, --features, --group, --by, --positive and --task are for your own table"
+                    "--target, --features, --group, --positive and --task are for your own table"
                 )
             dataset = source
+            if args.by is not None and args.partition == "by-column":  # one of its own columns
+                dataset = by_dataset_column(load_dataset(source), args.by)
         else:
             if Path(source).suffix.lower() not in (".csv", ".parquet", ".pq") and not Path(source).exists():
                 raise UsageError(
@@ -906,11 +912,19 @@ def cmd_data_split(args: argparse.Namespace) -> int:
             features = tuple(f.strip() for f in args.features.split(",") if f.strip()) if args.features else ()
             spec = TableSpec(args.target, features, args.group, args.by, args.task, args.positive)
             dataset = load_table(source, spec)
-        if args.partition == "by-column" and (bundled or images):
-            what = "images have" if images else "the bundled datasets have"
-            raise UsageError(f"{what} no site column; by-column is for your own table (--by)")
+        if args.partition == "by-column" and images:
+            raise UsageError("images have no site column; by-column is for a table (--by)")
         if args.by is not None and args.partition != "by-column":
             raise UsageError("--by names the site column of --partition by-column")
+        if args.partition == "by-column" and args.by is None:
+            raise UsageError(
+                "--partition by-column needs --by COLUMN (the column whose values, or bins, are the sites)"
+            )
+        if bins is not None:
+            if args.partition != "by-column":
+                raise UsageError("--bins and --quantiles cut the --by column of --partition by-column")
+            assert isinstance(dataset, Table)
+            dataset = binned(dataset, args.by, *bins)
         if args.partition != "by-column" and args.clients is None:
             raise UsageError(f"the {args.partition} partition needs --clients N")
         out = Path(args.out)
@@ -928,6 +942,20 @@ def cmd_data_split(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return EXIT_OK
+
+
+def _bins(args: argparse.Namespace) -> tuple[list[float] | None, int | None] | None:
+    """--bins EDGES or --quantiles Q, as binned() takes them; None without either."""
+    if args.bins is not None and args.quantiles is not None:
+        raise UsageError("give --bins EDGES or --quantiles Q, not both")
+    if args.quantiles is not None:
+        return None, args.quantiles
+    if args.bins is None:
+        return None
+    try:
+        return [float(edge) for edge in args.bins.split(",") if edge.strip()], None
+    except ValueError:
+        raise UsageError(f"--bins: edges must be numbers separated by commas, got {args.bins!r}") from None
 
 
 def cmd_data_inspect(args: argparse.Namespace) -> int:
@@ -1556,7 +1584,24 @@ def build_parser() -> argparse.ArgumentParser:
         default="iid",
         help="how rows are dealt: equal shares, Dirichlet label skew, or one client per value of --by",
     )
-    p.add_argument("--by", metavar="COLUMN", help="the site column of --partition by-column (one client per value)")
+    p.add_argument(
+        "--by",
+        metavar="COLUMN",
+        help="the site column of --partition by-column: one client per value (or per bin, with --bins or "
+        "--quantiles); a column of your table, or of a bundled dataset's features; it is left out of the features",
+    )
+    p.add_argument(
+        "--bins",
+        metavar="E1,E2,...",
+        help="cut the numeric --by column at these increasing edges, in the column's units as the data holds "
+        "them: k edges make k + 1 clients, (-inf, E1), [E1, E2), ..., [Ek, inf)",
+    )
+    p.add_argument(
+        "--quantiles",
+        type=positive_int,
+        metavar="Q",
+        help="cut the numeric --by column into Q bins of about equal row counts (one client each)",
+    )
     p.add_argument("--clients", type=positive_int, help="number of clients (files); by-column: the number of sites")
     p.add_argument("--alpha", type=positive_float, default=0.5, help="Dirichlet concentration of label-skew")
     p.add_argument("--test-fraction", type=positive_float, default=0.2, help="share of rows held out for evaluation")

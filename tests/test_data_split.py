@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -247,3 +248,59 @@ def test_parquet_without_pyarrow_says_how_to_get_it(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "reading Parquet needs pyarrow: pip install 'fedsaddle[data]'" in done.stderr, done.stderr
+
+
+def test_a_bundled_datasets_own_numeric_column_is_cut_into_bins_one_client_each(tmp_path: Path) -> None:
+    from sklearn.datasets import load_diabetes
+
+    done = fedsaddle("data", "split", "--dataset", "diabetes", "--partition", "by-column", "--by", "age",
+                     "--bins", "40,50,60", "--out", str(tmp_path / "age"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "age" / "summary.json").read_text())
+    assert [s["site"] for s in summary["shares"]] == ["age < 40", "40 <= age < 50", "50 <= age < 60", "age >= 60"]
+    # Each bin's rows are exactly the dataset's rows of those ages; the --by column left the features.
+    ages = load_diabetes(scaled=False).data[:, 0]
+    counts = np.bincount(np.searchsorted([40, 50, 60], ages, side="right"))
+    assert [s["rows"] + s["heldout"] for s in summary["shares"]] == counts.tolist()
+    assert summary["features"] == 9 and "age" not in summary["feature_names"]
+    # The summary is in the units the files hold: a standardized target.
+    datas = [read_client_data(tmp_path / "age" / f"client-{c:03d}.npz") for c in range(4)]
+    for share, data in zip(summary["shares"], datas, strict=True):
+        assert share["label_mean"] == pytest.approx(float(data.y.mean()), abs=1e-12)
+        assert f"{share['label_mean']:>12.3f}  {share['site']}" in done.stdout
+    pooled = np.concatenate([d.y for d in datas])
+    assert abs(pooled.mean()) < 1e-12 and abs(pooled.std() - 1) < 1e-12
+    standardized = summary["target_standardized"]
+    assert f"y is standardized in the files, as shown below: (y - {standardized['mean']:.6g})" in done.stdout
+
+    # The same in this process (the command's functions), for the other bins and their faults.
+    from fedsaddle.experiments.datasets import binned, by_dataset_column, load_dataset
+
+    bmi = binned(by_dataset_column(load_dataset("diabetes"), "bmi"), "bmi", quantiles=4)
+    rows = np.unique(np.asarray(bmi.sites), return_counts=True)[1]
+    assert len(rows) == 4 and rows.max() - rows.min() <= 6  # about equal counts (ties at the edges)
+    assert bmi.site_order is not None and bmi.site_order[0].startswith("bmi < ")
+    age = by_dataset_column(load_dataset("diabetes"), "age")
+    with pytest.raises(ValueError, match="bin 'age < 10' of column 'age' holds no rows, so its client would have no"):
+        binned(age, "age", [10, 15, 50])
+    with pytest.raises(ValueError, match="column 'age' has too few distinct values for 3 quantile bins"):
+        binned(replace(age, sites=("30",) * 400 + ("40",) * 42), "age", quantiles=3)
+    with pytest.raises(ValueError, match="diabetes has no feature column 'height'"):
+        by_dataset_column(load_dataset("diabetes"), "height")
+
+
+def test_a_tables_numeric_site_column_is_cut_at_edges_in_increasing_order(tmp_path: Path) -> None:
+    from fedsaddle.experiments.datasets import binned
+
+    table = tmp_path / "patients.csv"
+    columns = write_patients(table)
+    spec = TableSpec("outcome", ("bmi",), site="age", positive="sick")
+    summary = split(binned(load_table(table, spec), "age", [45, 55]), None, "by-column", seed=0, out=tmp_path / "o")
+    assert [s["site"] for s in summary["shares"]] == ["age < 45", "45 <= age < 55", "age >= 55"]
+    ages = np.array([float(a) for a in columns["age"]])
+    expected = [int((ages < 45).sum()), int(((ages >= 45) & (ages < 55)).sum()), int((ages >= 55).sum())]
+    assert [s["rows"] + s["heldout"] for s in summary["shares"]] == expected
+    with pytest.raises(ValueError, match="bin edges must be increasing numbers, got 55, 45"):
+        binned(load_table(table, spec), "age", [55, 45])
+    with pytest.raises(ValueError, match="column 'city' must be numeric to be cut into bins; it holds"):
+        binned(load_table(table, TableSpec("outcome", ("bmi",), site="city")), "city", [1.0])
