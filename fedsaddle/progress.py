@@ -74,10 +74,14 @@ class Progress:
         they were evaluated at ('test_auc 0.8976 (evaluated at round 200)'): between evaluations the
         note is the last evaluation's, and says so, never passed off as the current iterate's."""
         from fedsaddle.server.driver import record_metrics
+        from fedsaddle.server.per_client import clients_of, progress_note
 
         record = run.records[-1]
         found = record_metrics(record)
-        if found:
+        clients = clients_of(record)
+        if found or clients:
             at = record[run.convention.record_key]
             values = "  ".join(f"{k} {v:.4g}" for k, v in found.items())
+            if clients is not None:  # output.per_client: the worst client of each, and the spread
+                values = "  ".join(part for part in (values, progress_note(clients)) if part)
             self._metrics[run.name] = f"{values} (evaluated at round {at})"

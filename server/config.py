@@ -592,6 +592,13 @@ class OutputSpec(_Model):
             raise ValueError(f"each tracker at most once, got {list(value)}")
         return value
 
+    per_client: bool = Field(
+        False,
+        description="at every evaluated step (evaluate_every, which it needs) also keep each client's evaluation "
+        "metrics and its training objective f_i(z), with the worst, the best and their spread, in metrics.jsonl, "
+        "summary.json, the progress lines and metrics.png; one more exchange (f_i(z) with G_i(z), counted as "
+        "evaluation); refused with secure aggregation, which never lets the coordinator see one client's value",
+    )
     converged_below: Accuracy = Field(
         1e-6,
         description="a run's verdict is `converged` when its last ||z - z*|| (without z*: the projected residual, "
@@ -704,6 +711,7 @@ class RunConfig(_Model):
         faults = [
             *self._what_the_problem_offers(info),
             *self._gradient_norm_is_evaluated(),
+            *self._per_client_is_possible(),
             *self._dp_is_sound(),
             *self._secure_aggregation_is_sound(),
             *self._aggregation_is_sound(info),
@@ -763,6 +771,25 @@ class RunConfig(_Model):
             )
             return [(("output", "gradient_norm"), why)]
         return []
+
+    def _per_client_is_possible(self) -> list[Fault]:
+        if not self.output.per_client:
+            return []
+        faults: list[Fault] = []
+        if not self.evaluate_every:
+            why = (
+                "each client's results are gathered at the evaluated steps, and evaluate_every is 0: "
+                "set evaluate_every (e.g. 50; the last step is evaluated too)"
+            )
+            faults.append((("output", "per_client"), why))
+        if self.privacy.secure_aggregation:
+            why = (
+                "secure aggregation lets the coordinator hold only sums over the clients, never one client's "
+                "value, so it cannot report each client's results; what composes with it: the metrics averaged "
+                "over the clients (evaluate_every) and output.gradient_norm, both summed under the masks"
+            )
+            faults.append((("output", "per_client"), why))
+        return faults
 
     def _dp_is_sound(self) -> list[Fault]:
         if self.privacy.dp is None:

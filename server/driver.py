@@ -31,6 +31,7 @@ from fedsaddle.common.tasks import EvaluateTask, GradientTask, Task
 from fedsaddle.server.algorithms import Algorithm, RoundAnswers, StepCost, build
 from fedsaddle.server.algorithms.registry import definition
 from fedsaddle.server.config import AlgorithmSpec, RoundConvention, RunConfig
+from fedsaddle.server.per_client import OBJECTIVE, metrics_by_client, objective_by_client, summary_of
 from fedsaddle.server.pool import ClientPool, Diverged, RunInfo, fresh_traffic
 from fedsaddle.server.verdict import Verdict, judge
 
@@ -94,11 +95,12 @@ def run_loop(
 # -- a run and its outcome ------------------------------------------------------------------
 
 
-# What every step's record holds; any other field is an evaluation metric.
-RECORD_FIELDS = frozenset({"step", "rounds", "paper_rounds", "time_s", "dist_x", "dist_z", "epsilon"})
+# What every step's record holds; any other field is an evaluation metric. (`clients`: the per-client
+# results of an evaluated step with output.per_client, server/per_client.py.)
+RECORD_FIELDS = frozenset({"step", "rounds", "paper_rounds", "time_s", "dist_x", "dist_z", "epsilon", "clients"})
 
 
-def record_metrics(record: dict[str, float | int]) -> dict[str, float]:
+def record_metrics(record: dict[str, Any]) -> dict[str, float]:
     """The evaluation metrics a step's record carries (none unless the step was evaluated)."""
     return {k: float(v) for k, v in record.items() if k not in RECORD_FIELDS}
 
@@ -173,6 +175,7 @@ class AlgorithmResult:
             "wall_s": self.wall_s,
             "z_sha256": self.z_sha256,
             "metrics": self.metrics,
+            **({"per_client": clients} if (clients := summary_of(self.records)) else {}),
             "traffic": self.traffic,
             "verdict": verdict.kind,
             "verdict_detail": verdict.detail,
@@ -385,14 +388,37 @@ def run_info(config: RunConfig, run_id: str, computations: tuple[str, ...] = ())
     )
 
 
-def gradient_norms(pool: ClientPool, z: Array, domain: Domain | None) -> dict[str, float]:
-    """||G(z)|| of the federation's objective at z, gathered exactly from the clients (an evaluation
-    exchange); on a constrained problem also the projected residual ||z - P(z - G(z))||, which is
-    zero at the constrained saddle point (where G need not vanish)."""
-    gradient = pool.exchange(GradientTask(z, exact=True), "evaluation").mean()
+def norms_of(gradient: Array, z: Array, domain: Domain | None) -> dict[str, float]:
+    """||G(z)|| of the federation's objective at z, from G(z) gathered exactly from the clients (an
+    evaluation exchange); on a constrained problem also the projected residual ||z - P(z - G(z))||,
+    which is zero at the constrained saddle point (where G need not vanish)."""
     found = {"grad_norm": norm(gradient)}
     if domain is not None:
         found["residual"] = norm(z - domain.project(z - gradient))
+    return found
+
+
+def evaluate(config: RunConfig, problem: Problem, pool: ClientPool, z: Array, domain: Domain | None) -> dict[str, Any]:
+    """An evaluated step's additions to its record: the metrics averaged over the clients; ||G(z)||
+    (output.gradient_norm); each client's metrics and training objective (output.per_client, which
+    asks the same exact gradient round for f_i(z) too: one exchange for both)."""
+    found: dict[str, Any] = {}
+    clients: dict[str, Any] = {}
+    n = config.problem.num_clients
+    if problem.metric_names:
+        evaluated = pool.exchange(EvaluateTask(z, problem.metric_names), "evaluation")
+        found.update(zip(problem.metric_names, evaluated.mean().tolist(), strict=True))
+        if config.output.per_client:
+            clients.update(metrics_by_client(evaluated, problem.metric_names, problem.higher_is_better, n))
+    if config.output.gradient_norm or config.output.per_client:
+        task = GradientTask(z, exact=True, want_objective=config.output.per_client)
+        answers = pool.exchange(task, "evaluation")
+        if config.output.gradient_norm:
+            found.update(norms_of(answers.mean(), z, domain))
+        if config.output.per_client:
+            clients = {OBJECTIVE: objective_by_client(answers, n), **clients}
+    if clients:
+        found["clients"] = clients
     return found
 
 
@@ -467,11 +493,7 @@ def run_algorithm(
                 # Every `evaluate_every` steps, and at the end: the final iterate's metrics are the result.
                 every = config.evaluate_every
                 if going and every and (event.steps % every == 0 or run.ends_at(event)):
-                    if problem.metric_names:
-                        evaluated = pool.exchange(EvaluateTask(iterate, problem.metric_names), "evaluation")
-                        run.records[-1].update(zip(problem.metric_names, evaluated.mean().tolist(), strict=True))
-                    if config.output.gradient_norm:
-                        run.records[-1].update(gradient_norms(pool, iterate, domain))
+                    run.records[-1].update(evaluate(config, problem, pool, iterate, domain))
                 if on_step is not None:
                     on_step(run, event, pool)
                 if not going:

@@ -17,6 +17,7 @@ from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.driver import AlgorithmResult
+from fedsaddle.server.per_client import OBJECTIVE, clients_of
 from fedsaddle.server.reference import shown
 
 log = logging.getLogger("fedsaddle.coordinator")
@@ -200,15 +201,35 @@ def plot_metrics(path: Path, config: RunConfig, results: Sequence[AlgorithmResul
 
     key, axis = _x_axis(config)
     names = metric_names(results)
-    fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.5), dpi=120, squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
+    # With output.per_client, a band from each metric's best client to its worst, and a panel for the
+    # clients' training objectives f_i(z).
+    per_client = [OBJECTIVE] if any(clients_of(r) is not None for x in results for r in x.records) else []
+    panels = names + per_client
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), dpi=120, squeeze=False)
+    for ax, name in zip(axes[0], panels, strict=True):
         for result in results:
             points = [(r[key], r[name]) for r in result.records if name in r and math.isfinite(r[name])]
+            line = None
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker=".", label=result.name)
+                (line,) = ax.plot(xs, ys, marker=".", label=result.name)
+            entries = [(r[key], clients_of(r) or {}) for r in result.records]
+            band = [
+                (x, e[name]["best"], e[name]["worst"]) for x, e in entries if e.get(name, {}).get("worst") is not None
+            ]
+            if band:
+                xs, best, worst = zip(*band, strict=True)
+                color = line.get_color() if line is not None else None
+                label = f"{result.name}: best to worst client" if line is not None else f"{result.name}: clients"
+                ax.fill_between(xs, best, worst, alpha=0.2, color=color, label=label)
+                if line is None:  # the objective has no average line: the worst client's
+                    ax.plot(xs, worst, marker=".", color=color, label=f"{result.name}: worst client")
         ax.set_xlabel(axis)
-        ax.set_ylabel(f"{name} (on the clients' held-out rows)")
+        ax.set_ylabel(
+            "f_i(z), each client's training objective"
+            if name == OBJECTIVE
+            else f"{name} (on the clients' held-out rows)"
+        )
         ax.grid(True, alpha=0.3)
         if ax.get_lines():
             ax.legend()
@@ -249,6 +270,16 @@ def table(results: Sequence[AlgorithmResult]) -> str:
             f"{r.wall_s:>7.2f} {r.verdict.kind:<13}{status}".rstrip()
         )
     lines += [f"  {r.name}: {r.verdict.kind}: {r.verdict.detail}" for r in results]
+    for r in results:  # output.per_client: the last evaluation's worst and best client of each
+        clients = r.summary().get("per_client", {})
+        cells = [
+            f"{name} worst {e['worst']:.4g} (client {e['worst_client']}), best {e['best']:.4g} "
+            f"(client {e['best_client']})"
+            for name, e in clients.items()
+            if e["worst"] is not None
+        ]
+        if cells:
+            lines.append(f"  {r.name} per client: " + "; ".join(cells))
     return "\n".join(lines)
 
 

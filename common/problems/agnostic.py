@@ -43,6 +43,7 @@ class AgnosticLogistic(DataProblem):
     Spec = AgnosticSpec
     spec: AgnosticSpec
     metric_names = ("test_loss", "test_accuracy")
+    higher_is_better = ("test_accuracy",)
 
     def dims(self) -> tuple[int, int]:
         return self.spec.features + 1, self.spec.num_clients

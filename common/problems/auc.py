@@ -54,6 +54,7 @@ class AucMaximization(DataProblem):
     Spec = AucSpec
     spec: AucSpec
     metric_names = ("test_auc",)
+    higher_is_better = ("test_auc",)
 
     def dims(self) -> tuple[int, int]:
         return self.spec.features + 2, 1

@@ -120,6 +120,9 @@ class Problem(abc.ABC):
     Spec: ClassVar[type[ProblemSpec]]
     synthetic: ClassVar[bool] = False  # True: data generated from (spec, seed), not private
     metric_names: ClassVar[tuple[str, ...]] = ()  # evaluation metrics on held-out data, if any
+    # The metrics of metric_names for which a higher value is better (an AUC, an accuracy); the others are
+    # losses. Per-client results (output.per_client) name each metric's worst and best client by it.
+    higher_is_better: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec

@@ -38,6 +38,7 @@ class FairLogistic(DataProblem):
     Spec = FairLogisticSpec
     spec: FairLogisticSpec
     metric_names = ("test_accuracy",)
+    higher_is_better = ("test_accuracy",)
 
     def dims(self) -> tuple[int, int]:
         return self.spec.features, 1

@@ -1,0 +1,115 @@
+"""output.per_client: each client's evaluation metrics and training objective, worst, best and spread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from conftest import fedsaddle, strict_json
+
+from fedsaddle import api
+from fedsaddle.common.problems import DataProblem, make_problem
+from fedsaddle.experiments.datasets import binned, by_dataset_column, load_dataset, split
+from fedsaddle.server.config import ConfigError, parse_config
+from fedsaddle.server.per_client import spread
+
+CONFIG: dict[str, Any] = {
+    "name": "ages",
+    "problem": {"name": "linear_regression", "num_clients": 4, "features": 9},
+    "rounds": 60,
+    "evaluate_every": 10,
+    "algorithms": [{"name": "mirror_prox", "gamma": 0.1}],
+    "output": {"per_client": True},
+}
+
+
+@pytest.fixture(scope="module")
+def ages(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The diabetes data over four age groups (the sites of a by-column split in bins)."""
+    folder = tmp_path_factory.mktemp("ages")
+    table = binned(by_dataset_column(load_dataset("diabetes"), "age"), "age", [40, 50, 60])
+    split(table, None, "by-column", 0, folder)
+    return folder
+
+
+def test_each_clients_metric_and_objective_are_its_own_and_the_worst_is_named(ages: Path, tmp_path: Path) -> None:
+    report = api.run(CONFIG, data=str(ages / "client-{i:03d}.npz"), out=tmp_path)
+    result = report.results[0]
+    entry = strict_json((report.run_dir / "summary.json").read_text())["algorithms"][0]
+    clients = entry["per_client"]
+    problem = make_problem(api.load(CONFIG).problem)
+    assert isinstance(problem, DataProblem)
+    datas = [problem.load(ages / f"client-{i:03d}.npz") for i in range(4)]
+    z = result.final_z
+    mse = [float(problem.metrics(d, z)[0]) for d in datas]
+    objective = [float(problem.objective(d, z)) for d in datas]
+    np.testing.assert_allclose(clients["test_mse"]["values"], mse, rtol=1e-12)
+    np.testing.assert_allclose(clients["objective"]["values"], objective, rtol=1e-12)
+    worst = int(np.argmax(mse))
+    assert clients["test_mse"]["worst_client"] == worst and clients["test_mse"]["worst"] == max(
+        clients["test_mse"]["values"]
+    )
+    assert clients["test_mse"]["spread"] == pytest.approx(max(mse) - min(mse), rel=1e-12)
+    # The averaged metric is the clients' values weighted by their held-out rows.
+    heldout = np.array([d.heldout for d in datas], dtype=float)
+    assert entry["metrics"]["test_mse"] == pytest.approx(float(heldout @ mse / heldout.sum()), rel=1e-12)
+    # Every evaluated step carries them (in metrics.jsonl too), and the figure has the objective's panel.
+    lines = [strict_json(line) for line in (report.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [line for line in lines if "test_mse" in line]
+    assert len(evaluated) == 4 and all(line["clients"]["objective"]["worst"] is not None for line in evaluated)
+    assert (report.run_dir / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    # The per-client round is evaluation traffic: the algorithm's counts are those of a run without it.
+    plain = api.run({**CONFIG, "output": {"plot": False}}, data=str(ages / "client-{i:03d}.npz"), out=tmp_path).results[
+        0
+    ]
+    assert result.traffic["algorithm"] == plain.traffic["algorithm"] and result.z_sha256 == plain.z_sha256
+    assert result.traffic["evaluation"]["rounds"] == 2 * plain.traffic["evaluation"]["rounds"]
+
+
+def test_a_federation_reports_the_same_per_client_results_as_simulate(ages: Path, tmp_path: Path) -> None:
+    path = tmp_path / "ages.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    data = str(ages / "client-{i:03d}.npz")
+    simulated = api.run({**CONFIG, "output": {"per_client": True, "plot": False}}, data=data, out=tmp_path)
+    done = fedsaddle(
+        "local", "--config", str(path), "--data", data, "--out", str(tmp_path / "local"), "--quiet-clients"
+    )
+    assert done.returncode == 0, done.stderr
+    run_dir = Path(done.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+    federated = strict_json((run_dir / "summary.json").read_text())["algorithms"][0]
+    assert "mirror_prox per client: objective worst" in done.stdout  # after the table
+    assert "worst test_mse" in done.stderr  # the progress lines
+    assert (
+        federated["per_client"]
+        == strict_json((simulated.run_dir / "summary.json").read_text())["algorithms"][0]["per_client"]
+    )
+
+
+def test_per_client_results_are_refused_with_secure_aggregation_saying_why() -> None:
+    secure = {**CONFIG, "privacy": {"secure_aggregation": True}}
+    with pytest.raises(ConfigError) as refused:
+        parse_config(secure)
+    assert "output.per_client: secure aggregation lets the coordinator hold only sums over the clients" in str(
+        refused.value
+    )
+    assert "the metrics averaged over the clients (evaluate_every) and output.gradient_norm" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"output\.per_client: each client's results are gathered at the evaluated"):
+        parse_config({**CONFIG, "evaluate_every": 0})
+    parse_config({**secure, "output": {"per_client": False}})  # what composes with it
+
+
+def test_the_worst_client_is_by_the_metrics_direction() -> None:
+    loss = spread([0.5, None, 2.0, 1.0], higher_is_better=False)
+    assert (loss["worst"], loss["worst_client"], loss["best"], loss["best_client"], loss["spread"]) == (
+        2.0,
+        2,
+        0.5,
+        0,
+        1.5,
+    )
+    auc = spread([0.9, 0.6, None, 0.6], higher_is_better=True)
+    assert (auc["worst"], auc["worst_client"], auc["best_client"]) == (0.6, 1, 0)
+    assert spread([None, None], False)["worst"] is None
