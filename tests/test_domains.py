@@ -24,7 +24,12 @@ ALGORITHMS: list[dict[str, Any]] = [
     {"name": "fedavg_s", "gamma_local": 0.02},
     {"name": "scaffold_s", "gamma_local": 0.02},
     {"name": "scaffold_catalyst_s", "gamma_local": 0.02},
+    {"name": "fedgda_gt", "eta": 0.02},
+    {"name": "local_extragradient", "gamma": 0.02},
+    {"name": "local_sgda_plus", "eta_x": 0.02, "eta_y": 0.02},
 ]
+# The algorithms whose uncorrected local steps keep a client drift (a constant step, heterogeneous clients).
+DRIFTING = ("fedavg_s", "local_extragradient", "local_sgda_plus")
 
 
 def test_the_simplex_projection_is_the_closest_point_of_the_simplex() -> None:
@@ -160,8 +165,10 @@ def test_every_algorithm_keeps_its_iterates_in_the_domain_and_reaches_the_constr
         assert result.status == "ok", result.detail
         domain.check(result.final_z, f"{result.name}'s final iterate")
         residual = projected_residual(problem, datas, result.final_z)
-        # FedAvg-S keeps its client drift (a constant step, heterogeneous clients); the others converge
-        assert residual < (1e-1 if result.name == "fedavg_s" else 1e-9), (result.name, residual)
+        # FedAvg-S, Local Extragradient and Local SGDA+ keep their client drift; the others converge
+        assert residual < (1e-1 if result.name in DRIFTING else 1e-9), (result.name, residual)
+        if result.name in DRIFTING[1:]:  # (the drift is real: not round-off)
+            assert residual > 1e-3, (result.name, residual)
 
 
 @pytest.mark.usefixtures("clamped")
