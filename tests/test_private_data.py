@@ -27,7 +27,7 @@ from test_failures import Coordinator, write_config
 
 from fedsaddle import api
 from fedsaddle.experiments.datasets import split
-from fedsaddle.launch import client_env
+from fedsaddle.launch import client_command, client_env
 from fedsaddle.server.driver import RunInfo
 from fedsaddle.server.report import rounds_table, table
 from fedsaddle.server.transport.grpc_pool import GrpcPool
@@ -166,25 +166,20 @@ def start_coordinator(tmp_path: Path, config: dict[str, Any]) -> tuple[Coordinat
     return coordinator, coordinator.wait_for(r"listening on (\S+);", 30).group(1)
 
 
-def test_bad_data_stops_the_run_before_round_one_naming_the_client_the_file_and_the_fault(
+def test_bad_data_stops_its_client_before_it_connects_naming_the_client_the_file_and_the_fault(
     tmp_path: Path, cancer: tuple[Path, dict[str, Any]]
 ) -> None:
-    folder, summary = cancer
+    folder, _ = cancer
     broken = tmp_path / "client-007.npz"
     arrays = dict(np.load(folder / "client-007.npz"))
     arrays["X"][3, 4] = np.nan
     np.savez(broken, **arrays)
-    coordinator, address = start_coordinator(tmp_path, auc_config(summary))
-    files = [str(broken) if i == 7 else str(folder / f"client-{i:03d}.npz") for i in range(CLIENTS)]
-    clients = [client_process(address, i, "--data", files[i], quiet=False) for i in range(CLIENTS)]
-    code, log, codes = coordinator.finish_with(clients, timeout=60)
-    assert code == 1
-    fault = rf"client 7: {broken}: X\[3, 4\] is nan"
-    assert re.search(rf"run failed: client 7 \(.*\) cannot serve run .*: {fault}", log), log
-    assert codes[7] == 1 and all(c == 1 for c in codes)  # every client learns that the run failed
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    assert (run_dir / "metrics.jsonl").read_text() == ""  # no round ran
-    assert json.loads((run_dir / "summary.json").read_text())["algorithms"][0]["rounds"] == 0
+    # Nothing listens at port 9: the client never gets as far as dialling.
+    command = client_command("127.0.0.1:9", "7", "--data", str(broken), "--connect-timeout", "30", quiet=False)
+    done = subprocess.run(command, env=client_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"fedsaddle: client 7: {broken}: X[3, 4] is nan (NaN and Inf are refused)" in done.stderr, done.stderr
+    assert "reach" not in done.stderr
 
 
 def test_a_file_with_other_features_is_refused_before_round_one(
@@ -260,20 +255,27 @@ def test_a_plugin_problem_runs_in_simulate_and_over_local_processes(tmp_path: Pa
 
 def test_stopped_clients_print_the_reason(tmp_path: Path, cancer: tuple[Path, dict[str, Any]]) -> None:
     folder, summary = cancer
+    # A file that reads, with fewer features than the run's spec says: refused when the run starts (a file
+    # that does not read at all stops its client before it connects).
+    narrow = tmp_path / "narrow.npz"
+    arrays = dict(np.load(folder / f"client-{CLIENTS - 1:03d}.npz"))
+    arrays["X"], arrays["X_test"] = arrays["X"][:, :28], arrays["X_test"][:, :28]
+    np.savez(narrow, **arrays)
     coordinator, address = start_coordinator(tmp_path, auc_config(summary))
     clients = [
         client_process(address, i, "--data", str(folder / f"client-{i:03d}.npz"), quiet=False)
         for i in range(CLIENTS - 1)
     ]
-    clients.append(client_process(address, CLIENTS - 1, "--data", str(tmp_path / "missing.npz"), quiet=False))
+    clients.append(client_process(address, CLIENTS - 1, "--data", str(narrow), quiet=False))
     try:
         code, log = coordinator.finish(60)
         messages = read_stderr(clients[-1])
     finally:
         stop_processes(clients)
     assert code == 1
-    assert f"client {CLIENTS - 1}: {tmp_path / 'missing.npz'}: no such file" in log
-    assert "no such file" in messages and "the coordinator ended the run as failed" in messages
+    fault = f"client {CLIENTS - 1}: {narrow}: 28 features, but the problem expects 30"
+    assert fault in log
+    assert fault in messages and "the coordinator ended the run as failed" in messages
 
 
 BLAS_SCRIPT = """
