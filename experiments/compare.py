@@ -11,7 +11,12 @@ lambda = 1e-5, at each heterogeneity s), the built-in real problems of
 experiments/problems.py (the bundled dataset split over 10 clients with
 Dirichlet(0.5) label skew, drawn afresh for each seed), or any other installed
 problem that generates its own data from a seed (quadratic_game, plug-ins), with
-its spec's defaults and 10 clients.
+its spec's defaults and 10 clients. Or the problem of a config of one's own
+(`--config run.yaml`, `OwnProblem`): a plug-in, or a problem on the clients'
+data files (`--data`), measured against its `reference_solution` or a
+`--reference FILE.npy` (check-problem --save-reference); each algorithm's step
+in that config is the grid's scale 1 (default 0.1), and the config's
+weighting, gradient noise and init are kept.
 
 The grid is cut into tasks (`Task`), each one batch of runs that share their
 clients (server/batch.py): for a synthetic problem one (problem, s, algorithm)
@@ -70,6 +75,19 @@ class CompareError(ValueError):
 
 
 @dataclass(frozen=True)
+class OwnProblem:
+    """The problem of a config of one's own (a plug-in, or a problem on data files), as compare runs it."""
+
+    name: str  # the problem's name: its key in the report, runs.csv and the figures
+    entry: dict[str, Any]  # the config's problem entry
+    extra: dict[str, Any]  # the config's fields a run keeps: weighting, gradient_noise, init
+    data: dict[int, str]  # each client's data file ({} for a synthetic problem)
+    reference: tuple[float, ...] | None  # z*, unless the problem is synthetic (its own from the seed)
+    accuracy: float = 0.0  # how far the reference may be from the true z*
+    bases: dict[str, float] = field(default_factory=dict)  # each algorithm's step in the config: scale 1
+
+
+@dataclass(frozen=True)
 class Setup:
     """What a compare runs: validated at construction, so a bad request fails before any run."""
 
@@ -82,6 +100,7 @@ class Setup:
     convention: RoundConvention = RoundConvention.EXCHANGES
     tau: int = 20
     grids: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # an algorithm's own scales, if given
+    own: OwnProblem | None = None  # a config's problem (--config), by its name among `problems`
     step_fields: dict[str, str] = field(default_factory=dict, compare=False)  # filled by __post_init__
 
     def __post_init__(self) -> None:
@@ -107,7 +126,13 @@ class Setup:
             if len(set(scales)) != len(scales):
                 raise CompareError(f"--grid {name}: {list(scales)} names a scale twice")
         for problem in self.problems:
-            _check_problem(problem)
+            if self.own is None or problem != self.own.name:
+                _check_problem(problem)
+        if self.own is not None and self.eps < self.own.accuracy:
+            raise CompareError(
+                f"--eps {self.eps:g} is finer than z*'s accuracy {self.own.accuracy:.1e} (--reference): no run "
+                "could be said to reach it"
+            )
         for algorithm in self.algorithms:
             self.step_fields[algorithm] = _step_field(algorithm)
 
@@ -118,16 +143,29 @@ class Setup:
         """The algorithm's grid: multiples of the problem's base step."""
         if algorithm in self.grids:
             return tuple(self.grids[algorithm])
+        if self.is_own(problem):
+            return STEP_FACTORS
         if problem == PAPER:
             return STEP_GRIDS.get(algorithm, STEP_GRIDS["scaffold_s"])
         return STEP_FACTORS
+
+    def is_own(self, problem: str) -> bool:
+        return self.own is not None and problem == self.own.name
+
+    def step(self, problem: str, s: float | None, algorithm: str, scale: float) -> float:
+        """A scale of an algorithm's grid as its step (step_of; a config's own step for its problem)."""
+        if self.own is not None and problem == self.own.name:
+            return scale * self.own.bases.get(algorithm, SYNTHETIC_BASE)
+        return step_of(problem, s, scale)
 
     def tasks(self) -> list[Task]:
         out = []
         for problem in self.problems:
             for s in self.s_of(problem):
                 for algorithm in self.algorithms:
-                    seed_groups = [(seed,) for seed in self.seeds] if problem in CASE_OF else [self.seeds]
+                    # A real problem's split is drawn per seed; a config's data are the same for every seed.
+                    per_seed = problem in CASE_OF and not self.is_own(problem)
+                    seed_groups = [(seed,) for seed in self.seeds] if per_seed else [self.seeds]
                     for seeds in seed_groups:
                         out.append(Task(self, problem, s, algorithm, seeds))
         return out
@@ -147,7 +185,8 @@ def _check_problem(name: str) -> None:
     if not issubclass(kind, SyntheticProblem):
         raise CompareError(
             f"--problems: {name} reads its clients' data files; compare runs synthetic problems and the "
-            f"built-in real ones ({', '.join(sorted(CASE_OF))})"
+            f"built-in real ones ({', '.join(sorted(CASE_OF))}) by name, and a problem on your data files from "
+            "its config (--config FILE --data PATTERN)"
         )
     try:
         kind.Spec.model_validate({"name": name, "num_clients": CLIENTS})
@@ -252,8 +291,21 @@ def run_task(task: Task, node: str = "local") -> TaskResult:
     from .problems import case_setup
 
     blas.apply()  # BLAS's sums depend on its thread count: the count every fedsaddle process uses
-    steps = {scale: step_of(task.problem, task.s, scale) for scale in task.setup.scales(task.problem, task.algorithm)}
+    setup = task.setup
+    scales = setup.scales(task.problem, task.algorithm)
+    steps = {scale: setup.step(task.problem, task.s, task.algorithm, scale) for scale in scales}
     runs: list[Run] = []
+    if setup.own is not None and setup.is_own(task.problem):
+        import numpy as np
+
+        own = setup.own
+        reference = None if own.reference is None else np.array(own.reference)
+        keys = [(scale, step, seed) for scale, step in steps.items() for seed in task.seeds]
+        configs = [_config(task, seed, step, own.entry, own.extra) for _, step, seed in keys]
+        members = [BatchRun(config, config.algorithms[0], reference) for config in configs]
+        results = run_batch(members, ShardCache(size=len(keys), data=own.data or None))
+        runs = [_run(task, scale, step, seed, r) for (scale, step, seed), r in zip(keys, results, strict=True)]
+        return TaskResult(runs, node)
     if task.problem in CASE_OF:
         with tempfile.TemporaryDirectory(prefix="fedsaddle-compare-") as scratch:
             for seed in task.seeds:
@@ -484,27 +536,51 @@ def scope(setup: Setup, command: str) -> str:
     seed_text = f"seeds {seeds[0]}-{seeds[-1]}" if consecutive and len(seeds) > 1 else f"seeds {list(seeds)}"
     grids = []
     for problem in setup.problems:
+        if setup.own is not None and setup.is_own(problem):
+            each = "; ".join(
+                f"`{a}` {{{', '.join(f'{v:g}' for v in setup.scales(problem, a))}}} x "
+                f"{setup.step(problem, None, a, 1.0):g}"
+                for a in setup.algorithms
+            )
+            grids.append(f"- `{problem}` (the config's problem): step = scale x the config's step, scales: {each}")
+            continue
         base = "1/max(s, 1)" if problem == PAPER else f"{step_of(problem, None, 1.0):g}"
         each = "; ".join(f"`{a}` {{{', '.join(f'{v:g}' for v in setup.scales(problem, a))}}}" for a in setup.algorithms)
         grids.append(f"- `{problem}`: step = scale x {base}, scales: {each}")
     s_text = ", ".join(f"{s:g}" for s in setup.s_values) if PAPER in setup.problems else "-"
+    clients = "10" if setup.own is None else f"10 ({setup.own.entry['num_clients']} for the config's problem)"
     return (
         f"Made by `{command}`.\n\n"
         f"**Scope.** Algorithms: {', '.join(f'`{a}`' for a in setup.algorithms)}, each with its spec's defaults "
         f"but for its step ({', '.join(f'`{a}`: `{setup.step_fields[a]}`' for a in setup.algorithms)}; "
         "a built-in algorithm's gamma_global defaults to its gamma_local, as in the paper). "
         f"Problems: {', '.join(f'`{p}`' for p in setup.problems)}; s = {s_text} (the paper problem's "
-        f"heterogeneity; the others have none). {len(seeds)} {seed_text}, 10 clients, tau = {setup.tau} local steps "
-        f"per sync, a budget of {setup.rounds} rounds, {setup.convention.words}. "
+        f"heterogeneity; the others have none). {len(seeds)} {seed_text}, {clients} clients, "
+        f"tau = {setup.tau} local steps per sync, a budget of {setup.rounds} rounds, {setup.convention.words}. "
         f"eps = {setup.eps:g} on ||z - z*|| (z* of the paper and synthetic problems from their seed; of a real "
         "problem, the centralized solution from all clients' data, and its data split over the clients with "
-        "Dirichlet(0.5) label skew drawn from the seed).\n\n"
+        "Dirichlet(0.5) label skew drawn from the seed)." + _own_scope(setup.own) + "\n\n"
         "**Grid.** Each algorithm is tuned on its own grid of steps:\n\n" + "\n".join(grids) + "\n\n"
         "**Choosing.** For each (problem, s, algorithm): among the steps with no diverged seed, the fewest median "
         f"rounds to eps; ties (not reached) go to the smallest median final distance (below {FLOOR:g} counting as "
         "equal). Both columns are at that step: median [interquartile range] over the seeds. 'edge': the chosen step "
         "is its grid's smallest or largest. Every run is in runs.csv; the cells are in summary.csv.\n"
     )
+
+
+def _own_scope(own: OwnProblem | None) -> str:
+    """What the report says of a config's problem: its data, its z*, the fields it keeps."""
+    if own is None:
+        return ""
+    data = f"its {len(own.data)} clients' own data files, the same for every seed" if own.data else "its own seed"
+    if own.reference is None:
+        z_star = "z* its own, from the seed"
+    elif own.accuracy > 0:
+        z_star = f"z* from --reference, accurate to {own.accuracy:.1e}"
+    else:
+        z_star = "z* its reference_solution() from all the clients' data (or an exact --reference)"
+    kept = ", ".join(f"{k} {v}" for k, v in own.extra.items())
+    return f" The config's problem `{own.name}` runs on {data}, {z_star}, with the config's {kept}."
 
 
 def report(out: Path, setup: Setup, results: Sequence[TaskResult], command: str) -> list[Cell]:

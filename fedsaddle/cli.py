@@ -562,11 +562,25 @@ EXPERIMENT_FLAGS: dict[str, tuple[str, ...]] = {
     "dp": ("seeds", "rounds", "epsilons"),
     "deep-auc": ("seeds", "rounds", "libauc_python", "jobs"),
     "robust-mlp": ("seeds", "rounds", "jobs"),
-    "compare": ("seeds", "s", "rounds", "convention", "tau", "algorithms", "problems", "eps", "grid", "ray"),
+    "compare": (
+        "seeds",
+        "s",
+        "rounds",
+        "convention",
+        "tau",
+        "algorithms",
+        "problems",
+        "eps",
+        "grid",
+        "ray",
+        "config",
+        "data",
+        "reference",
+    ),
 }
 
 
-COMPARE_FLAGS = ("algorithms", "problems", "eps", "grid", "ray")
+COMPARE_FLAGS = ("algorithms", "problems", "eps", "grid", "ray", "config", "data", "reference")
 
 
 def _refuse_flags_not_taken(args: argparse.Namespace) -> None:
@@ -646,6 +660,49 @@ def _robust_mlp(args: argparse.Namespace, out: Path, command: str, progress: Pro
     return EXIT_OK
 
 
+def _own_problem(args: argparse.Namespace) -> Any:
+    """--config (with --data and --reference): the config's problem as `experiment compare` runs it, with
+    z* (its reference_solution from all clients' data, or --reference) and each algorithm's step as the
+    config writes it (the grid's scale 1)."""
+    from fedsaddle.common.problems import DataError, make_problem
+    from fedsaddle.common.worker import ShardCache
+    from fedsaddle.experiments.compare import STEP_FIELDS, OwnProblem
+    from fedsaddle.server.config import load_config
+    from fedsaddle.server.local_pool import reference_solution
+
+    config = load_config(args.config)
+    problem = make_problem(config.problem)
+    data = _data_paths(args.data, range(config.problem.num_clients))
+    if problem.synthetic and data:
+        raise UsageError(f"--data: problem {config.problem.name} is synthetic; it generates its own data")
+    reference, accuracy = None, 0.0
+    if args.reference:
+        given = _given_reference(args, config)
+        reference, accuracy = tuple(given.z.tolist()), given.accuracy
+    elif not problem.synthetic:
+        if not data:
+            raise UsageError(f"--data: problem {config.problem.name} reads each client's data file; name them")
+        try:
+            found = reference_solution(config, ShardCache(data=data))
+        except DataError as exc:
+            raise UsageError(str(exc)) from None
+        if found is None:
+            raise UsageError(
+                f"problem {config.problem.name} computes no reference_solution(): give z* with --reference FILE.npy "
+                "(fedsaddle check-problem --save-reference FILE.npy writes it)"
+            )
+        reference = tuple(found.tolist())
+    bases: dict[str, float] = {}
+    for spec in config.algorithms:
+        fields = spec.model_dump()
+        step = next((fields[name] for name in STEP_FIELDS if isinstance(fields.get(name), int | float)), None)
+        if step is not None and spec.name not in bases:
+            bases[spec.name] = float(step)
+    entry = config.problem.model_dump(mode="json", exclude_none=True)
+    extra = {"weighting": config.weighting, "gradient_noise": config.gradient_noise, "init": config.init}
+    return OwnProblem(config.problem.name, entry, extra, data, reference, accuracy, bases)
+
+
 def _compare(args: argparse.Namespace, out: Path, command: str, progress: Progress) -> int:
     from fedsaddle.experiments import compare
     from fedsaddle.server.config import RoundConvention
@@ -657,10 +714,20 @@ def _compare(args: argparse.Namespace, out: Path, command: str, progress: Progre
             grids[name] = tuple(float(v) for v in values.split(","))
         except ValueError:
             raise UsageError(f"--grid {given}: expected NAME=SCALE,SCALE,... (numbers)") from None
+    own = _own_problem(args) if args.config else None
+    if own is None and (args.data or args.reference):
+        raise UsageError("--data and --reference go with --config (the problem of your own config)")
+    if own is not None and args.ray and own.data:
+        raise UsageError("--ray places tasks on other nodes, which do not hold your data files: leave out --ray")
+    algorithms = args.algorithms or (list(own.bases) if own is not None else None)
+    problems = args.problems or ([] if own is not None else None)
+    if own is not None and own.name in (problems or []):
+        raise UsageError(f"--problems names {own.name}, the config's problem: leave it out (--config runs it)")
     try:
         setup = compare.Setup(
-            algorithms=tuple(args.algorithms or compare.DEFAULT_ALGORITHMS),
-            problems=tuple(args.problems or compare.DEFAULT_PROBLEMS),
+            algorithms=tuple(algorithms or compare.DEFAULT_ALGORITHMS),
+            problems=(*(problems if problems is not None else compare.DEFAULT_PROBLEMS), *([own.name] if own else [])),
+            own=own,
             s_values=tuple(args.s) if args.s else compare.DEFAULT_S,
             seeds=tuple(range(args.seeds or compare.DEFAULT_SEEDS)),
             rounds=args.rounds or compare.DEFAULT_ROUNDS,
@@ -1459,6 +1526,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="NAME=SCALE,...",
         help="compare: an algorithm's own step scales (times the problem's base step); repeatable",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="compare: also the problem of this config (a plug-in, or one on data files with --data), each "
+        "algorithm's step in it as the grid's scale 1; its algorithms are the default --algorithms",
+    )
+    with_data(p, "compare --config: each client's")
+    p.add_argument(
+        "--reference",
+        metavar="FILE.npy",
+        help="compare --config: z* of the config's problem (default: its reference_solution from all the data)",
     )
     p.add_argument(
         "--ray",

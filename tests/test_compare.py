@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import yaml
 from conftest import fedsaddle
 
 from fedsaddle.experiments import compare
@@ -173,3 +175,90 @@ def test_ray_gives_the_same_runs_csv_bytes_as_local_processes(tiny_report: Path,
     assert (tmp_path / "runs.csv").read_bytes() == (tiny_report / "runs.csv").read_bytes()
     placement = list(csv.DictReader(io.StringIO((tmp_path / "placement.csv").read_text())))
     assert len(placement) == 2 and all(len(row["node"]) == 56 for row in placement)  # Ray node ids, not "local"
+
+
+AGES = {
+    "name": "ages",
+    "problem": {"name": "linear_regression", "num_clients": 4, "features": 9},
+    "weighting": "samples",
+    "algorithms": [{"name": "mirror_prox", "gamma": 0.1}],
+}
+
+
+@pytest.fixture(scope="module")
+def ages(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The diabetes data over four age groups, and a config of one's own on them."""
+    from fedsaddle.experiments.datasets import binned, by_dataset_column, load_dataset, split
+
+    folder = tmp_path_factory.mktemp("ages")
+    split(binned(by_dataset_column(load_dataset("diabetes"), "age"), "age", [40, 50, 60]), None, "by-column", 0, folder)
+    (folder / "run.yaml").write_text(yaml.safe_dump(AGES))
+    return folder
+
+
+def own_problem(folder: Path, **options: Any) -> compare.OwnProblem:
+    import argparse
+
+    from fedsaddle.cli import _own_problem
+
+    arguments = {"config": str(folder / "run.yaml"), "data": [str(folder / "client-{i:03d}.npz")], "reference": None}
+    return _own_problem(argparse.Namespace(**{**arguments, **options}))  # type: ignore[no-any-return]
+
+
+def test_a_configs_problem_on_data_files_is_tuned_around_its_own_step_with_the_bits_of_a_run_alone(
+    ages: Path, tmp_path: Path
+) -> None:
+    from fedsaddle import api
+
+    own = own_problem(ages)
+    assert own.bases == {"mirror_prox": 0.1} and own.extra["weighting"] == "samples" and own.reference is not None
+    setup = compare.Setup(
+        algorithms=("mirror_prox",), problems=(own.name,), own=own, seeds=(0, 1), rounds=60,
+        grids={"mirror_prox": (1.0, 4.0)},
+    )  # fmt: skip
+    assert [t.seeds for t in setup.tasks()] == [(0, 1)]  # the same data for every seed: one task
+    one = compare.run_local(setup.tasks(), workers=1)
+    runs = [r for result in one for r in result.runs]
+    assert sorted({r.step for r in runs}) == [0.1, 0.4]
+    # Deterministic: the same runs.csv bytes again, and the batch's run is the run alone, bit for bit.
+    again = compare.run_local(setup.tasks(), workers=1)
+    assert compare.runs_csv(runs) == compare.runs_csv(r for result in again for r in result.runs)
+    alone = api.run(
+        {**AGES, "rounds": 60, "sync": {"kind": "fixed", "tau": 20}, "output": {"plot": False}},
+        data=str(ages / "client-{i:03d}.npz"),
+        out=tmp_path,
+    ).results[0]
+    (batched,) = [r for r in runs if r.step == 0.1 and r.seed == 0]
+    assert batched.z_sha256 == alone.z_sha256 and batched.final == alone.dist_z
+
+
+def test_compare_on_a_configs_problem_writes_the_same_report(ages: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    done = fedsaddle("experiment", "compare", "--config", str(ages / "run.yaml"), "--data",
+                     str(ages / "client-{i:03d}.npz"), "--seeds", "1", "--rounds", "40",
+                     "--grid", "mirror_prox=1,2", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(io.StringIO((out / "runs.csv").read_text())))
+    assert [(r["problem"], r["algorithm"], r["step"]) for r in rows] == [
+        ("linear_regression", "mirror_prox", "0.1"),
+        ("linear_regression", "mirror_prox", "0.2"),
+    ]
+    report = (out / "compare.md").read_text()
+    assert "`linear_regression` (the config's problem): step = scale x the config's step" in report
+    assert "runs on its 4 clients' own data files, the same for every seed" in report
+    assert (out / "figure_linear_regression.png").exists() and (out / "summary.csv").exists()
+
+
+def test_a_configs_problem_without_a_solution_needs_a_reference(tmp_path: Path) -> None:
+    from fedsaddle.cli import UsageError
+    from fedsaddle.experiments.datasets import split
+
+    split("breast_cancer", 3, "label-skew", 1, tmp_path)
+    config = {"problem": {"name": "agnostic", "num_clients": 3, "features": 30},
+              "algorithms": [{"name": "mirror_prox", "gamma": 0.1}]}  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(UsageError, match=r"computes no reference_solution\(\): give z\* with --reference FILE\.npy"):
+        own_problem(tmp_path)
+    np.save(tmp_path / "short.npy", np.zeros(3))
+    with pytest.raises(UsageError, match="z\\* has 3 entries, but problem 'agnostic' has z of 34 entries"):
+        own_problem(tmp_path, reference=str(tmp_path / "short.npy"))
