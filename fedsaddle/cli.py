@@ -407,39 +407,26 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 def _check_client_start(plugins: Sequence[str], hosted: Sequence[int], data: dict[int, str]) -> None:
     """What a client can check before it connects (UsageError, exit 2, with the whole message): each
-    --problem plug-in imports and is a problem class; each --data file reads, and, with one plug-in
-    whose spec has a default for every field, passes that problem's own load and check. The run's
-    spec (its hyper-parameters) comes from the coordinator, so the rest is checked when a run starts."""
-    from pydantic import ValidationError
-
+    --problem plug-in imports and is a problem class, and each --data file reads as a data file (unless a
+    plug-in reads its files its own way, overriding `load`). What depends on the run's spec (a problem's
+    own check: its features, its labels) is checked when a run starts, as the coordinator sends the spec."""
     from fedsaddle.common.problems import DataError, DataProblem, ProblemNotFound, read_client_data
     from fedsaddle.common.problems.registry import load_path
 
-    classes = []
+    own_format = False
     for plugin in plugins:
         try:
-            classes.append((plugin, load_path(plugin, "plugin")))
+            cls = load_path(plugin, "plugin")
         except ProblemNotFound as exc:
             raise UsageError(f"--problem {plugin}: {exc}") from None
-    loader: DataProblem | None = None
-    if len(classes) == 1 and issubclass(classes[0][1], DataProblem):
-        plugin, cls = classes[0]
-        fields = {"name": cls.Spec.model_fields["name"].default, "plugin": plugin, "num_clients": max(hosted) + 1}
-        try:
-            problem = cls(cls.Spec.model_validate(fields))
-        except ValidationError as exc:  # fields without a default: the run's spec gives them
-            log.debug("--problem %s: its data is checked when a run starts (%s)", plugin, exc.errors()[0]["msg"])
-        except Exception as exc:  # the plug-in's own code failed on its default spec
-            raise UsageError(f"--problem {plugin}: making the problem failed: {type(exc).__name__}: {exc}") from None
-        else:
-            loader = problem if isinstance(problem, DataProblem) else None
+        own_format = own_format or (issubclass(cls, DataProblem) and cls.load is not DataProblem.load)
+    if own_format:
+        return
     for index, path in data.items():
         try:
-            loader.load(path) if loader is not None else read_client_data(path)
+            read_client_data(path)
         except DataError as exc:
             raise UsageError(f"client {index}: {exc}") from None
-        except Exception as exc:  # a plug-in's load or check that fails other than by DataError
-            raise UsageError(f"client {index}: loading {path} failed: {type(exc).__name__}: {exc}") from None
 
 
 def cmd_local(args: argparse.Namespace) -> int:
