@@ -599,6 +599,11 @@ class OutputSpec(_Model):
         "summary.json, the progress lines and metrics.png; one more exchange (f_i(z) with G_i(z), counted as "
         "evaluation); refused with secure aggregation, which never lets the coordinator see one client's value",
     )
+    stop_beyond_scale: bool = Field(
+        False,
+        description="stop a run as diverged as soon as ||z - z*|| is more than 10 times the problem's scale "
+        "max(||z*||, ||z0 - z*||) (where z* is known), instead of at 10^4-fold growth over its start only",
+    )
     converged_below: Accuracy = Field(
         1e-6,
         description="a run's verdict is `converged` when its last ||z - z*|| (without z*: the projected residual, "

@@ -33,7 +33,7 @@ from fedsaddle.server.algorithms.registry import definition
 from fedsaddle.server.config import AlgorithmSpec, RoundConvention, RunConfig
 from fedsaddle.server.per_client import OBJECTIVE, metrics_by_client, objective_by_client, summary_of
 from fedsaddle.server.pool import ClientPool, Diverged, RunInfo, fresh_traffic
-from fedsaddle.server.verdict import Verdict, judge
+from fedsaddle.server.verdict import DIVERGED_OVER_SCALE, Verdict, judge
 
 # A run has diverged when its iterate is not finite, or when its distance to z* has
 # grown this much over the distance it started from (a converging method may rise
@@ -232,6 +232,9 @@ class Run:
         self.loop = run_loop(algorithm, z0, config.seed, config.rounds, config.round_convention, start)
         self.budget, self.convention = config.rounds, config.round_convention
         self.converged_below = config.output.converged_below
+        # output.stop_beyond_scale: the distance beyond which the run stops as diverged (set by a driver that
+        # knows z*: DIVERGED_OVER_SCALE times max(||z*||, ||z0 - z*||)); inf: only the growth rule.
+        self.diverged_beyond = math.inf
         self.started = time.perf_counter() - (resume.elapsed_s if resume else 0.0)
         self.records: list[dict[str, float | int]] = list(resume.records) if resume else []
         self.state: Any = None if resume is None else resume.at.state
@@ -280,6 +283,14 @@ class Run:
         start = self.records[0].get("dist_z")
         if dist_z is not None and start is not None and dist_z > DIVERGENCE_GROWTH * max(float(start), 1e-12):
             self.stop("diverged", f"||z - z*|| grew from {start:.3g} to {dist_z:.3g} by round {rounds}")
+            return False
+        if dist_z is not None and dist_z > self.diverged_beyond:
+            limit = self.diverged_beyond / DIVERGED_OVER_SCALE
+            self.stop(
+                "diverged",
+                f"||z - z*|| = {dist_z:.3g} by round {rounds}, over {DIVERGED_OVER_SCALE:g} times the problem's scale "
+                f"max(||z*||, ||z0-z*||) = {limit:.3g} (output.stop_beyond_scale)",
+            )
             return False
         return True
 
@@ -468,6 +479,8 @@ def run_algorithm(
     problem = make_problem(config.problem)
     z_star = reference if reference is not None else solution(config.problem, config.seed)
     check_reference(problem, z_star)
+    if z_star is not None and config.output.stop_beyond_scale:
+        run.diverged_beyond = DIVERGED_OVER_SCALE * distance_scale(z_star, initial_point(config))
     domain = problem_domain(problem)
     dim_x, _ = problem.dims()
     stopped_by: BaseException | None = None

@@ -24,7 +24,8 @@ its verdict says where it got to, by these rules, in this order:
    `stalled`.
 
 The verdict is computed from the records after the run: it never changes a run's
-iterates, its status or when it stops.
+iterates, its status or when it stops. `output.stop_beyond_scale` applies the scale
+rule of 2 while the run goes (server/driver.py, `Run.record`), stopping it there.
 """
 
 from __future__ import annotations

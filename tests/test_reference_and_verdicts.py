@@ -208,3 +208,23 @@ def test_save_every_keeps_a_bounded_evenly_spaced_path_and_changes_no_hash(tmp_p
 
     with pytest.raises(ConfigError, match=r"output\.save_every: must be a number of steps >= 1, got 0"):
         parse_config({**config, "output": {"save_every": 0}})
+
+
+def test_stop_beyond_scale_ends_a_runaway_run_sooner_and_changes_nothing_else(tmp_path: Path) -> None:
+    def run(gamma: float, stop: bool) -> Any:
+        config = {
+            "name": "mp",
+            "rounds": 400,
+            "problem": {"name": "paper_regression", "num_clients": 4},
+            "algorithms": [{"name": "mirror_prox", "gamma": gamma}],
+            "output": {"plot": False, "stop_beyond_scale": stop},
+        }
+        return api.run(config, out=tmp_path).results[0]
+
+    late, early = run(0.4, False), run(0.4, True)
+    assert late.status == early.status == "diverged"
+    assert late.traffic["algorithm"]["rounds"] == 66 and "grew from 4.47 to 4.61e+04" in late.detail
+    assert early.traffic["algorithm"]["rounds"] == 22
+    assert "over 10 times the problem's scale max(||z*||, ||z0-z*||) = 4.47" in early.detail
+    # A run that converges is the same run with it on: the same bits.
+    assert run(0.3, True).z_sha256 == run(0.3, False).z_sha256
