@@ -228,7 +228,7 @@ def plot_metrics(path: Path, config: RunConfig, results: Sequence[AlgorithmResul
         ax.set_ylabel(
             "f_i(z), each client's training objective"
             if name == OBJECTIVE
-            else f"{name} (on the clients' held-out rows)"
+            else f"{name} (on the clients' {make_problem(config.problem).metrics_on} rows)"
         )
         ax.grid(True, alpha=0.3)
         if ax.get_lines():

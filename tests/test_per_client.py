@@ -113,3 +113,64 @@ def test_the_worst_client_is_by_the_metrics_direction() -> None:
     auc = spread([0.9, 0.6, None, 0.6], higher_is_better=True)
     assert (auc["worst"], auc["worst_client"], auc["best_client"]) == (0.6, 1, 0)
     assert spread([None, None], False)["worst"] is None
+
+
+TRAINING_METRIC = """
+from typing import Literal
+import numpy as np
+from fedsaddle.common.problems import DataProblem, ProblemSpec
+
+class CentreSpec(ProblemSpec):
+    name: Literal["centre"] = "centre"
+
+class Centre(DataProblem):
+    '''f_i(x, y) = 1/2 ||x - mean of the client's rows||^2 - 1/2 ||y||^2; its metric, on the training rows.'''
+    Spec = CentreSpec
+    metric_names = ("train_spread",)
+    metrics_on = "training"
+    def dims(self):
+        return 2, 1
+    def gradient(self, data, z):
+        return np.concatenate([z[:2] - data.X.mean(axis=0), z[2:]])
+    def objective(self, data, z):
+        return 0.5 * float((z[:2] - data.X.mean(axis=0)) @ (z[:2] - data.X.mean(axis=0)) - z[2:] @ z[2:])
+    def metrics(self, data, z):
+        return (float(np.mean(np.sum((data.X - z[:2]) ** 2, axis=1))),)
+"""
+
+
+def test_a_metric_on_the_training_rows_is_weighted_by_them_in_process_and_over_grpc(tmp_path: Path) -> None:
+    import os
+
+    from conftest import CLIENT_ENV
+
+    (tmp_path / "centre_problem.py").write_text(TRAINING_METRIC)
+    rng = np.random.default_rng(3)
+    rows = (3, 5, 9)  # training rows; client 0 holds out none, so a held-out metric would leave it out
+    for i, m in enumerate(rows):
+        held = 0 if i == 0 else 2
+        np.savez(tmp_path / f"c{i}.npz", X=rng.normal(i, 1.0, (m, 2)), y=np.zeros(m),
+                 X_test=rng.normal(i, 1.0, (held, 2)), y_test=np.zeros(held))  # fmt: skip
+    config = {
+        "name": "centre",
+        "problem": {"name": "centre", "plugin": "centre_problem:Centre", "num_clients": 3},
+        "rounds": 20,
+        "evaluate_every": 5,
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.3}],
+        "output": {"per_client": True, "plot": False},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), CLIENT_ENV.get("PYTHONPATH", "")])}
+    entries = []
+    for command in ("simulate", "local"):
+        done = fedsaddle(command, "--config", str(tmp_path / "run.yaml"), "--data", str(tmp_path / "c{i}.npz"),
+                         "--out", str(tmp_path / command), env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        run_dir = Path(done.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+        entries.append(strict_json((run_dir / "summary.json").read_text())["algorithms"][0])
+    assert entries[0]["metrics"] == entries[1]["metrics"] and entries[0]["per_client"] == entries[1]["per_client"]
+    values = entries[0]["per_client"]["train_spread"]["values"]
+    assert None not in values  # client 0, with no held-out rows, has its training value
+    expected = float(np.dot(rows, values) / sum(rows))
+    assert entries[0]["metrics"]["train_spread"] == pytest.approx(expected, rel=1e-12)
+    assert entries[0]["metrics"]["train_spread"] != pytest.approx(float(np.mean(values)), rel=1e-6)

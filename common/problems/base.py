@@ -123,6 +123,10 @@ class Problem(abc.ABC):
     # The metrics of metric_names for which a higher value is better (an AUC, an accuracy); the others are
     # losses. Per-client results (output.per_client) name each metric's worst and best client by it.
     higher_is_better: ClassVar[tuple[str, ...]] = ()
+    # The rows `metrics` computes on: each client's held-out rows (the default), or its training rows. A
+    # client's values are weighted by the count of those rows when the coordinator averages them (one
+    # weight per client travels with its metrics, so all of a problem's metrics are of one kind).
+    metrics_on: ClassVar[Literal["held-out", "training"]] = "held-out"
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec

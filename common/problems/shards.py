@@ -246,12 +246,15 @@ class ProblemShards:
         return values
 
     def evaluate(self, z: Array) -> tuple[Array, Array]:
-        """The problem's metrics at z on each client's held-out rows, (k, metrics), and their row counts (k,)."""
+        """The problem's metrics at z on each client's held-out rows (or its training rows, for a problem whose
+        `metrics_on` says so), (k, metrics), and the counts of those rows (k,): the clients' weights."""
         names = self.problem.metric_names
         values = np.zeros((len(self.datas), len(names)))
         counts = np.zeros(len(self.datas))
+        training = self.problem.metrics_on == "training"
         for j, data in enumerate(self.datas):
-            if data.heldout:
+            rows = data.samples if training else data.heldout
+            if rows:
                 found = self._call("metrics", j, np.ascontiguousarray(z))
                 if np.shape(found) != (len(names),):
                     raise ProblemError(
@@ -260,7 +263,7 @@ class ProblemShards:
                     )
                 self._require_numbers("metrics", j, found)
                 values[j] = found
-                counts[j] = data.heldout
+                counts[j] = rows
         return values, counts
 
     def sample_counts(self) -> list[int]:
