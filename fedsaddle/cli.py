@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -1314,6 +1315,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         if action.default is None or "(default: " in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # Lines break at spaces only: a command or option name (deep-auc, --save-every) stays whole.
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def _global_flags(parser: argparse.ArgumentParser, top: bool) -> None:

@@ -206,9 +206,13 @@ def test_version_and_help_say_what_every_option_does_with_its_default() -> None:
     client = fedsaddle("client", "--help").stdout
     assert "seconds to wait for the coordinator (default: 60.0)" in " ".join(client.split())
     experiment = " ".join(fedsaddle("experiment", "--help").stdout.split())
-    assert "(default 500; 1000 for problems; 20 for dp; 2000 for agnostic; 300 for compare)" in experiment
     assert (
-        "(default 5, or 1 with --transport grpc; the docs use 20; 10 for dp and agnostic; 3 for compare)" in experiment
+        "(default 500; 1000 for problems; 20 for dp; 2000 for agnostic; 20 for deep-auc; 30 for robust-mlp; "
+        "300 for compare)" in experiment
+    )
+    assert (
+        "(default 5, or 1 with --transport grpc; the docs use 20; 10 for dp, agnostic, deep-auc and robust-mlp; "
+        "3 for compare)" in experiment
     )
     assert "dp: target epsilons (default 0.5 1 2 4 8; delta 1e-5)" in experiment
     split = " ".join(fedsaddle("data", "split", "--help").stdout.split())
