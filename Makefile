@@ -26,7 +26,7 @@ all: test
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,data,plot,docs,privacy,ray,tensorboard,mlflow]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,data,plot,docs,privacy,ray,tensorboard,mlflow,monitor]'
 	touch $(STAMP)
 
 # The torch extra, for the PyTorch problems' tests and their type checks: the registry serves PyTorch's CUDA

@@ -30,6 +30,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from fedsaddle.client.monitor import ClientStats
 from fedsaddle.client.probe import TlsFiles, probe
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import blas, eventloop, wire
@@ -75,6 +76,7 @@ class ClientOptions:
     # default chunk: 1 MiB held no less, and made the d = 1e6 round about 30 ms longer (bench/README.md).
     receive_window_mib: float = 2.0
     attack: Attack | None = None  # research and tests: this process lies about its answers (common/attacks.py)
+    stats: ClientStats | None = None  # counted for this process's monitor (--monitor), when it has one
 
 
 def _hung_up(options: ClientOptions) -> str | None:
@@ -179,14 +181,21 @@ def _parse(data: bytes) -> pb.Instruction | wire.RawChunk | wire.InlineTask | _G
 
 async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: ShardCache, waiting: _Waiting) -> None:
     """One session, until a DONE goodbye (return), a FAILED one (RunFailed) or a lost stream (_Lost)."""
-    session = ClientSession(options.indices, shards, options.attack)
+    stats = options.stats
+    session = ClientSession(options.indices, shards, options.attack, stats=stats)
     open_session = channel.stream_stream(
-        wire.SESSION_METHOD, request_serializer=wire.serialized, response_deserializer=_parse
+        wire.SESSION_METHOD,
+        request_serializer=wire.serialized,
+        response_deserializer=_parse if stats is None else stats.counting(_parse),
     )
     call = open_session(None, metadata=options.metadata or None)
     joined = False
     try:
-        await call.write(session.hello(options.name or f"{socket.gethostname()}:{os.getpid()}"))
+        hello = session.hello(options.name or f"{socket.gethostname()}:{os.getpid()}")
+        if stats is not None:
+            stats.sessions += 1
+            stats.sent(hello)
+        await call.write(hello)
         async for instruction in call:
             if not joined:
                 joined = True
@@ -197,6 +206,8 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
                 )
             try:
                 for message in session.handle(instruction):
+                    if stats is not None:
+                        stats.sent(message)
                     await call.write(message)
                 session.prepare_next()  # secure aggregation: the next round's masks, while the coordinator works
             except (RunFailed, grpc.aio.AioRpcError):  # the coordinator's verdict, or the link: nothing to tell

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from pydantic import ValidationError
 
+from fedsaddle.client.monitor import ClientStats
 from fedsaddle.common import blas, wire
 from fedsaddle.common.attacks import Attack, corrupt_answer
 from fedsaddle.common.computations import find_computation
@@ -65,10 +66,16 @@ class ClientSession:
     """The state of one session: the welcome, the current run and its worker, a task being assembled."""
 
     def __init__(
-        self, indices: tuple[int, ...], shards: ShardCache | None = None, attack: Attack | None = None
+        self,
+        indices: tuple[int, ...],
+        shards: ShardCache | None = None,
+        attack: Attack | None = None,
+        stats: ClientStats | None = None,
     ) -> None:
         self.indices = indices
         self.attack = attack  # research and tests: lie about every algorithm answer (common/attacks.py)
+        self.stats = stats  # what this process's monitor counts (client/monitor.py), when it has one
+        self._began = 0.0  # when the instruction being handled came (counted when there are stats)
         self._answers: wire.AnswerWriter | None = None  # made by the Welcome, with its chunk size
         self.run: pb.RunSpec | None = None
         self._run_id, self._dimension = "", 0  # the run's, read once (not per task)
@@ -117,6 +124,8 @@ class ClientSession:
         """Act on one instruction (a Chunk, or a Task's inline payload, may come read by hand:
         wire.read_chunk, wire.read_inline_task); the messages to send in reply, as protobuf messages or
         already serialized."""
+        if self.stats is not None:
+            self._began = time.perf_counter()
         lone = self._lone
         if lone is not None and type(instruction) is pb.Instruction and instruction.HasField("task"):
             task = instruction.task
@@ -403,6 +412,8 @@ class ClientSession:
     def _answered(self, round_id: int) -> None:
         """Count a task answered; a line in the log every `heartbeat_s`."""
         self._tasks += 1
+        if self.stats is not None:  # (from the instruction that completed the task to its answer made)
+            self.stats.answered(time.perf_counter() - self._began)
         now = time.monotonic()
         if now - self._said >= self.heartbeat_s:
             self._said = now

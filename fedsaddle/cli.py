@@ -141,7 +141,75 @@ def _config(args: argparse.Namespace) -> RunConfig:
         updates["output"] = config.output.model_copy(update={"dir": args.out})
     if getattr(args, "listen", None):
         updates["transport"] = config.transport.model_copy(update={"listen": args.listen})
-    return config.model_copy(update=updates) if updates else config
+    config = config.model_copy(update=updates) if updates else config
+    return _with_monitor(config, args)
+
+
+def _with_monitor(config: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """The config, its monitor served on --monitor's address when given."""
+    listen = getattr(args, "monitor", None)
+    if not listen:
+        return config
+    from fedsaddle.server.config import MonitorSpec
+
+    spec = (config.monitor or MonitorSpec()).model_copy(update={"listen": listen})
+    return config.model_copy(update={"monitor": spec})
+
+
+class _Watch:
+    """The run's monitor (server/monitor), when its config asks for one: started before the federation is
+    (a taken address is said at once), told of the pool, the steps and the outcome, closed with the command."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.monitor: Any = None
+
+    def start(self, config: RunConfig) -> RunConfig:
+        config = _with_monitor(config, self.args)
+        if config.monitor is None or self.monitor is not None:
+            return config
+        from fedsaddle.common.monitoring import MonitorError
+        from fedsaddle.server.monitor import Monitor
+
+        try:
+            self.monitor = Monitor(config, config.monitor)
+        except MonitorError as exc:
+            raise UsageError(str(exc)) from None
+        print(
+            f"monitor: dashboard at {self.monitor.url}, Prometheus metrics at {self.monitor.url}metrics",
+            file=sys.stderr,
+            flush=True,
+        )
+        return config
+
+    def attach(self, pool: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.attach(pool)
+
+    def step(self, *hooks: Callable[..., None]) -> Callable[..., None]:
+        """The driver's step hook: `hooks`, then the monitor's."""
+
+        def step(run: Any, done: Any, pool: Any) -> None:
+            for hook in hooks:
+                hook(run, done, pool)
+            if self.monitor is not None:
+                self.monitor.on_step(run, done, pool)
+
+        return step
+
+    def finish(self, outcome: Outcome | None, config: RunConfig | None) -> None:
+        if self.monitor is None:
+            return
+        if outcome is not None:
+            self.monitor.finish(outcome)
+        linger = config.monitor.linger_s if config is not None and config.monitor is not None else 0.0
+        if outcome is not None and linger > 0:  # a last scrape sees the final counts
+            time.sleep(linger)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
 
 
 def _device(args: argparse.Namespace) -> None:
@@ -206,11 +274,13 @@ def _reference(config: RunConfig, pool: Any) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def _serving(config: RunConfig, listen: str | None) -> Any:
+def _serving(config: RunConfig, listen: str | None, watch: _Watch | None = None) -> Any:
     """The coordinator's pool, once every client has joined."""
     from fedsaddle.launch import coordinator_pool
 
     pool = coordinator_pool(config, listen)
+    if watch is not None:
+        watch.attach(pool)  # (the dashboard shows the clients joining)
     try:
         token = config.transport.token_listen
         tokens = f"token identities on {token.rsplit(':', 1)[0]}:{pool.token_port}; " if token else ""
@@ -233,28 +303,33 @@ def _serving(config: RunConfig, listen: str | None) -> Any:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
     served: list[tuple[RunConfig, str]] = []  # the config and the address it listened on (for --hold)
+    watch = _Watch(args)
 
     def serving(config: RunConfig) -> tuple[Any, dict[str, Any]]:
-        pool = _serving(config, args.listen)
+        config = watch.start(config)
+        pool = _serving(config, args.listen, watch)
         served.append((config, pool.address))
         return pool, {"kind": "grpc", "address": pool.address}
 
-    if args.resume:
-        code = _resume(args, serving)
-    else:
-        if not args.config:
-            raise UsageError("coordinator needs --config (or --resume RUN_DIR)")
-        config = _config(args)
-        given = _given_reference(args, config)  # before the clients are waited for
-        pool, transport = serving(config)
-        try:
-            if given is not None:
-                code = _run(config, pool, transport, given.z, accuracy=given.accuracy)
-            else:
-                code = _run(config, pool, transport)
-        finally:
-            pool.close()
-    return _hold_coordinator(*served[-1], code) if args.hold else code
+    try:
+        if args.resume:
+            code = _resume(args, serving, watch=watch)
+        else:
+            if not args.config:
+                raise UsageError("coordinator needs --config (or --resume RUN_DIR)")
+            config = _config(args)
+            given = _given_reference(args, config)  # before the clients are waited for
+            pool, transport = serving(config)
+            try:
+                if given is not None:
+                    code = _run(config, pool, transport, given.z, accuracy=given.accuracy, watch=watch)
+                else:
+                    code = _run(config, pool, transport, watch=watch)
+            finally:
+                pool.close()
+        return _hold_coordinator(*served[-1], code) if args.hold else code  # (its monitor serves while it holds)
+    finally:
+        watch.close()
 
 
 def _hold_coordinator(config: RunConfig, address: str, code: int) -> int:
@@ -319,6 +394,7 @@ def _resume(
     args: argparse.Namespace,
     pool_for: Callable[[RunConfig], tuple[Any, dict[str, Any]]],
     reference_for: Callable[[RunConfig, Any], Any] | None = None,
+    watch: _Watch | None = None,
 ) -> int:
     """Go on with the run in args.resume (its config is the run directory's) on the pool `pool_for(config)`
     makes, with the transport description the summary records."""
@@ -345,12 +421,13 @@ def _resume(
         made.append((config, transport))
         return pool, {**transport, "resumed": True}
 
+    step = watch.step(progress.step) if watch is not None else progress.step
     try:
         outcome = resume_run(
             Path(args.resume),
             pool_of,
             progress.rounds,
-            progress.step,
+            step,
             reference_for=reference_for,
             reference_accuracy=given.accuracy if given is not None else 0.0,
         )
@@ -359,6 +436,8 @@ def _resume(
     finally:
         progress.close()
     ((config, transport),) = made
+    if watch is not None:
+        watch.finish(outcome, config)
     _print_tables(outcome.results, config)
     print(f"run directory: {outcome.run_dir} (resumed)")
     return _exit_code(outcome, transport)
@@ -396,14 +475,38 @@ def cmd_client(args: argparse.Namespace) -> int:
         tls_files=TlsFiles(args.ca, args.cert, args.key) if args.ca else None,
         attack=attack,
     )
+    metrics = _client_monitor(args, options)
     try:
-        stopped_by = serve(options)
-    except ClientError as exc:
-        # The coordinator's reason, repeated at this site (marked: `fedsaddle local`, whose coordinator
-        # says it in the same terminal, leaves it out: see launch.fork_clients).
-        log.error("%s", exc, extra={ECHOES_COORDINATOR: isinstance(exc, RunFailed)})
-        return EXIT_RUN_FAILED
-    return _hold_client() if args.hold and not stopped_by else EXIT_OK
+        try:
+            stopped_by = serve(options)
+        except ClientError as exc:
+            # The coordinator's reason, repeated at this site (marked: `fedsaddle local`, whose coordinator
+            # says it in the same terminal, leaves it out: see launch.fork_clients).
+            log.error("%s", exc, extra={ECHOES_COORDINATOR: isinstance(exc, RunFailed)})
+            return EXIT_RUN_FAILED
+        return _hold_client() if args.hold and not stopped_by else EXIT_OK  # (its metrics served while it holds)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _client_monitor(args: argparse.Namespace, options: Any) -> Any:
+    """A client process's /metrics (client/monitor.py) on --monitor, before it dials the coordinator."""
+    if not args.monitor:
+        if args.monitor_cert or args.monitor_key or args.monitor_token_file:
+            raise UsageError("--monitor-cert, --monitor-key and --monitor-token-file go with --monitor HOST:PORT")
+        return None
+    from fedsaddle.client.monitor import ClientStats, serve_metrics
+    from fedsaddle.common.monitoring import Exposure, MonitorError
+
+    options.stats = ClientStats(options.indices)
+    exposure = Exposure(args.monitor, args.monitor_cert, args.monitor_key, args.monitor_token_file)
+    try:
+        server = serve_metrics(exposure, options.stats)
+    except MonitorError as exc:
+        raise UsageError(str(exc)) from None
+    log.info("metrics at %s://%s/metrics", server.scheme, server.address)
+    return server
 
 
 def _check_client_start(plugins: Sequence[str], hosted: Sequence[int], data: dict[int, str]) -> None:
@@ -438,9 +541,12 @@ def cmd_local(args: argparse.Namespace) -> int:
 
     _device(args)
     _stop_on_sigterm()
+    watch = _Watch(args)
     with contextlib.ExitStack() as stack:  # the federation's processes end with the command
+        stack.callback(watch.close)
 
         def federation(config: RunConfig) -> tuple[Any, dict[str, Any]]:
+            config = watch.start(config)
             if config.transport.tls or config.transport.credentials:
                 raise UsageError(
                     "`fedsaddle local` runs plaintext on loopback; use coordinator and client for TLS or tokens"
@@ -450,16 +556,17 @@ def cmd_local(args: argparse.Namespace) -> int:
                 raise UsageError(no_data_files(config.problem.name, range(config.problem.num_clients)))
             loopback = loopback_federation(config, args.clients_per_process, args.quiet_clients, data=data, fork=main)
             pool, processes = stack.enter_context(loopback)
+            watch.attach(pool)
             return pool, {"kind": "grpc", "address": pool.address, "client_processes": len(processes)}
 
         if args.resume:
-            return _resume(args, federation)
+            return _resume(args, federation, watch=watch)
         config = _config(args)
         given = _given_reference(args, config)  # before any process starts
         pool, transport = federation(config)
         if given is not None:
-            return _run(config, pool, transport, given.z, timed=True, accuracy=given.accuracy)
-        return _run(config, pool, transport, timed=True)
+            return _run(config, pool, transport, given.z, timed=True, accuracy=given.accuracy, watch=watch)
+        return _run(config, pool, transport, timed=True, watch=watch)
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -1107,9 +1214,10 @@ def _run(
     reference: Any = None,
     timed: bool = False,
     accuracy: float = 0.0,
+    watch: _Watch | None = None,
 ) -> int:
     """Run a config; `timed`: say how long after the command the first round was done; `accuracy`:
-    the reference's (distances finer than it are shown as below it)."""
+    the reference's (distances finer than it are shown as below it); `watch`: its monitor."""
     from fedsaddle.progress import Progress
     from fedsaddle.server.coordinator import run_config
 
@@ -1122,12 +1230,15 @@ def _run(
             print(f"first round done {first[0]:.2f} s after the command started", file=sys.stderr, flush=True)
         progress.rounds(name, spent, budget, dist_z)
 
+    step = watch.step(progress.step) if watch is not None else progress.step
     with _naming_memory(config):
         try:
-            outcome = run_config(config, pool, transport, hook, reference, progress.step, accuracy)
+            outcome = run_config(config, pool, transport, hook, reference, step, accuracy)
         finally:
             progress.close()
             pool.close()  # clients are told goodbye (and log it) before the table, which ends the output
+        if watch is not None:
+            watch.finish(outcome, config)
         if outcome.results:
             _print_tables(outcome.results, config)
         print(f"run directory: {outcome.run_dir}")
@@ -1398,6 +1509,15 @@ def build_parser() -> argparse.ArgumentParser:
     with_resume(p)
     with_reference(p)
 
+    def with_monitor(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--monitor",
+            type=address(True),
+            metavar="HOST:PORT",
+            help="serve Prometheus metrics at /metrics and a live dashboard at / on this address (overrides "
+            "monitor.listen; another host than 127.0.0.1 needs monitor.tls and monitor.token_file)",
+        )
+
     p = command("coordinator", "serve a config to client processes over gRPC", cmd_coordinator)
     with_config(p, "required, unless --resume")
     p.add_argument("--listen", type=address(True), help="HOST:PORT to listen on (overrides transport.listen)")
@@ -1409,6 +1529,7 @@ def build_parser() -> argparse.ArgumentParser:
         "until SIGTERM instead of exiting: for orchestrators that restart what exits (a Kubernetes Deployment)",
     )
     with_reference(p)
+    with_monitor(p)
 
     p = command("client", "host clients' data and run their local steps", cmd_client)
     p.add_argument("--coordinator", required=True, type=address(False), help="HOST:PORT of the coordinator")
@@ -1447,6 +1568,15 @@ def build_parser() -> argparse.ArgumentParser:
     # Set by `fedsaddle local` for the clients it starts: it compared the spec with all their data already.
     p.add_argument("--statistics-checked", action="store_true", help=argparse.SUPPRESS)
     _tls_options(p)
+    p.add_argument(
+        "--monitor",
+        type=address(True),
+        metavar="HOST:PORT",
+        help="serve this process's Prometheus metrics (tasks answered, compute time, bytes) at /metrics",
+    )
+    p.add_argument("--monitor-cert", help="the monitor's TLS certificate (PEM; needed off loopback)")
+    p.add_argument("--monitor-key", help="its private key (PEM)")
+    p.add_argument("--monitor-token-file", help="file holding the token a scraper must send (needed off loopback)")
 
     p = command("local", "a coordinator and client processes on 127.0.0.1 (default: the built-in config)", cmd_local)
     with_config(p, "default: built-in")
@@ -1456,6 +1586,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_device(p, "the client processes'")
     with_resume(p)
     with_reference(p)
+    with_monitor(p)
 
     p = command("experiment", "reproduce the paper's experiments (figures, tables, CSV)", cmd_experiment)
     p.add_argument(

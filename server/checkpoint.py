@@ -46,7 +46,8 @@ class CheckpointError(ValueError):
 
 
 def config_digest(config: RunConfig) -> str:
-    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()
+    """The run's config, as its checkpoint names it: where it is watched from (monitor) is not part of it."""
+    return hashlib.sha256(config.model_dump_json(exclude={"monitor"}).encode()).hexdigest()
 
 
 @dataclass

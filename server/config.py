@@ -632,6 +632,30 @@ class OutputSpec(_Model):
         return value
 
 
+class MonitorSpec(_Model):
+    """The operator's view of a run: Prometheus metrics at /metrics and a live dashboard at /, read-only.
+
+    Off unless set (or `--monitor HOST:PORT`). An address other than loopback needs `tls` and `token_file`."""
+
+    listen: str = Field("127.0.0.1:9464", description="HOST:PORT it serves on (127.0.0.1: this host alone)")
+    tls: TlsSpec | None = Field(None, description="serve HTTPS with this certificate and key (client_ca is not used)")
+    token_file: str | None = Field(
+        None, description="file holding the viewer token (at least 16 characters) a viewer or a scraper must send"
+    )
+    max_viewers: int = Field(8, ge=1, le=256, description="dashboards open at once (more are told to come back)")
+    linger_s: float = Field(
+        0.0, ge=0, le=3600, description="keep serving this long after the run ends, so that a last scrape sees its end"
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"must be HOST:PORT with a port from 0 to 65535, got {value!r}")
+        return value
+
+
 class RunConfig(_Model):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     seed: int = Field(0, ge=0, lt=2**63)
@@ -675,6 +699,9 @@ class RunConfig(_Model):
         "float64",
         description="the element type of every vector the run stores and sends: tasks, answers, the algorithms' "
         "state, checkpoints, the final iterate (float32: half the bytes; docs/explanation/numerics.md)",
+    )
+    monitor: MonitorSpec | None = Field(
+        None, description="serve Prometheus metrics and a live dashboard while the run goes (None: off)"
     )
 
     @field_validator("problem", mode="before")

@@ -20,11 +20,12 @@ gRPC traffic, in bytes, is counted apart).
 from __future__ import annotations
 
 import abc
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -51,6 +52,23 @@ from fedsaddle.server.settlement import RoundTally, round_traffic, settle
 # privacy: secure aggregation's own exchanges (key agreement, unmasking), only in runs that use it.
 Category = Literal["algorithm", "evaluation", "retransmission", "privacy"]
 CATEGORIES: tuple[Category, ...] = ("algorithm", "evaluation", "retransmission")
+
+
+class ClientView(NamedTuple):
+    """What an operator may see of one client: never its data or its vectors."""
+
+    client: int  # its index
+    address: str  # where its process connects from ("in-process" for a LocalPool)
+    state: str  # joined, lost (may rejoin), refused (a session that claimed it was refused), waiting
+    latency_s: float | None  # from the last round's task sent to its answer in (None: none yet)
+
+
+class RoundObserver(Protocol):
+    """Told of each round as it ends (the monitor, server/monitor): nothing is asked of it."""
+
+    def round_done(self, category: Category, seconds: float) -> None: ...
+
+    def secure_round(self, dropped: int, recovered: int) -> None: ...
 
 
 class PoolError(RuntimeError):
@@ -227,6 +245,7 @@ class ClientPool(abc.ABC):
         # "diverged" report, or a real one from a minority), and in how many rounds that happened.
         self.faulty_reports: Counter[int] = Counter()
         self.faulty_rounds = 0
+        self.observer: RoundObserver | None = None  # told of every round's end (a monitor), when set
 
     def start_run(self, run: RunInfo) -> None:
         """Announce a run (clients load their data for it); counters and round ids start afresh."""
@@ -259,6 +278,16 @@ class ClientPool(abc.ABC):
         or a straggler deadline that closed the round), the answers say which
         clients they come from.
         """
+        observer = self.observer
+        if observer is None:
+            return self._round(task, category)
+        started = time.perf_counter()
+        try:
+            return self._round(task, category)
+        finally:
+            observer.round_done(category, time.perf_counter() - started)
+
+    def _round(self, task: Task, category: Category) -> RoundAnswers:
         run = self._require_run()
         if isinstance(task, ComputeTask):
             if task.name not in run.computations:  # the clients were told which to expect, and checked those
@@ -348,6 +377,9 @@ class ClientPool(abc.ABC):
             raise PoolError(str(exc)) from None
         answered = outcome.answered
         everyone = participants is None and len(answered) == n
+        if self.observer is not None:  # secure aggregation's dropouts, and those whose masks were recovered
+            dropped = (n if participants is None else len(participants)) - len(answered)
+            self.observer.secure_round(dropped, dropped if outcome.aggregate is not None else 0)
         self.traffic[category].add(round_traffic(task, n, dim, participants, None if everyone else answered))
         if outcome.aggregate is None:
             raise Diverged(self.round_id, outcome.diverged, outcome.reason)
@@ -409,6 +441,16 @@ class ClientPool(abc.ABC):
     def connections_closed(self) -> dict[str, int]:
         """Connections the transport closed for carrying nothing, by reason (none in-process)."""
         return {}
+
+    def refusals(self) -> dict[str, int]:
+        """Streams the transport ended with an error status, by the status's name (none in-process)."""
+        return {}
+
+    def client_view(self) -> list[ClientView]:
+        """Each client's liveness, where it connects from and its last answer's latency (safe to call from
+        another thread: it reads, and copies what it reads)."""
+        size = self.run.num_clients if self.run is not None else 0
+        return [ClientView(index, "in-process", "joined", None) for index in range(size)]
 
     def _require_run(self) -> RunInfo:
         if self.run is None:

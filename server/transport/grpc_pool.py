@@ -39,7 +39,7 @@ from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
-from fedsaddle.server.pool import Category, ClientPool, PoolError, RunInfo
+from fedsaddle.server.pool import Category, ClientPool, ClientView, PoolError, RunInfo
 from fedsaddle.server.settlement import RoundTally
 from fedsaddle.server.transport.auth import Authenticator
 from fedsaddle.server.transport.events import (
@@ -142,6 +142,7 @@ class GrpcPool(ClientPool):
         self._closed = False
         self._say_missing_at = time.monotonic() + WAIT_SAY_S  # when wait_for_clients next names the missing
         self.token_port: int | None = None  # the second port, for token identities under mutual TLS
+        self._latency: dict[int, float] = {}  # client index -> its last answer's latency (kept when observed)
         try:
             self.protocol, self.service = self._call(self._make_state(authenticator))
             self.port = self._call(self._start_server(listen, server_credentials, token_listen, token_credentials))
@@ -316,11 +317,14 @@ class GrpcPool(ClientPool):
         request = round_request(
             run, round_id, task, self.chunk_bytes, participants, masked, fold, self.weights, masked_sum
         )
+        opened = time.perf_counter()
         try:
             result = self._operate(lambda now: self.protocol.open_round(request, now))
         finally:
             self._count_resent()
         assert isinstance(result, RoundResult)
+        if self.observer is not None:
+            self._note_latencies(opened)
         counts = self.traffic[category]
         counts.bytes_down += result.bytes_down
         counts.bytes_up += result.bytes_up
@@ -329,6 +333,28 @@ class GrpcPool(ClientPool):
 
     def _folded(self) -> OrderedFold | None:
         return self.last_fold
+
+    def _note_latencies(self, opened: float) -> None:
+        """Each session that answered the round just collected: its clients' latency, task out to answer in."""
+        sessions = self.protocol.sessions
+        for key, stream in list(self.service.streams.items()):
+            if stream.last_at >= opened and (session := sessions.get(key)) is not None:
+                for index in session.indices:
+                    self._latency[index] = stream.last_at - opened
+
+    def client_view(self) -> list[ClientView]:
+        registry = self.protocol.registry
+        owners, lost, refused = dict(registry.owner), dict(registry.lost), dict(registry.refused)
+        latency = dict(self._latency)
+        view = []
+        for index in range(self.federation_size):
+            session = owners.get(index)
+            state = "joined" if session else "lost" if index in lost else "refused" if index in refused else "waiting"
+            view.append(ClientView(index, session.peer if session else "", state, latency.get(index)))
+        return view
+
+    def refusals(self) -> dict[str, int]:
+        return dict(self.service.ended_with)
 
     # -- secure aggregation --------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class Stream:
     ending: End | None = None
     greeted: bool = False  # past its Hello (admission no longer counts it as waiting)
     joined: bool = False  # it holds a session (the gate counts its connection as carrying one)
+    last_at: float = 0.0  # when its last message came in (perf_counter): a round's latency, for the monitor
 
 
 async def _end(context: grpc.aio.ServicerContext[Any, Any], refusal: Refusal) -> NoReturn:
@@ -122,6 +124,7 @@ class SessionService:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._paused: dict[int, asyncio.Event] = {}  # streams not read until the protocol says they may be
+        self.ended_with: dict[str, int] = {}  # streams ended with an error status, by its name (the monitor's)
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         session = grpc.stream_stream_rpc_method_handler(
@@ -197,6 +200,8 @@ class SessionService:
         if ending is not None and (ending.code is not None or end.code is None):
             return  # the first status given is the one the stream ends with
         stream.ending = end
+        if end.code is not None and end.code is not grpc.StatusCode.OK:
+            self.ended_with[end.code.name] = self.ended_with.get(end.code.name, 0) + 1
         stream.outbox.put(None)
         if end.at_once and stream.writer is not None:
             stream.writer.cancel()
@@ -316,6 +321,7 @@ class SessionService:
         not asked for: gRPC then stops granting the client flow-control window, and the client waits."""
         try:
             async for received in requests:
+                stream.last_at = time.perf_counter()
                 self.act(self.protocol.receive(stream.key, received, self.loop.time()))
                 del received  # not kept until the next message comes: it may be megabytes
                 if stream.ending is not None and stream.ending.code is not None:
