@@ -59,7 +59,7 @@ class ClientView(NamedTuple):
 
     client: int  # its index
     address: str  # where its process connects from ("in-process" for a LocalPool)
-    state: str  # joined, lost (may rejoin), refused (a session that claimed it was refused), waiting
+    state: str  # joined, lost (may rejoin), refused (a session that claimed it was), waiting, left (after the end)
     latency_s: float | None  # from the last round's task sent to its answer in (None: none yet)
 
 

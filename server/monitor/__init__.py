@@ -168,7 +168,7 @@ class _Collector:
         yield GaugeMetricFamily("fedsaddle_clients_joined", "Clients whose index a live session holds", value=joined)
         states = GaugeMetricFamily(
             "fedsaddle_client_state",
-            "1 for each client's state (joined, lost, refused, waiting)",
+            "1 for each client's state (joined, lost, refused, waiting, left)",
             labels=["client", "state"],
         )
         latency = GaugeMetricFamily(
@@ -177,7 +177,7 @@ class _Collector:
             labels=["client"],
         )
         for client in view["clients"]:
-            for name in ("joined", "lost", "refused", "waiting"):
+            for name in ("joined", "lost", "refused", "waiting", "left"):
                 states.add_metric([str(client["index"]), name], 1.0 if client["state"] == name else 0.0)
             if client["latency_s"] is not None:
                 latency.add_metric([str(client["index"])], client["latency_s"])

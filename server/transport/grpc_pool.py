@@ -350,6 +350,8 @@ class GrpcPool(ClientPool):
         for index in range(self.federation_size):
             session = owners.get(index)
             state = "joined" if session else "lost" if index in lost else "refused" if index in refused else "waiting"
+            if self._closed and state == "lost":  # told goodbye: gone as it should be
+                state = "left"
             view.append(ClientView(index, session.peer if session else "", state, latency.get(index)))
         return view
 

@@ -172,15 +172,23 @@ function drawChart(canvas, measure, state) {
   if (!series.length) return;
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
+  let ticks = [0, 1, 2, 3, 4].map((k) => y0 + ((y1 - y0) * k) / 4);
+  if (log) {  // whole decades
+    y0 = Math.floor(y0); y1 = Math.ceil(y1);
+    const every = Math.max(1, Math.ceil((y1 - y0) / 5));
+    ticks = [];
+    for (let y = y0; y <= y1; y += every) ticks.push(y);
+  }
   const left = 58, right = 10, top = 8, bottom = 26;
   const px = (x) => left + ((x - x0) / (x1 - x0)) * (width - left - right);
   const py = (y) => top + (1 - (y - y0) / (y1 - y0)) * (height - top - bottom);
   g.font = "11px system-ui, sans-serif";
   g.strokeStyle = "#e3e6ec"; g.fillStyle = "#6b7385"; g.lineWidth = 1;
-  for (let k = 0; k <= 4; k++) {
-    const y = y0 + ((y1 - y0) * k) / 4;
+  for (const y of ticks) {
     g.beginPath(); g.moveTo(left, py(y)); g.lineTo(width - right, py(y)); g.stroke();
-    g.textAlign = "right"; g.fillText(log ? `1e${y.toFixed(1)}` : fmt(y, 3), left - 6, py(y) + 4);
+    g.textAlign = "right"; g.fillText(log ? `1e${y}` : fmt(y, 3), left - 6, py(y) + 4);
+  }
+  for (let k = 0; k <= 4; k++) {
     const x = x0 + ((x1 - x0) * k) / 4;
     g.textAlign = "center"; g.fillText(String(Math.round(x)), px(x), height - 8);
   }
