@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -178,3 +180,22 @@ def child_pids(pid: int) -> set[int]:
     """The processes whose parent is `pid`, now."""
     found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return {int(p) for p in found.split()}
+
+
+def under_ci() -> bool:
+    """CI sets CI=true: there a test that needs a tool fails without it instead of skipping."""
+    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
+
+
+def require_tools(packages: dict[str, str], why: str) -> dict[str, str]:
+    """The paths of the tools `packages` names (tool -> its Debian package); without one, the test says SKIPPED
+    with the reason (and fails under CI, which installs them: .ci/run)."""
+    paths = {name: shutil.which(name) for name in packages}
+    missing = [name for name, path in paths.items() if path is None]
+    if missing:
+        install = " ".join(dict.fromkeys(packages[name] for name in missing))
+        reason = f"{', '.join(missing)} not installed ({why}); on Debian: apt-get install -y {install}"
+        if under_ci():
+            pytest.fail(f"CI=true but {reason}")
+        pytest.skip(reason)
+    return {name: str(path) for name, path in paths.items()}
