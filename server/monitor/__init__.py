@@ -227,7 +227,7 @@ class _Collector:
         record_fields = {"step", "rounds", "paper_rounds", "time_s", *CURVE_FIELDS}
         for algorithm in view["algorithms"]:
             name = algorithm["name"]
-            for value in ("waiting", "running", "ok", "diverged", "stopped"):
+            for value in ("waiting", "running", "ended", "ok", "diverged", "stopped"):
                 status.add_metric([name, value], 1.0 if algorithm["status"] == value else 0.0)
             round_gauge.add_metric([name], algorithm["rounds"])
             steps.add_metric([name], algorithm["steps"])

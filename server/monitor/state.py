@@ -33,11 +33,11 @@ class AlgorithmState:
     """One algorithm of the run, as far as it has gone."""
 
     name: str
-    status: str = "waiting"  # waiting, running, ok, diverged, stopped
+    status: str = "waiting"  # waiting, running, then ok, diverged or stopped (ended: until the run's outcome says)
     steps: int = 0
     rounds: int = 0  # spent, counted by the config's round convention
     traffic: dict[str, dict[str, int]] = field(default_factory=dict)  # category -> TRAFFIC_FIELDS
-    last: dict[str, float] = field(default_factory=dict)  # the latest record's numbers
+    last: dict[str, float] = field(default_factory=dict)  # each number's latest value in the records
     points: list[dict[str, float]] = field(default_factory=list)  # the curve so far
     stride: int = 1  # one step in `stride` goes on the curve
     wall_s: float = 0.0
@@ -80,6 +80,8 @@ class LiveState:
         else:  # (a name the config does not list: shown all the same)
             state = AlgorithmState(name, stride=self.algorithms[0].stride if self.algorithms else 1)
             self.algorithms.append(state)
+        if current is not None and current.status == "running":  # it ended without a last step (a failed round)
+            current.status = "ended"
         state.status = "running"
         self._current = state
         return state
@@ -91,13 +93,17 @@ class LiveState:
         record = run.records[-1]
         key = run.convention.record_key
         numbers = {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
+        ending = run.status != "ok" or run.ends_at(done)
         with self.lock:
             state = self._algorithm(run.name)
-            state.steps, state.rounds, state.last = done.steps, int(record.get(key, 0)), numbers
-            if done.steps % state.stride == 0 or run.ends_at(done):
+            # (each measure's latest value: ||G|| and the evaluation metrics come every evaluate_every steps)
+            state.steps, state.rounds, state.last = done.steps, int(record.get(key, 0)), {**state.last, **numbers}
+            if ending:  # (its budget spent, or diverged)
+                state.status = run.status
+            if done.steps % state.stride == 0 or ending:
                 state.points.append(numbers)
             now = time.monotonic()
-            if now - self._synced >= SYNC_S or run.ends_at(done):
+            if now - self._synced >= SYNC_S or ending:
                 self._synced = now
                 state.traffic = _traffic(pool)
                 state.wall_s = time.perf_counter() - run.started
@@ -122,7 +128,7 @@ class LiveState:
                 state.wall_s = result.wall_s
                 if result.records:
                     last = {k: float(v) for k, v in result.records[-1].items() if isinstance(v, int | float)}
-                    state.last = last
+                    state.last = {**state.last, **last}
                     if not state.points or state.points[-1] != last:
                         state.points.append(last)
             self.finished, self.failure, self.run_dir = True, outcome.failure, str(outcome.run_dir)
