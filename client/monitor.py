@@ -8,9 +8,8 @@ unless given TLS and a scraper token). It shows counts and times, never the data
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fedsaddle.common.monitoring import Exposure, MonitorError, MonitorServer, Reply
@@ -28,7 +27,6 @@ class ClientStats:
     bytes_received: int = 0
     bytes_sent: int = 0
     sessions: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def answered(self, seconds: float) -> None:
         self.tasks += 1

@@ -202,8 +202,11 @@ class _Watch:
             return
         if outcome is not None:
             self.monitor.finish(outcome)
+        from fedsaddle.common.stop import Stopped
+
         linger = config.monitor.linger_s if config is not None and config.monitor is not None else 0.0
-        if outcome is not None and linger > 0:  # a last scrape sees the final counts
+        signalled = outcome is not None and isinstance(outcome.cause, Stopped | KeyboardInterrupt)
+        if outcome is not None and linger > 0 and not signalled:  # a last scrape sees the final counts
             time.sleep(linger)
 
     def close(self) -> None:

@@ -280,14 +280,14 @@ class ClientPool(abc.ABC):
         """
         observer = self.observer
         if observer is None:
-            return self._round(task, category)
+            return self._counted_round(task, category)
         started = time.perf_counter()
         try:
-            return self._round(task, category)
+            return self._counted_round(task, category)
         finally:
             observer.round_done(category, time.perf_counter() - started)
 
-    def _round(self, task: Task, category: Category) -> RoundAnswers:
+    def _counted_round(self, task: Task, category: Category) -> RoundAnswers:
         run = self._require_run()
         if isinstance(task, ComputeTask):
             if task.name not in run.computations:  # the clients were told which to expect, and checked those
