@@ -14,6 +14,7 @@ import json
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -26,7 +27,7 @@ from conftest import config, fedsaddle
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedsaddle.common.monitoring import Exposure, MonitorError, MonitorServer, Reply, check_exposure
-from fedsaddle.launch import reap, start_clients
+from fedsaddle.launch import CLIENT_ENV, reap, start_clients
 from fedsaddle.server.checkpoint import config_digest
 from fedsaddle.server.config import MonitorSpec
 from fedsaddle.server.coordinator import run_config
@@ -364,3 +365,63 @@ def test_a_client_process_serves_its_own_metrics(tmp_path: Path) -> None:
     down = sum(counts["bytes_down"] for r in outcome.results for counts in r.traffic.values())
     up = sum(counts["bytes_up"] for r in outcome.results for counts in r.traffic.values())
     assert received >= down and sent >= up  # its one session carried every task and answer (and more: the start)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_coordinator_shows_its_clients_waiting_then_its_run_s_counts(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    run = game(tmp_path / "runs", rounds=40, monitor={"linger_s": 10})  # (ended by the test once it has read)
+    path.write_text(json.dumps(run.model_dump(mode="json")))
+    monitor_port = free_port()
+    command = [sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(path), "--listen", "127.0.0.1:0"]
+    log = tmp_path / "coordinator.log"
+    with open(log, "w") as out:
+        coordinator = subprocess.Popen(
+            [*command, "--monitor", f"127.0.0.1:{monitor_port}"], env=CLIENT_ENV, stdout=out, stderr=subprocess.STDOUT
+        )
+    client: subprocess.Popen[bytes] | None = None
+    try:
+        url = f"http://127.0.0.1:{monitor_port}/"
+
+        def listening() -> str | None:
+            for line in log.read_text().splitlines():
+                if "coordinator listening on " in line:
+                    return line.split("coordinator listening on ")[1].split(";")[0].strip()
+            assert coordinator.poll() is None, log.read_text()
+            return None
+
+        deadline = time.monotonic() + 60
+        while (address := listening()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert address is not None
+        waiting = json.loads(get(url + "state")[2])  # before any client: every index waits
+        assert [c["state"] for c in waiting["clients"]] == ["waiting"] * 3 and waiting["outcome"] is None
+        client = subprocess.Popen(
+            [sys.executable, "-m", "fedsaddle", "client", "--coordinator", address, "--clients", "0-2"],
+            env=CLIENT_ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while not (state := json.loads(get(url + "state")[2]))["outcome"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state["outcome"]["failure"] is None
+        coordinator_metrics = samples(get(url + "metrics")[2].decode())
+        assert client.wait(timeout=60) == 0
+    finally:
+        for process in (coordinator, client):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
+    assert coordinator_metrics[("fedsaddle_clients_expected", ())] == 3
+    assert {c["address"].rsplit(":", 1)[0] for c in state["clients"]} <= {"ipv4:127.0.0.1", ""}
+    (summary_path,) = (tmp_path / "runs").glob("watched-*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    for algorithm in summary["algorithms"]:
+        labels = (("algorithm", algorithm["name"]), ("category", "algorithm"), ("direction", "up"))
+        assert coordinator_metrics[("fedsaddle_bytes_total", labels)] == algorithm["traffic"]["algorithm"]["bytes_up"]
