@@ -24,13 +24,12 @@ import socket
 import time
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from fedsaddle.client.monitor import ClientStats
 from fedsaddle.client.probe import TlsFiles, probe
 from fedsaddle.client.session import ClientError, ClientSession, RunFailed
 from fedsaddle.common import blas, eventloop, wire
@@ -40,6 +39,9 @@ from fedsaddle.common.stop import Stopped
 from fedsaddle.common.text import printable
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
+
+if TYPE_CHECKING:  # (a client without --monitor never loads the monitor's HTTP server)
+    from fedsaddle.client.monitor import ClientStats
 
 log = logging.getLogger("fedsaddle.client")
 # A log record's flag: a client repeating the coordinator's failure (`fedsaddle local`, whose coordinator

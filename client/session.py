@@ -14,11 +14,11 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import ValidationError
 
-from fedsaddle.client.monitor import ClientStats
 from fedsaddle.common import blas, wire
 from fedsaddle.common.attacks import Attack, corrupt_answer
 from fedsaddle.common.computations import find_computation
@@ -35,6 +35,9 @@ from fedsaddle.common.tasks import COMPUTE_PAYLOAD_LIMIT, Answer, ComputeTask, E
 from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.common.worker import ShardCache, UnknownComputation, Worker
 from fedsaddle.proto import fedsaddle_pb2 as pb
+
+if TYPE_CHECKING:
+    from fedsaddle.client.monitor import ClientStats
 
 log = logging.getLogger("fedsaddle.client")
 
