@@ -40,14 +40,14 @@ TOKEN = "a-viewer-token-of-32-characters!"
 
 
 def game(out: Path, rounds: int = 60, secure: bool = False, **fields: Any) -> Any:
+    fields.setdefault("privacy", {"secure_aggregation": secure})
+    fields.setdefault("evaluate_every", 5)
+    fields.setdefault("output", {"dir": str(out), "plot": False, "gradient_norm": True})
     return config(
         name="watched",
         problem={"name": "quadratic_game", "num_clients": 3, "dim": 3, "mu": 1.0, "heterogeneity": 0.5},
         rounds=rounds,
-        evaluate_every=5,
         algorithms=[{"name": "minibatch_md", "gamma": 0.1}, {"name": "mirror_prox", "gamma": 0.15}],
-        privacy={"secure_aggregation": secure},
-        output={"dir": str(out), "plot": False, "gradient_norm": True},
         **fields,
     )
 
@@ -425,3 +425,18 @@ def test_a_coordinator_shows_its_clients_waiting_then_its_run_s_counts(tmp_path:
     for algorithm in summary["algorithms"]:
         labels = (("algorithm", algorithm["name"]), ("category", "algorithm"), ("direction", "up"))
         assert coordinator_metrics[("fedsaddle_bytes_total", labels)] == algorithm["traffic"]["algorithm"]["bytes_up"]
+
+
+def test_the_epsilon_spent_is_the_summary_s(tmp_path: Path) -> None:
+    dp = {"clip": 5.0, "noise_multiplier": 2.0}
+    out = {"dir": str(tmp_path / "runs"), "plot": False}
+    run = game(tmp_path / "runs", rounds=20, privacy={"dp": dp}, evaluate_every=0, output=out)
+    monitor = Monitor(run, MonitorSpec(listen="127.0.0.1:0"))
+    try:
+        outcome = watched_run(run, monitor)
+        found = samples(get(monitor.url + "metrics")[2].decode())
+    finally:
+        monitor.close()
+    for result in outcome.results:
+        spent = found[("fedsaddle_dp_epsilon", (("algorithm", result.name),))]
+        assert spent == result.extra["privacy"]["epsilon"] > 0
