@@ -98,6 +98,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dic
                 return False
 
         wait_until("Prometheus ready", ready, 60)
+        # Its scrape loop runs (up is 0 while nothing listens): from now on it scrapes twice a second.
+        wait_until("Prometheus scraping", lambda: query(api, 'up{job="fedsaddle"}'), 60)
         command = [sys.executable, "-m", "fedsaddle", "local", "--config", str(folder / "run.yaml"), "--quiet-clients"]
         federation = subprocess.Popen(
             [*command, "--monitor", f"127.0.0.1:{monitor_port}"],
