@@ -189,8 +189,19 @@ def _probe(n: Mapping[str, str], options: Options, service: str) -> Manifest:
     """A probe that asks the coordinator's standard health service about `service` ('' the server)."""
     if options.tls_dir is None:
         return {"grpc": {"port": PORT, "service": service}}
-    # kubelet's gRPC probe speaks plaintext only: over TLS, the CLI's health check with the CA
-    command = ["fedsaddle", "--quiet", "health", "--address", f"{n['coordinator']}:{PORT}", "--ca", f"{TLS_DIR}/ca.pem"]
+    # kubelet's gRPC probe speaks plaintext only: over TLS, the CLI's health check with the CA. It dials the
+    # pod itself, not the Service, which routes only to pods already ready; the certificate names the Service.
+    command = [
+        "fedsaddle",
+        "--quiet",
+        "health",
+        "--address",
+        f"127.0.0.1:{PORT}",
+        "--server-name",
+        n["coordinator"],
+        "--ca",
+        f"{TLS_DIR}/ca.pem",
+    ]
     return {"exec": {"command": [*command, "--service", service]}}
 
 
@@ -260,7 +271,8 @@ def _clients(
         "--hold",  # a StatefulSet restarts a container that exits, even when its run is over
     ]
     if not problem_class(config.problem.name, config.problem.plugin).synthetic:
-        words.append(f"--data {DATA_DIR}/client-{INDEX}.npz")
+        # the names `fedsaddle data split` writes: client-000.npz, client-001.npz, ...
+        words.append(f'--data {DATA_DIR}/client-"$(printf %03d {INDEX})".npz')
     if options.tls_dir is not None:
         words.append(f"--ca {CLIENT_SECRET_DIR}/ca.pem")
     if options.tokens:

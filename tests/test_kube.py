@@ -110,7 +110,8 @@ def test_each_client_pod_hosts_its_ordinal_and_reads_its_own_token(tmp_path: Pat
     ready = build_parser().parse_args(coordinator["readinessProbe"]["exec"]["command"][1:])
     live = build_parser().parse_args(coordinator["livenessProbe"]["exec"]["command"][1:])
     for probe in (ready, live):
-        assert probe.func.__name__ == "cmd_health" and probe.address == f"fedsaddle-coordinator:{port}"
+        assert probe.func.__name__ == "cmd_health" and probe.address == f"127.0.0.1:{port}"
+        assert probe.server_name == "fedsaddle-coordinator"  # the name the certificate gives the Service
         assert probe.ca == f"{mounts_of(coordinator)['secrets']}/ca.pem"
     assert (ready.service, live.service) == (SERVICE, "")
     assert args.hold
@@ -221,3 +222,13 @@ def test_the_example_the_podman_run_plays_can_lose_a_client(tmp_path: Path) -> N
     assert code == 0
     for o in objects(out).values():
         kubernetes_validate.validate(o, VERSIONS[-1], strict=True)
+
+
+def test_a_client_on_real_data_reads_the_file_data_split_wrote_for_its_index(tmp_path: Path) -> None:
+    run = {**RUN, "problem": {"name": "auc", "num_clients": 3, "features": 3, "positive_rate": 0.5}}
+    code, out = deploy(tmp_path, run)
+    assert code == 0
+    (template,) = objects(out)["StatefulSet", "fedsaddle-client"]["spec"]["template"]["spec"]["containers"]
+    for ordinal in (0, 2):
+        client = build_parser().parse_args(client_argv(template["command"], ordinal))
+        assert client.data == [f"/data/client-{ordinal:03d}.npz"]  # data split's names: client-000.npz, ...
