@@ -92,6 +92,11 @@ def load_reference(path: Path, problem: str, dimension: int) -> Reference:
             f"--reference {path}: {note_path} was written for another z* (its z_sha256 differs); "
             "save the reference again, or remove the .json to take the .npy as exact"
         )
+    if note.get("problem") not in (None, problem):
+        raise ReferenceError(
+            f"--reference {path}: {note_path} says it was solved for problem {note['problem']!r}, "
+            f"and this run's problem is {problem!r}"
+        )
     accuracy = note.get("accuracy", 0.0)
     if accuracy is None:
         raise ReferenceError(

@@ -31,6 +31,8 @@ def test_a_saved_reference_reads_back_with_its_accuracy_and_refuses_what_does_no
 
     with pytest.raises(ReferenceError, match=r"z\.npy: z\* has 3 entries, but problem 'quadratic_game' has z of 4"):
         load_reference(npy, "quadratic_game", 4)
+    with pytest.raises(ReferenceError, match="solved for problem 'quadratic_game', and this run's problem is 'auc'"):
+        load_reference(npy, "auc", 3)  # the same length, another problem
     with pytest.raises(ReferenceError, match=r"must end in \.npy"):
         save_reference(tmp_path / "z.bin", z, 1e-9, 1e-12, "newton", "quadratic_game")
     np.save(npy, z + 1)  # another z* beside the old note
