@@ -105,6 +105,11 @@ def check_problem(
     dimension = dim_x + dim_y
 
     if _gradient_check(report, federation, dim_x, _points(rng, dimension, points, domain)):
+        if getattr(config.problem, "dtype", "float64") == "float32":
+            report.say(
+                "the problem computes in float32, where central differences of f_i are too coarse for this check: "
+                "check it with `dtype: float64` in its spec"
+            )
         return report
     estimates = _monotonicity_check(report, federation, _points(rng, dimension, 2 * pairs, domain))
     if estimates is None:
