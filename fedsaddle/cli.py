@@ -915,9 +915,10 @@ def cmd_deploy_kubernetes(args: argparse.Namespace) -> int:
     import yaml
 
     from fedsaddle import kube
+    from fedsaddle.server.config import read_yaml
 
     try:
-        raw = yaml.safe_load(Path(args.config).read_text())
+        raw = read_yaml(Path(args.config).read_text())
     except OSError as exc:
         raise UsageError(f"cannot read config {args.config}: {exc.strerror}") from None
     except yaml.YAMLError as exc:

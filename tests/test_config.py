@@ -185,6 +185,13 @@ def test_files_that_are_not_configs(tmp_path: Path) -> None:
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_config(bad)
+    # YAML itself keeps the last of a key given twice; a config that does so is refused, naming the key
+    bad.write_text("rounds: 5\noutput: {dir: a}\nrounds: 7\n")
+    with pytest.raises(ConfigError, match=r"found the key 'rounds' twice[\s\S]*line 3"):
+        load_config(bad)
+    bad.write_text("output:\n  dir: a\n  plot: false\n  dir: b\n")
+    with pytest.raises(ConfigError, match="found the key 'dir' twice"):
+        load_config(bad)
 
 
 def test_the_cli_exits_2_and_names_the_field(tmp_path: Path) -> None:
