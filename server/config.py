@@ -1143,7 +1143,7 @@ class _UniqueKeys(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=True)
             if isinstance(key, Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark
