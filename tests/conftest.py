@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -107,6 +109,28 @@ def summary_of(out: Path) -> dict[str, Any]:
     """summary.json of the one run directory under `out`."""
     (run_dir,) = out.iterdir()
     return json.loads((run_dir / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def simulate_stopped_at_a_checkpoint(cwd: Path, *args: str, timeout: float = 60) -> tuple[Path, str]:
+    """`fedsaddle simulate ARGS` in `cwd`, sent SIGTERM once it has written its first checkpoint; it must exit 0.
+
+    The run directory it left (under cwd/runs) and its stderr."""
+    first = subprocess.Popen(
+        [sys.executable, "-m", "fedsaddle", "simulate", *args],
+        cwd=cwd,
+        env=CLIENT_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + timeout
+    while not list((cwd / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.send_signal(signal.SIGTERM)
+    _, log = first.communicate(timeout=timeout)
+    assert first.returncode == 0, log
+    (run_dir,) = (cwd / "runs").iterdir()
+    return run_dir, log
 
 
 def stop_processes(processes: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> list[int]:

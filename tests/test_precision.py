@@ -4,17 +4,19 @@ bits in process and over gRPC; the same counts as float64, at half the bytes; fl
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import CLIENT_ENV, config, federation, fedsaddle, linear_regression_files
+from conftest import (
+    config,
+    federation,
+    fedsaddle,
+    linear_regression_files,
+    simulate_stopped_at_a_checkpoint,
+)
 from test_failures import write_config
 
 from fedsaddle.common import wire
@@ -209,22 +211,8 @@ def test_a_float32_run_resumes_to_the_same_bits_and_never_in_another_precision(t
     whole = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "whole"), timeout=300)
     assert whole.returncode == 0, whole.stderr
     (expected,) = (tmp_path / "whole").iterdir()
-    first = subprocess.Popen(
-        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path)],
-        cwd=tmp_path,
-        env=CLIENT_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not list((tmp_path / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    first.send_signal(signal.SIGTERM)
-    _, log = first.communicate(timeout=60)
-    assert first.returncode == 0, log
+    run_dir, log = simulate_stopped_at_a_checkpoint(tmp_path, "--config", str(path))
     assert "stopped by SIGTERM" in log  # (cut short: the resumed run has rounds left to do)
-    (run_dir,) = (tmp_path / "runs").iterdir()
     with np.load(run_dir / "checkpoint.npz") as archive:
         states = [archive[name] for name in archive.files if name.startswith("state/")]
     assert states and all(array.dtype == np.float32 for array in states)

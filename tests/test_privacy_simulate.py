@@ -4,17 +4,13 @@ algorithm runs, the sum is exact, the privacy traffic has its own category, bad 
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
-from conftest import CLIENT_ENV, fedsaddle
+from conftest import fedsaddle, simulate_stopped_at_a_checkpoint
 
 from fedsaddle.common.secagg import fixedpoint
 from fedsaddle.common.secagg.rows import MaskedAnswer, build_row
@@ -255,21 +251,7 @@ def test_a_stopped_secure_run_resumes_bit_identical_with_a_new_key_agreement(tmp
     whole = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "whole"), timeout=600)
     assert whole.returncode == 0, whole.stderr
     (expected,) = (tmp_path / "whole").iterdir()
-    first = subprocess.Popen(
-        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path)],
-        cwd=tmp_path,
-        env=CLIENT_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    first.send_signal(signal.SIGTERM)
-    _, log = first.communicate(timeout=120)
-    assert first.returncode == 0, log
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    run_dir, _ = simulate_stopped_at_a_checkpoint(tmp_path, "--config", str(path), timeout=120)
     done = fedsaddle("simulate", "--resume", str(run_dir), timeout=600)
     assert done.returncode == 0, done.stderr
     (a,) = json.loads((expected / "summary.json").read_text())["algorithms"]

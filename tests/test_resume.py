@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import CLIENT_ENV, client_process, fedsaddle, stop_processes
+from conftest import CLIENT_ENV, client_process, fedsaddle, simulate_stopped_at_a_checkpoint, stop_processes
 from test_failures import Coordinator, write_config
 
 from fedsaddle.experiments.datasets import split
@@ -271,22 +271,8 @@ def test_simulate_resumes_a_stopped_private_data_run_once_given_the_data(tmp_pat
     whole = fedsaddle("simulate", "--config", str(path), "--data", pattern, "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     (expected,) = (tmp_path / "whole").iterdir()
-    first = subprocess.Popen(
-        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path), "--data", pattern],
-        cwd=tmp_path,
-        env=CLIENT_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not list((tmp_path / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    first.send_signal(signal.SIGTERM)
-    _, log = first.communicate(timeout=60)
-    assert first.returncode == 0, log
+    run_dir, log = simulate_stopped_at_a_checkpoint(tmp_path, "--config", str(path), "--data", pattern)
     assert "stopped by SIGTERM; outputs written\n" in log  # (no clients to tell)
-    (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "summary.json").read_text())["transport"]["failure"] == "stopped by SIGTERM"
     before = digest(run_dir)
     refused = fedsaddle("simulate", "--resume", str(run_dir), timeout=60)
