@@ -72,7 +72,7 @@ from fedsaddle.common.problems.base import (
     client_context,
 )
 from fedsaddle.common.problems.domains import problem_domain
-from fedsaddle.common.problems.shards import Minibatches, ProblemError, minibatch_rows
+from fedsaddle.common.problems.shards import Minibatches, ProblemError, minibatch_rows, shard_columns
 
 if TYPE_CHECKING:
     from fedsaddle.common.problems.shards import Shards
@@ -393,12 +393,7 @@ class TorchShards:
     # -- the Shards interface ----------------------------------------------------------------------
 
     def _columns(self, z: Array) -> list[tuple[int, tuple[int, ...], Array]]:
-        columns = []
-        for j in range(len(self.datas)):
-            for rest in np.ndindex(*z.shape[2:]):
-                where = (j, *rest)
-                columns.append((j, where, np.ascontiguousarray(z[(slice(None), *where)])))
-        return columns
+        return shard_columns(z, len(self.datas))
 
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         out = np.empty_like(z) if out is None else out

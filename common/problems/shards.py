@@ -199,13 +199,7 @@ class ProblemShards:
         return f"problem {self.problem.spec.name!r}: {name}() on client {self.indices[j]}'s data"
 
     def _columns(self, z: Array) -> list[tuple[int, tuple[int, ...], Array]]:
-        """(client position, index of its column in z[0], its z as a contiguous vector) for every column."""
-        columns = []
-        for j in range(len(self.datas)):
-            for rest in np.ndindex(*z.shape[2:]):
-                where = (j, *rest)
-                columns.append((j, where, np.ascontiguousarray(z[(slice(None), *where)])))
-        return columns
+        return shard_columns(z, len(self.datas))
 
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         out = np.empty_like(z) if out is None else out
@@ -319,3 +313,14 @@ def stack_shards(runs: Sequence[Shards]) -> Shards:
     if all(isinstance(r, PaperRegressionShards) for r in runs):
         return PaperRegressionShards.stack(runs)  # type: ignore[arg-type]
     return StackedShards(runs)
+
+
+def shard_columns(z: Array, clients: int) -> list[tuple[int, tuple[int, ...], Array]]:
+    """(client position, index of its column in z[0], its z as a contiguous vector) for every column of z,
+    a (D, clients, ...) block of iterates: one client's columns after another, each run's in order."""
+    columns = []
+    for j in range(clients):
+        for rest in np.ndindex(*z.shape[2:]):
+            where = (j, *rest)
+            columns.append((j, where, np.ascontiguousarray(z[(slice(None), *where)])))
+    return columns
