@@ -50,6 +50,7 @@ from numpy.typing import NDArray
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import ClientData, DataProblem, problem_class
+from fedsaddle.common.problems.data import deal_by_class
 from fedsaddle.experiments.images import ImageError, binary, load_images
 from fedsaddle.experiments.tables import TableSpec, read_columns, table_rows
 
@@ -236,17 +237,6 @@ class ClientShare:
     class_counts: list[int] | None = None  # images of more than two classes: its rows of each class
 
 
-def _deal(rows: NDArray[Any], classes: NDArray[Any], shares: Array, rng: np.random.Generator) -> list[NDArray[Any]]:
-    """Deal rows to clients: for each class, its rows in the proportions `shares[class]` (clients x 1)."""
-    dealt: list[list[int]] = [[] for _ in range(shares.shape[1])]
-    for c, proportions in enumerate(shares):
-        members = rng.permutation(rows[classes[rows] == c])
-        cuts = (np.cumsum(proportions)[:-1] * len(members)).round().astype(int)
-        for client, part in enumerate(np.split(members, cuts)):
-            dealt[client].extend(part.tolist())
-    return [np.array(sorted(d), dtype=int) for d in dealt]
-
-
 def split(
     dataset: str | Table,
     clients: int | None,
@@ -297,12 +287,12 @@ def split(
                 shares = np.full((n_classes, clients), 1 / clients)
             else:
                 shares = rng.dirichlet(np.full(clients, alpha), size=n_classes)
-            dealt_train = _deal(train, classes, shares, rng)
+            dealt_train = deal_by_class(train, classes, shares, rng)
             if min(len(d) for d in dealt_train) >= min_rows:
                 break
         else:
             raise ValueError(f"no label-skew split with at least {min_rows} rows per client; raise --alpha")
-        dealt_test = _deal(test, classes, shares, rng)
+        dealt_test = deal_by_class(test, classes, shares, rng)
     X = _standardized(table, train)
     y = table.y.copy()
     standardized = None

@@ -35,7 +35,8 @@ from pydantic import Field
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems.base import ClientContext, ClientData, SyntheticProblem
-from fedsaddle.common.problems.deep_auc import _deal, _digits
+from fedsaddle.common.problems.data import deal_by_class
+from fedsaddle.common.problems.deep_auc import _digits
 from fedsaddle.common.problems.domains import Block, Free, Simplex
 from fedsaddle.common.problems.pytorch import Batch, Player, TorchProblem, TorchShards, TorchSpec
 from fedsaddle.common.problems.shards import Shards
@@ -67,12 +68,12 @@ def split_classes(spec: AgnosticMlpSpec) -> list[ClientData]:
     least = max(2, spec.batch_size or 0)
     for _ in range(1000):
         shares = rng.dirichlet(np.full(spec.num_clients, spec.skew_alpha), size=10)
-        dealt_train = _deal(train, digits, shares, rng)
+        dealt_train = deal_by_class(train, digits, shares, rng)
         if min(len(rows) for rows in dealt_train) >= least:
             break
     else:
         raise ValueError(f"problem agnostic_mlp: no label-skew split gives every client {least} training rows")
-    dealt_test = _deal(test, digits, shares, rng)
+    dealt_test = deal_by_class(test, digits, shares, rng)
     labels = digits.astype(np.float64)
     return [
         ClientData(f"agnostic_mlp:client-{i}", images[tr], labels[tr], None, images[te], labels[te])

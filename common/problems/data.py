@@ -23,8 +23,10 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from fedsaddle.common.numeric import Array
 
@@ -209,3 +211,17 @@ def _each_its_own(paths: Mapping[int, str]) -> None:
         if key in seen:
             raise ValueError(f"clients {seen[key]} and {i} are both given {path}: each client loads a file of its own")
         seen[key] = i
+
+
+def deal_by_class(
+    rows: NDArray[np.int64], classes: NDArray[Any], shares: Array, rng: np.random.Generator
+) -> list[NDArray[np.int64]]:
+    """Deal rows to clients: each class's rows, in a random order, cut in the proportions shares[class]
+    (classes x clients); each client's rows sorted."""
+    dealt: list[list[int]] = [[] for _ in range(shares.shape[1])]
+    for c, proportions in enumerate(shares):
+        members = rng.permutation(rows[classes[rows] == c])
+        cuts = (np.cumsum(proportions)[:-1] * len(members)).round().astype(int)
+        for client, part in enumerate(np.split(members, cuts)):
+            dealt[client].extend(part.tolist())
+    return [np.array(sorted(d), dtype=np.int64) for d in dealt]

@@ -41,6 +41,7 @@ from pydantic import Field
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems.auc import roc_auc
 from fedsaddle.common.problems.base import ClientContext, ClientData, SyntheticProblem
+from fedsaddle.common.problems.data import deal_by_class
 from fedsaddle.common.problems.domains import Block, Box, Free
 from fedsaddle.common.problems.pytorch import Batch, Player, TorchProblem, TorchShards, TorchSpec
 from fedsaddle.common.problems.shards import Shards
@@ -121,7 +122,7 @@ def split_digits(spec: DeepAucSpec) -> list[ClientData]:
     n = spec.num_clients
     for _ in range(1000):
         shares = rng.dirichlet(np.full(n, spec.skew_alpha), size=10)
-        dealt_train = _deal(train, digits, shares, rng)
+        dealt_train = deal_by_class(train, digits, shares, rng)
         if min(len(rows) for rows in dealt_train) >= max(2, spec.batch_size or 0):
             break
     else:
@@ -129,7 +130,7 @@ def split_digits(spec: DeepAucSpec) -> list[ClientData]:
             f"problem deep_auc: no label-skew split gives each of {n} clients at least "
             f"{max(2, spec.batch_size or 0)} training rows; raise skew_alpha or lower num_clients or batch_size"
         )
-    dealt_test = _deal(test, digits, shares, rng)
+    dealt_test = deal_by_class(test, digits, shares, rng)
     return [
         ClientData(f"deep_auc:client-{i}", images[tr], labels[tr], None, images[te], labels[te])
         for i, (tr, te) in enumerate(zip(dealt_train, dealt_test, strict=True))
@@ -143,19 +144,6 @@ def validation_rows(spec: DeepAucSpec) -> NDArray[np.int64]:
     train = np.sort(order[round(spec.test_fraction * DIGITS_ROWS) :])
     picked = np.random.default_rng([spec.split_seed, 2]).permutation(len(train))
     return np.sort(train[picked[: round(spec.validation_fraction * len(train))]])
-
-
-def _deal(
-    rows: NDArray[np.int64], classes: NDArray[np.int64], shares: Array, rng: np.random.Generator
-) -> list[NDArray[np.int64]]:
-    """Each class's rows divided among the clients in the proportions shares[class]."""
-    dealt: list[list[int]] = [[] for _ in range(shares.shape[1])]
-    for c, proportions in enumerate(shares):
-        members = rng.permutation(rows[classes[rows] == c])
-        cuts = (np.cumsum(proportions)[:-1] * len(members)).round().astype(int)
-        for client, part in enumerate(np.split(members, cuts)):
-            dealt[client].extend(part.tolist())
-    return [np.array(sorted(d), dtype=np.int64) for d in dealt]
 
 
 class DeepAuc(TorchProblem, SyntheticProblem):
