@@ -28,7 +28,6 @@ Every rule here is deterministic given its rows and its generator: `simulate`,
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
@@ -38,6 +37,7 @@ import numpy as np
 
 from fedsaddle.common import seeding
 from fedsaddle.common.numeric import Array, ordered_sum
+from fedsaddle.common.problems.registry import import_plugin_module
 from fedsaddle.server.algorithms.base import aggregate as weighted_mean
 
 ENTRY_POINT_GROUP = "fedsaddle.aggregations"
@@ -290,7 +290,7 @@ def load_plugin(path: str, params: Mapping[str, Any]) -> Any:
         target = found[path]
     module_name, _, attribute = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = import_plugin_module(module_name)
     except Exception as exc:  # a missing module, or one that fails as it runs
         raise PluginNotFound(f"aggregation rule {path!r}: cannot import {module_name!r}: {exc}") from None
     factory: Callable[..., Any] | None = getattr(module, attribute, None)

@@ -4,10 +4,12 @@ the same bits in every transport, and real client processes that lie."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from conftest import config, federation, fedsaddle
 
 from fedsaddle.common.attacks import Attack, alie_z, corrupt_answer, corrupt_round, parse_own_attack
@@ -25,7 +27,7 @@ from fedsaddle.server.aggregation import (
 )
 from fedsaddle.server.algorithms.base import RoundAnswers
 from fedsaddle.server.batch import BatchRun, run_batch
-from fedsaddle.server.config import ConfigError
+from fedsaddle.server.config import ConfigError, load_config
 from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.settlement import settle
@@ -251,6 +253,30 @@ def test_a_plugin_rule_is_made_from_its_path_and_params() -> None:
             algorithms=EVERY[:1],
             aggregation={"rule": "plugin", "path": "fedsaddle.server.aggregation:TrimmedMean", "params": {"beta": 2}},
         )
+
+
+def test_a_plugin_rule_beside_its_config_is_found_as_a_problem_plugin_is(tmp_path: Path) -> None:
+    package = tmp_path / "site_rules"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rules.py").write_text(
+        "import numpy as np\n"
+        "from fedsaddle.server.aggregation import Rule\n\n\n"
+        "class Winsorized(Rule):\n"
+        "    name = 'winsorized'\n\n"
+        "    def __init__(self, q: float = 0.1) -> None:\n"
+        "        self.q = q\n\n"
+        "    def aggregate(self, rows, weights, rng):\n"
+        "        low, high = np.quantile(rows, [self.q, 1 - self.q], axis=0)\n"
+        "        return np.clip(rows, low, high).mean(axis=0)\n"
+    )
+    path = tmp_path / "run.yaml"
+    aggregation = {"rule": "plugin", "path": "site_rules.rules:Winsorized", "params": {"q": 0.2}}
+    path.write_text(yaml.safe_dump({"problem": PAPER, "algorithms": EVERY[:1], "aggregation": aggregation}))
+    rule = load_config(path).aggregation.build()
+    assert type(rule).__name__ == "Winsorized" and rule.q == 0.2
+    rows = np.array([[0.0], [1.0], [2.0], [3.0], [100.0]])
+    assert rule.aggregate(rows, np.full(5, 0.2), None)[0] == pytest.approx(np.clip(rows, 0.8, 22.4).mean())
 
 
 # -- every transport, the same bits ------------------------------------------------------------

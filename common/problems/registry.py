@@ -65,8 +65,9 @@ def add_plugin_folder(folder: str | Path) -> None:
         _PLUGIN_FOLDERS.append(resolved)
 
 
-def _import(module_name: str) -> ModuleType:
-    """import_module, falling back on the config's folder and the working folder (and their src/)."""
+def import_plugin_module(module_name: str) -> ModuleType:
+    """import_module, falling back on the config's folder and the working folder (and their src/): how every
+    kind of plug-in (problem, algorithm, aggregation rule) is found."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -120,7 +121,7 @@ def load_path(path: str, field: str = "name") -> type[Problem]:
     if not sep or not module_name or not attribute:
         raise ProblemNotFound(f"plugin {path!r} must look like 'package.module:ClassName'", field)
     try:
-        module = _import(module_name)
+        module = import_plugin_module(module_name)
     except ImportError as exc:
         raise _not_importable(path, module_name, exc, field) from None
     except Exception as exc:  # the module was found, and failed while it ran: a SyntaxError, a NameError, ...

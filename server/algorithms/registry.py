@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -36,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedsaddle.common import computations
 from fedsaddle.common.computations import LocalComputation
-from fedsaddle.common.problems.registry import import_failure
+from fedsaddle.common.problems.registry import import_failure, import_plugin_module
 
 if TYPE_CHECKING:
     from fedsaddle.server.algorithms.base import Algorithm
@@ -105,7 +104,7 @@ class AlgorithmNotFound(ValueError):
 def _load(path: str, name: str) -> AlgorithmDef:
     module_name, _, attribute = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = import_plugin_module(module_name)
     except ImportError as exc:
         raise AlgorithmNotFound(f"algorithm {name!r} ({path}): cannot import {module_name!r}: {exc}") from None
     except Exception as exc:  # the module was found, and failed while it ran: a SyntaxError, a NameError, ...
