@@ -11,11 +11,14 @@ is refused.
 
 from __future__ import annotations
 
+import importlib.util
 import keyword
 import re
+import sys
 from pathlib import Path
 
 from fedsaddle import __version__
+from fedsaddle.common.problems.registry import BUILT_IN
 
 
 class ScaffoldError(ValueError):
@@ -35,6 +38,12 @@ def check_name(name: str) -> None:
         )
     if name.startswith("fedsaddle"):
         raise ScaffoldError(f"problem name {name!r} must not start with 'fedsaddle' (fedsaddle's own modules do)")
+    if name in BUILT_IN:
+        raise ScaffoldError(f"problem name {name!r} is a built-in problem's, which a config naming it would get")
+    if name in sys.stdlib_module_names or importlib.util.find_spec(name) is not None:
+        raise ScaffoldError(
+            f"problem name {name!r} is a module Python already finds here; a package of that name would shadow it"
+        )
 
 
 def new_problem(name: str, out: Path, torch: bool = False) -> list[Path]:

@@ -76,6 +76,11 @@ def test_new_problem_writes_a_package_whose_test_passes_and_whose_config_runs(tm
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
     bad = run([str(SCRIPT), "new", "problem", "Robust-Fit"], cwd=tmp_path)
     assert bad.returncode == 2 and "must be a Python module name in lower case" in bad.stderr
+    shadow = run([str(SCRIPT), "new", "problem", "numpy"], cwd=tmp_path)
+    assert shadow.returncode == 2 and "a package of that name would shadow it" in shadow.stderr
+    built_in = run([str(SCRIPT), "new", "problem", "auc"], cwd=tmp_path)
+    assert built_in.returncode == 2 and "is a built-in problem's" in built_in.stderr
+    assert not (tmp_path / "numpy").exists() and not (tmp_path / "auc").exists()
     algorithm = run([str(SCRIPT), "new", "algorithm", "mine"], cwd=tmp_path)
     assert (
         algorithm.returncode == 2
