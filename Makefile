@@ -60,7 +60,7 @@ unit: $(TORCH_STAMP)
 docs: $(TORCH_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# About 13-16 minutes on a quiet 2-core machine; tests/README.md has the measured figures.
+# About 16-19 minutes on a quiet 2-core machine (pytest alone about 16); tests/README.md has the measured figures.
 test: lint typecheck docs unit
 
 proto: $(STAMP)
