@@ -1048,6 +1048,8 @@ def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
         "input" in error
         and error["type"] not in ("missing", "extra_forbidden", FIELDS_DISAGREE)
         and not isinstance(error["input"], dict)
+        and f"got {error['input']!r}" not in message  # (a validator's own message may name it already)
+        and f"got {error['input']}" not in message
     ):
         message += f" (got {error['input']!r})"
     return f"{where}: {message}{_suggestion(error, model)}"

@@ -250,3 +250,8 @@ def test_gradient_norm_without_evaluated_steps_is_refused_not_ignored() -> None:
     said = "output.gradient_norm: ||G(z)|| is measured at the evaluated steps, and evaluate_every is 0"
     assert said in error_of({**VALID, "output": {"gradient_norm": True}})
     parse_config({**VALID, "output": {"gradient_norm": True}, "evaluate_every": 10})
+
+
+def test_a_validator_that_names_the_value_is_not_followed_by_it_again() -> None:
+    message = error_of({"output": {"save_every": 0}})
+    assert "output.save_every: must be a number of steps >= 1, got 0;" in message and "(got 0)" not in message
