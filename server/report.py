@@ -15,7 +15,7 @@ import numpy as np
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem
-from fedsaddle.server.config import RunConfig
+from fedsaddle.server.config import ConfigError, RunConfig
 from fedsaddle.server.driver import AlgorithmResult
 from fedsaddle.server.per_client import OBJECTIVE, clients_of
 from fedsaddle.server.reference import shown
@@ -34,6 +34,10 @@ def make_run_dir(config: RunConfig) -> Path:
             return path
         except FileExistsError:
             continue
+        except OSError as exc:  # a file where a folder must be, no permission, a full disk
+            raise ConfigError(
+                f"output.dir (--out) {str(base)!r}: cannot create a run directory there: {exc.strerror}"
+            ) from None
     raise RuntimeError(f"could not create a run directory below {base}")
 
 

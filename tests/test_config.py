@@ -255,3 +255,18 @@ def test_gradient_norm_without_evaluated_steps_is_refused_not_ignored() -> None:
 def test_a_validator_that_names_the_value_is_not_followed_by_it_again() -> None:
     message = error_of({"output": {"save_every": 0}})
     assert "output.save_every: must be a number of steps >= 1, got 0;" in message and "(got 0)" not in message
+
+
+def test_an_output_folder_that_cannot_be_made_exits_2_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("rounds: 2\nalgorithms:\n  - {name: minibatch_md, gamma: 0.01}\n")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path), "--out", str(blocked)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert f"output.dir (--out) {str(blocked)!r}: cannot create a run directory there: Not a directory" in done.stderr
