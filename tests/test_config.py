@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import fedsaddle
 
 from fedsaddle.server.config import ConfigError, load_config, parse_config
 
@@ -262,11 +263,6 @@ def test_an_output_folder_that_cannot_be_made_exits_2_naming_it(tmp_path: Path) 
     path.write_text("rounds: 2\nalgorithms:\n  - {name: minibatch_md, gamma: 0.01}\n")
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    done = subprocess.run(
-        [sys.executable, "-m", "fedsaddle", "simulate", "--config", str(path), "--out", str(blocked)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = fedsaddle("simulate", "--config", str(path), "--out", str(blocked))
     assert done.returncode == 2
     assert f"output.dir (--out) {str(blocked)!r}: cannot create a run directory there: Not a directory" in done.stderr
