@@ -1143,14 +1143,17 @@ class _UniqueKeys(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last one silently)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
+        seen: dict[Any, int] = {}  # each key and its line
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
             if isinstance(key, Hashable) and key in seen:
+                # (no marks: the message stays one line, with both places in it)
                 raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark
+                    None, None, f"found the key {key!r} twice (line {seen[key]} and line {line}); keep one", None
                 )
-            seen.add(key)
+            if isinstance(key, Hashable):
+                seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
 
