@@ -78,6 +78,7 @@ class ClientOptions:
     # default chunk: 1 MiB held no less, and made the d = 1e6 round about 30 ms longer (bench/README.md).
     receive_window_mib: float = 2.0
     attack: Attack | None = None  # research and tests: this process lies about its answers (common/attacks.py)
+    flipped: tuple[int, ...] = ()  # research and tests: clients that train on swapped labels (label_flip)
     stats: ClientStats | None = None  # counted for this process's monitor (--monitor), when it has one
 
 
@@ -319,7 +320,13 @@ async def run_client(options: ClientOptions) -> None:
 
 
 async def _serve_sessions(options: ClientOptions, waiting: _Waiting) -> None:
-    shards = ShardCache(size=2, data=options.data, trusted=options.trusted, check_statistics=options.check_statistics)
+    shards = ShardCache(
+        size=2,
+        data=options.data,
+        trusted=options.trusted,
+        check_statistics=options.check_statistics,
+        flipped=options.flipped,
+    )
     delay, closed_in_a_row = 0.1, 0
     joined_once, unresolved_since = False, 0.0
     async with _channel(options) as channel:

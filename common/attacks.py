@@ -26,11 +26,17 @@ The attacks:
 * `ipm`, inner-product manipulation (Xie, Koyejo, Gupta, UAI 2020): every Byzantine client sends
   -epsilon * mu, mu as for ALIE;
 * `false_diverged`: the client reports its results as non-finite (a run under the mean ends as diverged;
-  under a robust rule the client is left out of that round, server/settlement.py).
+  under a robust rule the client is left out of that round, server/settlement.py);
+* `label_flip`, label flipping (Tolpegin, Truex, Gursoy, Liu, ESORICS 2020), for problems on data files
+  with binary labels: a Byzantine client trains on its rows with every label swapped (`flip_labels`), and
+  answers honestly from them. The lie is in its data, not its answers: it is made where the client's data is
+  loaded (common/worker.py's `ShardCache`), in `simulate` for the config's clients, and in a client process
+  started with `--attack label_flip` for the clients it hosts. Held-out rows keep their labels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -41,11 +47,13 @@ import numpy as np
 
 from fedsaddle.common import seeding
 from fedsaddle.common.numeric import Array, ordered_sum
+from fedsaddle.common.problems.data import ClientData, DataError
 from fedsaddle.common.tasks import Answer
 
-AttackKind = Literal["sign_flip", "scale", "gaussian", "alie", "ipm", "false_diverged"]
+AttackKind = Literal["sign_flip", "scale", "gaussian", "alie", "ipm", "false_diverged", "label_flip"]
 ATTACK_KINDS: tuple[str, ...] = get_args(AttackKind)
-OWN_KINDS = ("sign_flip", "scale", "gaussian", "false_diverged")  # what a client can do knowing only its answer
+# What a client can do knowing only its answer (or its own data)
+OWN_KINDS = ("sign_flip", "scale", "gaussian", "false_diverged", "label_flip")
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ def corrupt_own(attack: Attack, vector: Array, client: int, seed: int, round_id:
     if attack.kind == "gaussian":
         noise = seeding.rng(seed, seeding.ATTACK, client, round_id).normal(0.0, attack.sigma, vector.shape)
         return vector + noise
-    if attack.kind == "false_diverged":
+    if attack.kind in ("false_diverged", "label_flip"):
         return vector
     raise ValueError(f"attack {attack.kind!r} needs the other clients' vectors; a client alone cannot make it")
 
@@ -130,7 +138,7 @@ def corrupt_round(attack: Attack, replies: Sequence[Answer], seed: int, round_id
 def corrupt_answer(attack: Attack, answer: Answer, seed: int, round_id: int) -> Answer:
     """A client process's own answer as it lies about it (`fedsaddle client --attack`): each hosted client's
     row corrupted on its own (`corrupt_own`), or the whole answer reported as diverged."""
-    if answer.diverged:
+    if answer.diverged or attack.kind == "label_flip":  # a flipped client's answers come from its data
         return answer
     if attack.kind == "false_diverged":
         return answer._replace(diverged=True)
@@ -138,8 +146,28 @@ def corrupt_answer(attack: Attack, answer: Answer, seed: int, round_id: int) -> 
     return answer._replace(vectors=np.stack(rows))
 
 
+def label_flipped(attack: Attack | None) -> tuple[int, ...]:
+    """The clients whose training labels `attack` swaps (none unless it is a `label_flip`)."""
+    return attack.clients if attack is not None and attack.kind == "label_flip" else ()
+
+
+def flip_labels(data: ClientData) -> ClientData:
+    """`data` with its training labels swapped, for the `label_flip` attack: 1 - y for labels in {0, 1}, -y for
+    labels in {-1, 1}. Its held-out rows are kept as they are. DataError for labels that are not binary."""
+    values = np.unique(data.y)
+    if set(values.tolist()) <= {0.0, 1.0}:
+        flipped = 1.0 - data.y
+    elif set(values.tolist()) <= {-1.0, 1.0}:
+        flipped = -data.y
+    else:
+        shown = ", ".join(f"{v:g}" for v in values[:4]) + (", ..." if len(values) > 4 else "")
+        raise DataError(f"{data.path}: label_flip needs binary labels, {{0, 1}} or {{-1, 1}}; y holds {shown}")
+    return dataclasses.replace(data, y=flipped)
+
+
 def parse_own_attack(text: str, clients: Sequence[int]) -> Attack:
-    """`--attack KIND[:VALUE]` of a client process: sign_flip, scale:FACTOR, gaussian:SIGMA, false_diverged."""
+    """`--attack KIND[:VALUE]` of a client process: sign_flip, scale:FACTOR, gaussian:SIGMA, false_diverged,
+    label_flip."""
     kind, _, value = text.partition(":")
     if kind not in OWN_KINDS:
         raise ValueError(f"a client process can make the attacks {', '.join(OWN_KINDS)}, not {kind!r}")

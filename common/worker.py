@@ -19,6 +19,7 @@ from typing import Literal
 import numpy as np
 
 from fedsaddle.common import seeding
+from fedsaddle.common.attacks import flip_labels
 from fedsaddle.common.computations import broken_plugins, find_computation
 from fedsaddle.common.indices import some
 from fedsaddle.common.memory import lasting
@@ -525,14 +526,17 @@ class ShardCache:
         data: Mapping[int, str | Path] | None = None,
         trusted: Collection[str] | None = None,
         check_statistics: bool = True,
+        flipped: Collection[int] = (),
     ) -> None:
         self.size = size
+        # A client process's `--attack label_flip`: its clients' training labels are swapped as they load.
+        self.flipped = frozenset(flipped)
         # Warn when the spec's public statistics contradict the loaded data (common/problems/statistics.py);
         # off where the same data was already checked whole (the client processes of `fedsaddle local`).
         self.check_statistics = check_statistics
         self.data = {int(i): str(p) for i, p in (data or {}).items()}
         self.trusted = trusted
-        self._entries: OrderedDict[tuple[str, int, tuple[int, ...], str], Shards] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int, tuple[int, ...], str, tuple[int, ...]], Shards] = OrderedDict()
 
     def get(
         self,
@@ -540,13 +544,19 @@ class ShardCache:
         seed: int | None,
         indices: Sequence[int],
         weighting: Literal["uniform", "samples"] = "uniform",
+        flipped: Collection[int] = (),
     ) -> Shards:
         """The shards of clients `indices`; DataError naming a file and its fault, ValueError otherwise.
 
-        `weighting`: the run's, which a data problem's clients see in their ClientContext."""
+        `weighting`: the run's, which a data problem's clients see in their ClientContext. `flipped`: clients
+        whose training labels are swapped (a simulated `label_flip` attack, common/attacks.py), besides this
+        cache's own."""
         problem = make_problem(spec, self.trusted)
         synthetic = isinstance(problem, SyntheticProblem)
-        key = (spec.model_dump_json(), seed if synthetic and seed is not None else -1, tuple(indices), weighting)
+        flip = tuple(sorted((self.flipped | set(flipped)) & set(indices)))
+        if flip and synthetic:
+            raise ValueError(f"label_flip needs a problem on data files; {spec.name} generates its own data")
+        key = (spec.model_dump_json(), seed if synthetic and seed is not None else -1, tuple(indices), weighting, flip)
         shards = self._entries.get(key)
         if shards is not None:
             self._entries.move_to_end(key)
@@ -566,9 +576,13 @@ class ShardCache:
                     datas.append(problem.load(self.data[i]))
                 except DataError as exc:
                     raise DataError(f"client {i}: {exc}") from None
-            own = problem.client_shards(datas, indices, weighting)  # a PyTorch problem's, say
-            shards = own if own is not None else ProblemShards(problem, datas, indices, weighting)
-            if self.check_statistics:
+            try:
+                trained = [flip_labels(d) if i in flip else d for i, d in zip(indices, datas, strict=True)]
+            except DataError as exc:
+                raise DataError(f"label_flip: {exc}") from None
+            own = problem.client_shards(trained, indices, weighting)  # a PyTorch problem's, say
+            shards = own if own is not None else ProblemShards(problem, trained, indices, weighting)
+            if self.check_statistics:  # (the spec describes the honest data)
                 try:
                     found = disagreements(problem, datas, indices)
                 except Exception as exc:  # a plug-in's statistics() is a check, not the run's arithmetic

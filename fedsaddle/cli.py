@@ -321,6 +321,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             if not args.config:
                 raise UsageError("coordinator needs --config (or --resume RUN_DIR)")
             config = _config(args)
+            if config.attack is not None and config.attack.kind == "label_flip":
+                raise UsageError(
+                    "attack: label_flip swaps labels in the Byzantine clients' own data, which a coordinator does not "
+                    "hold: start those clients with `fedsaddle client --attack label_flip` instead"
+                )
             given = _given_reference(args, config)  # before the clients are waited for
             pool, transport = serving(config)
             try:
@@ -450,7 +455,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     from fedsaddle.client.probe import TlsFiles
     from fedsaddle.client.service import ECHOES_COORDINATOR, ClientError, ClientOptions, serve
     from fedsaddle.client.session import RunFailed
-    from fedsaddle.common.attacks import parse_own_attack
+    from fedsaddle.common.attacks import label_flipped, parse_own_attack
 
     _device(args)
     token = _read_token(args.token_file)
@@ -459,6 +464,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         attack = parse_own_attack(args.attack, hosted) if args.attack else None
     except ValueError as exc:
         raise UsageError(f"--attack: {exc}") from None
+    flipped = set(label_flipped(attack)) | set(parse_indices(args.label_flipped) if args.label_flipped else ())
     data = _data_paths(args.data, hosted)
     if not args.statistics_checked:  # (`fedsaddle local` checked every file before starting its clients)
         _check_client_start(tuple(args.problem or ()), hosted, data)
@@ -477,6 +483,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         check_statistics=not args.statistics_checked,
         tls_files=TlsFiles(args.ca, args.cert, args.key) if args.ca else None,
         attack=attack,
+        flipped=tuple(sorted(flipped)),
     )
     metrics = _client_monitor(args, options)
     try:
@@ -1567,8 +1574,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--attack",
         metavar="KIND[:VALUE]",
         help="research and tests: these clients lie about every answer (sign_flip, scale:FACTOR, gaussian:SIGMA, "
-        "false_diverged; docs/robustness.md)",
+        "false_diverged), or train on swapped labels (label_flip; docs/robustness.md)",
     )
+    # Set by `fedsaddle local` for a config's label_flip attack: the clients, among those hosted, that flip.
+    p.add_argument("--label-flipped", help=argparse.SUPPRESS)
     # Set by `fedsaddle local` for the clients it starts: it compared the spec with all their data already.
     p.add_argument("--statistics-checked", action="store_true", help=argparse.SUPPRESS)
     _tls_options(p)

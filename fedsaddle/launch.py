@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Protocol
 
+from fedsaddle.common.attacks import label_flipped
 from fedsaddle.common.indices import parse_indices
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.pool import PoolError
@@ -347,6 +348,9 @@ def loopback_federation(
     groups = index_groups(config.problem.num_clients, per_process)
     # The operator runs both sides here, so the clients trust the config's plugin problem.
     trust = ["--problem", config.problem.plugin] if config.problem.plugin else []
+    flipped = label_flipped(config.attack.attack() if config.attack is not None else None)
+    if flipped:  # a simulated label_flip is made where those clients' data loads: in their processes
+        trust += ["--label-flipped", ",".join(map(str, flipped))]
     if data:
         # Every client's file is at hand here: compare the spec's statistics with all of them at once,
         # exactly, rather than each client process with its own share.

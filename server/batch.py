@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedsaddle.common.attacks import corrupt_round
+from fedsaddle.common.attacks import corrupt_round, label_flipped
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem, solution, stack_shards
 from fedsaddle.common.tasks import Answer, ComputeTask, GradientTask, LocalStepsTask, Task
@@ -141,7 +141,10 @@ class _Workers:
         noise = {c.gradient_noise for c in configs}
         if len(noise) != 1:
             raise ValueError("a batch needs one gradient_noise for all runs")
-        shards = [cache.get(c.problem, c.seed, range(c.problem.num_clients), c.weighting) for c in configs]
+        shards = [
+            cache.get(c.problem, c.seed, range(c.problem.num_clients), c.weighting, label_flipped(m.attack))
+            for m, c in zip(members, configs, strict=True)
+        ]
         for member, shard in zip(members, shards, strict=True):
             if member.config.weighting == "samples":
                 # The same rule as ClientPool.start_run: aggregation weighted by the clients' sample counts.

@@ -32,6 +32,7 @@ from fedsaddle.common.attacks import Attack, AttackKind
 from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Precision
 from fedsaddle.common.problems import (
+    DataProblem,
     PaperRegressionSpec,
     Problem,
     ProblemNotFound,
@@ -535,7 +536,7 @@ class AggregationSpec(_Model):
 class AttackSpec(_Model):
     """Byzantine clients, simulated by the coordinator on every algorithm exchange (common/attacks.py)."""
 
-    kind: AttackKind = Field(description="sign_flip, scale, gaussian, alie, ipm or false_diverged")
+    kind: AttackKind = Field(description="sign_flip, scale, gaussian, alie, ipm, false_diverged or label_flip")
     clients: list[int] = Field(min_length=1, description="the Byzantine clients' indices")
     factor: float = Field(-1.0, description="scale: what their answers are multiplied by")
     sigma: float = Field(1.0, gt=0, description="gaussian: standard deviation of the noise added")
@@ -944,7 +945,12 @@ class RunConfig(_Model):
                     f"among {per_round} clients"
                 )
                 faults.append((("attack", "clients"), why))
-        if (rule is not None or attack is not None) and not (info.context and info.context.get("problem_invalid")):
+        problem_valid = not (info.context and info.context.get("problem_invalid"))
+        flips = attack is not None and attack.kind == "label_flip" and problem_valid
+        if flips and not isinstance(make_problem(self.problem), DataProblem):
+            why = f"label_flip swaps the labels of clients' data files, and problem {self.problem.name} has none"
+            faults.append((("attack", "kind"), why))
+        if (rule is not None or attack is not None) and problem_valid:
             held = n * make_problem(self.problem).dimension * 8 / 2**20
             if held > aggregation.max_rows_mib:
                 why = (

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsaddle.common import blas
+from fedsaddle.common.attacks import label_flipped
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import DataProblem, make_problem
 from fedsaddle.common.secagg.aggregator import MaskedRound
@@ -45,7 +46,8 @@ class LocalPool(ClientPool):
 
     def _announce(self, run: RunInfo) -> Sequence[int] | None:
         blas.apply()  # the thread count client processes use: BLAS's sums depend on it (common/blas.py)
-        shards = self.cache.get(run.problem, run.seed, range(run.num_clients), run.weighting)
+        flipped = label_flipped(run.attack)
+        shards = self.cache.get(run.problem, run.seed, range(run.num_clients), run.weighting, flipped)
         self._worker = Worker(shards, run.seed, run.gradient_noise, element=run.element)
         counts = getattr(shards, "sample_counts", None)
         self._parties, self._sample_counts = {}, None

@@ -12,9 +12,10 @@ import pytest
 import yaml
 from conftest import config, federation, fedsaddle
 
-from fedsaddle.common.attacks import Attack, alie_z, corrupt_answer, corrupt_round, parse_own_attack
+from fedsaddle.common.attacks import Attack, alie_z, corrupt_answer, corrupt_round, flip_labels, parse_own_attack
+from fedsaddle.common.problems.data import ClientData, DataError
 from fedsaddle.common.tasks import Answer, GradientTask
-from fedsaddle.launch import reap, start_clients
+from fedsaddle.launch import loopback_federation, reap, start_clients
 from fedsaddle.server.aggregation import (
     Bucketing,
     CenteredClipping,
@@ -213,6 +214,10 @@ def test_a_client_process_refuses_an_attack_it_cannot_make() -> None:
         ({"attack": {"kind": "sign_flip", "clients": [5]}}, "attack.clients: client 5 does not exist"),
         ({"attack": {"kind": "sign_flip", "clients": [1, 1]}}, "distinct"),
         (
+            {"attack": {"kind": "label_flip", "clients": [1]}},
+            "attack.kind: label_flip swaps the labels of clients' data files, and problem paper_regression has none",
+        ),
+        (
             {"aggregation": {"rule": "median"}, "privacy": {"secure_aggregation": True}},
             "secure aggregation shows the coordinator only their sum",
         ),
@@ -372,3 +377,80 @@ def test_a_false_diverged_report_ends_a_run_only_under_the_mean() -> None:
     assert median.extra["aggregation"]["diverged_reports"] == {"4": rounds}
     assert median.extra["aggregation"]["rounds_with_diverged_reports"] == rounds
     assert median.traffic["algorithm"]["messages_up"] == 5 * rounds  # client 4 answered: it is counted
+
+
+# -- label flipping: a lie in the data ------------------------------------------------------------
+
+
+def auc_files(folder: Path, clients: int = 5, flip: tuple[int, ...] = ()) -> dict[int, str]:
+    """Clients' .npz files for the AUC problem; the labels of `flip` swapped by hand, as an independent check."""
+    rng = np.random.default_rng(4)
+    folder.mkdir()
+    files = {}
+    for i in range(clients):
+        X, X_test = rng.normal(size=(40, 3)), rng.normal(size=(20, 3))
+        y, y_test = ((X[:, 0] + 0.5 * rng.normal(size=len(X)) > 0).astype(float) for X in (X, X_test))
+        path = folder / f"client-{i:03d}.npz"
+        np.savez(path, X=X, y=1.0 - y if i in flip else y, X_test=X_test, y_test=y_test)
+        files[i] = str(path)
+    return files
+
+
+def auc_run(**fields: Any) -> Any:
+    problem = {"name": "auc", "num_clients": 5, "features": 3, "positive_rate": 0.445}
+    return config(
+        problem=problem,
+        algorithms=[{"name": "minibatch_md", "gamma": 0.5}],
+        rounds=30,
+        seed=2,
+        evaluate_every=30,
+        **fields,
+    )
+
+
+def test_flip_labels_swaps_binary_training_labels_and_refuses_others() -> None:
+    X = np.zeros((3, 1))
+    zero_one = ClientData("a.npz", X, np.array([0.0, 1.0, 1.0]), X_test=X, y_test=np.array([1.0, 0.0, 1.0]))
+    flipped = flip_labels(zero_one)
+    assert flipped.y.tolist() == [1.0, 0.0, 0.0] and flipped.y_test.tolist() == [1.0, 0.0, 1.0]  # held out: kept
+    assert flip_labels(ClientData("b.npz", X, np.array([-1.0, 1.0, -1.0]))).y.tolist() == [1.0, -1.0, 1.0]
+    with pytest.raises(
+        DataError, match=r"c.npz: label_flip needs binary labels, \{0, 1\} or \{-1, 1\}; y holds 0, 0.5, 2"
+    ):
+        flip_labels(ClientData("c.npz", X, np.array([0.0, 0.5, 2.0])))
+
+
+def test_label_flip_in_process_equals_flipped_files_and_client_processes_that_flip(tmp_path: Path) -> None:
+    files, by_hand = auc_files(tmp_path / "honest"), auc_files(tmp_path / "by-hand", flip=(1, 3))
+    attacked = auc_run(attack={"kind": "label_flip", "clients": [1, 3]})
+    simulated = run_algorithm(attacked.algorithms[0], attacked, LocalPool(data=files))
+    plain = auc_run()
+    honest = run_algorithm(plain.algorithms[0], plain, LocalPool(data=files))
+    flipped = run_algorithm(plain.algorithms[0], plain, LocalPool(data=by_hand))
+    assert simulated.status == honest.status == "ok"
+    assert simulated.z_sha256 == flipped.z_sha256 != honest.z_sha256
+    assert simulated.records[-1]["test_auc"] < honest.records[-1]["test_auc"]  # the liars' data pulled it off
+    assert simulated.traffic["algorithm"] == honest.traffic["algorithm"]
+    # `fedsaddle local`'s way: the config's attack reaches the processes that host clients 1 and 3
+    with loopback_federation(attacked, per_process=2, data=files) as (pool, _children):
+        local = run_algorithm(attacked.algorithms[0], attacked, pool)
+    assert local.z_sha256 == simulated.z_sha256
+    # clients of their own: processes started with --attack label_flip, under a coordinator told nothing
+    pool = GrpcPool(5, "127.0.0.1:0")
+    honest_clients = start_clients(pool.address, ["0", "2", "4"], data=files)
+    liars = start_clients(pool.address, ["1", "3"], extra=["--attack", "label_flip"], data=files)
+    try:
+        pool.wait_for_clients(60)
+        remote = run_algorithm(plain.algorithms[0], plain, pool)
+    finally:
+        pool.close()
+        reap([*honest_clients, *liars], 10)
+    assert remote.z_sha256 == simulated.z_sha256
+
+
+def test_a_coordinator_refuses_a_label_flip_it_cannot_make(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(auc_run(attack={"kind": "label_flip", "clients": [1]}).model_dump(mode="json")))
+    done = fedsaddle("coordinator", "--config", str(path), "--listen", "127.0.0.1:0")
+    assert done.returncode == 2
+    assert "start those clients with `fedsaddle client --attack label_flip`" in done.stderr
