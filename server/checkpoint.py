@@ -76,6 +76,8 @@ def write(run_dir: Path, checkpoint: Checkpoint) -> None:
         "round_id": resume.round_id,
         "traffic": resume.traffic,
         "elapsed_s": resume.elapsed_s,
+        "faulty_reports": {str(client): count for client, count in resume.faulty_reports.items()},
+        "faulty_rounds": resume.faulty_rounds,
         "metrics_lines": checkpoint.metrics_lines,
         "state_type": type(resume.at.state).__name__,
         "precision": checkpoint.precision,
@@ -170,5 +172,12 @@ def read(run_dir: Path, config: RunConfig, state_types: list[type]) -> Checkpoin
             )
         )
     at = StepDone(int(meta["steps"]), state, StepCost(*meta["spent"]))
-    resume = Resume(meta["run_id"], at, int(meta["round_id"]), meta["traffic"], [], float(meta["elapsed_s"]))
+    try:  # (a checkpoint from before these fields: none were counted)
+        faulty = {int(client): int(count) for client, count in meta.get("faulty_reports", {}).items()}
+        faulty_rounds = int(meta.get("faulty_rounds", 0))
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: the counts of diverged reports are damaged ({exc})") from None
+    resume = Resume(
+        meta["run_id"], at, int(meta["round_id"]), meta["traffic"], [], float(meta["elapsed_s"]), faulty, faulty_rounds
+    )
     return Checkpoint(meta["config_sha256"], index, resume, int(meta["metrics_lines"]), finished, written)

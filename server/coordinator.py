@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -123,6 +123,8 @@ class _Recorder:
                 traffic={category: counts.as_dict() for category, counts in pool.traffic.items()},
                 records=[],
                 elapsed_s=time.perf_counter() - run.started,
+                faulty_reports=dict(pool.faulty_reports),
+                faulty_rounds=pool.faulty_rounds,
             )
             written = checkpoint.Checkpoint(
                 self.digest, self.index, resume, self.lines, list(self.finished), self.config.precision
@@ -191,10 +193,7 @@ def resume_run(
     for result in saved.finished:
         result.records = records.get(result.name, [])
     current = config.algorithms[saved.algorithm_index].display_name
-    resume = saved.resume
-    resume = Resume(
-        resume.run_id, resume.at, resume.round_id, resume.traffic, records.get(current, []), resume.elapsed_s
-    )
+    resume = replace(saved.resume, records=records.get(current, []))
     log.info(
         "resuming %s from its checkpoint: %s at step %d, after %d rounds%s",
         run_dir,

@@ -209,6 +209,9 @@ class Resume:
     traffic: dict[str, dict[str, Any]]  # the pool's counters
     records: list[dict[str, float | int]]  # this run's records up to the checkpoint
     elapsed_s: float
+    # Under a robust rule, the clients left out of rounds for reporting non-finite results, and those rounds
+    faulty_reports: dict[int, int] = field(default_factory=dict)
+    faulty_rounds: int = 0
 
 
 class Run:
@@ -490,7 +493,7 @@ def run_algorithm(
             pool.start_run(run_info(config, run_id or f"{run.name}-{uuid.uuid4().hex[:8]}", needs))
         else:
             pool.start_run(run_info(config, resume.run_id, needs))
-            pool.restore(resume.round_id, resume.traffic)
+            pool.restore(resume.round_id, resume.traffic, resume.faulty_reports, resume.faulty_rounds)
         event = run.advance(None)
         while event is not None:
             if isinstance(event, StepDone):

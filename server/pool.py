@@ -413,9 +413,16 @@ class ClientPool(abc.ABC):
         """The unmask sub-exchange: each request to its client, the replies of those that gave one."""
         raise PoolError(f"{type(self).__name__} does not offer secure aggregation")
 
-    def restore(self, round_id: int, traffic: dict[str, dict[str, object]]) -> None:
+    def restore(
+        self,
+        round_id: int,
+        traffic: dict[str, dict[str, object]],
+        faulty_reports: Mapping[int, int] | None = None,
+        faulty_rounds: int = 0,
+    ) -> None:
         """Go on from a checkpoint: the round counter and the counts as they were."""
         self.round_id = round_id
+        self.faulty_reports, self.faulty_rounds = Counter(faulty_reports or {}), faulty_rounds
         for category, counts in traffic.items():
             if category in self.traffic:
                 restored = TrafficCounts.from_dict(self.traffic[category].num_clients, counts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -111,23 +112,37 @@ def summary_of(out: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
-def simulate_stopped_at_a_checkpoint(cwd: Path, *args: str, timeout: float = 60) -> tuple[Path, str]:
-    """`fedsaddle simulate ARGS` in `cwd`, sent SIGTERM once it has written its first checkpoint; it must exit 0.
+def simulate_stopped_at_a_checkpoint(
+    cwd: Path, *args: str, timeout: float = 60, past_round: int = 0
+) -> tuple[Path, str]:
+    """`fedsaddle simulate ARGS` in `cwd`, sent SIGTERM once it has written its first checkpoint (one after round
+    `past_round`, if given: each checkpoint is then followed by a short pause); it must exit 0.
 
     The run directory it left (under cwd/runs) and its stderr."""
+    pause = {"FEDSADDLE_TEST_CHECKPOINT_PAUSE": "0.05"} if past_round else {}
     first = subprocess.Popen(
         [sys.executable, "-m", "fedsaddle", "simulate", *args],
         cwd=cwd,
-        env=CLIENT_ENV,
+        env={**CLIENT_ENV, **pause},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + timeout
-    while not list((cwd / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    seen = ""
+    if past_round:
+        assert first.stderr is not None
+        for line in first.stderr:  # "writing checkpoint at round N", before each pause
+            seen += line
+            found = re.match(r"writing checkpoint at round (\d+)", line)
+            if found and int(found.group(1)) > past_round:
+                break
+    else:
+        deadline = time.monotonic() + timeout
+        while not list((cwd / "runs").glob("*/checkpoint.npz")) and time.monotonic() < deadline:
+            time.sleep(0.01)
     first.send_signal(signal.SIGTERM)
-    _, log = first.communicate(timeout=timeout)
+    _, rest = first.communicate(timeout=timeout)
+    log = seen + rest
     assert first.returncode == 0, log
     (run_dir,) = (cwd / "runs").iterdir()
     return run_dir, log

@@ -4,13 +4,14 @@ the same bits in every transport, and real client processes that lie."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
-from conftest import config, federation, fedsaddle
+from conftest import config, federation, fedsaddle, simulate_stopped_at_a_checkpoint
 
 from fedsaddle.common.attacks import Attack, alie_z, corrupt_answer, corrupt_round, flip_labels, parse_own_attack
 from fedsaddle.common.problems.data import ClientData, DataError
@@ -454,3 +455,31 @@ def test_a_coordinator_refuses_a_label_flip_it_cannot_make(tmp_path: Path) -> No
     done = fedsaddle("coordinator", "--config", str(path), "--listen", "127.0.0.1:0")
     assert done.returncode == 2
     assert "start those clients with `fedsaddle client --attack label_flip`" in done.stderr
+
+
+def test_the_counts_of_false_diverged_reports_go_on_across_a_resume(tmp_path: Path) -> None:
+    fields: dict[str, Any] = {
+        "name": "liar",
+        "problem": PAPER,
+        "algorithms": [EVERY[0]],
+        "rounds": 1001,
+        "aggregation": {"rule": "median"},
+        "attack": {"kind": "false_diverged", "clients": [4]},
+        "output": {"plot": False, "checkpoint_every": 25},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(fields))
+    whole = fedsaddle("simulate", "--config", str(path), "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    (expected,) = (tmp_path / "whole").iterdir()
+    run_dir, log = simulate_stopped_at_a_checkpoint(tmp_path, "--config", str(path), past_round=100)
+    assert "stopped by SIGTERM" in log  # (cut short: the resumed run has rounds left to do)
+    stopped_at = max(int(r) for r in re.findall(r"writing checkpoint at round (\d+)", log))
+    assert 100 < stopped_at < 1001
+    done = fedsaddle("simulate", "--resume", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    (a,) = json.loads((expected / "summary.json").read_text())["algorithms"]
+    (b,) = json.loads((run_dir / "summary.json").read_text())["algorithms"]
+    assert a["z_sha256"] == b["z_sha256"]
+    assert a["aggregation"]["diverged_reports"] == b["aggregation"]["diverged_reports"] == {"4": 1001}
+    assert b["aggregation"]["rounds_with_diverged_reports"] == 1001
