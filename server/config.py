@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     SerializeAsAny,
     ValidationError,
@@ -52,7 +51,6 @@ from fedsaddle.common.secagg.settings import (
     default_bound,
     round_threshold,
 )
-from fedsaddle.common.tasks import Decay
 from fedsaddle.server.aggregation import (
     MAX_ROWS_MIB,
     Bucketing,
@@ -68,7 +66,8 @@ from fedsaddle.server.aggregation import (
     rule_check,
     rule_tolerates,
 )
-from fedsaddle.server.algorithms.registry import AlgorithmNotFound, AlgorithmSpecBase, definition, parse_algorithm
+from fedsaddle.server.algorithms.registry import BUILT_IN, AlgorithmNotFound, definition, parse_algorithm
+from fedsaddle.server.algorithms.spec import AlgorithmSpecBase, FixedSync, StrictModel, SyncSpec
 
 if TYPE_CHECKING:
     from fedsaddle.server.algorithms.base import StepCost
@@ -105,158 +104,16 @@ Fault = tuple[tuple[str, ...], str]
 FIELDS_DISAGREE = "fields_disagree"  # the type of such a fault's error
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+class _Model(StrictModel):
+    """A section of the run config (unknown fields refused, values frozen, no inf or nan)."""
 
 
-# -- synchronization -------------------------------------------------------------------
-
-
-class FixedSync(_Model):
-    """Every sync interval is exactly tau local steps (tau is also MD/MP's minibatch)."""
-
-    kind: Literal["fixed"] = "fixed"
-    tau: int = Field(20, ge=1, le=1_000_000)
-
-
-class RandomSync(_Model):
-    """Each local step ends in a sync with probability p: intervals ~ Geometric(p)."""
-
-    kind: Literal["random"] = "random"
-    p: float = Field(0.05, gt=0, le=1)
-
-
-SyncSpec = Annotated[FixedSync | RandomSync, Field(discriminator="kind")]
-
-
-# -- algorithms ------------------------------------------------------------------------
-
-
-class _Algorithm(AlgorithmSpecBase):
-    """A built-in algorithm's spec (a plug-in's subclasses AlgorithmSpecBase the same way)."""
-
-
-class MinibatchMDSpec(_Algorithm):
-    name: Literal["minibatch_md"] = "minibatch_md"
-    gamma: float = Field(gt=0, description="step size")
-
-
-class MirrorProxSpec(_Algorithm):
-    name: Literal["mirror_prox"] = "mirror_prox"
-    gamma: float = Field(gt=0, description="step size (both half steps)")
-
-
-# The algorithms' hyper-parameters have their defaults here, and only here: server/algorithms/* take
-# every one of them explicitly. Where the classes and these specs once disagreed (FedAvg-S's decay, Catalyst's
-# theta_rule), the defaults are the ones the documented results use: README.md, docs/experiments.md and
-# examples/*.yaml run FedAvg-S with the decaying step of the paper's Experiments (inverse_sqrt) and
-# Catalyst with theta estimated; every documented run goes through these specs, so its hash is unchanged.
-
-
-class FedAvgSpec(_Algorithm):
-    name: Literal["fedavg_s"] = "fedavg_s"
-    gamma_local: float = Field(gt=0)
-    gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local, as in the paper")
-    decay: Decay = Field(
-        "inverse_sqrt", description="inverse_sqrt: step k uses gamma / (sqrt(k) + 1), as in the Experiments"
-    )
-
-
-class ScaffoldSpec(_Algorithm):
-    name: Literal["scaffold_s"] = "scaffold_s"
-    gamma_local: float = Field(ge=0, description="0 gives the minibatch regime of the paper's analysis")
-    gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local")
-
-    @model_validator(mode="after")
-    def _global_step_needed(self) -> ScaffoldSpec:
-        if self.gamma_local == 0 and self.gamma_global is None:
-            raise ValueError("gamma_global is required when gamma_local is 0")
-        return self
-
-
-# How Catalyst sets theta: kept as configured, or estimated from the last meta-iteration's secants.
-ThetaRule = Literal["fixed", "estimated"]
-
-
-class FixedInnerStop(_Model):
-    """Leave each meta-iteration after exactly `inner_syncs` syncs."""
-
-    rule: Literal["fixed"] = "fixed"
-    inner_syncs: int = Field(10, ge=1)
-
-
-class ObjectiveStop(_Model):
-    """The paper's heuristic: leave when the regularized objective stops changing,
-    |f^theta(z~_k) - f^theta(z~_{k-1})| <= rtol * |f^theta(z~_{k-1})|."""
-
-    rule: Literal["objective"] = "objective"
-    rtol: float = Field(1e-3, gt=0)
-    max_inner_syncs: int = Field(50, ge=1)
-
-
-class GradientStop(_Model):
-    """Leave when ||G^theta(z~)|| <= rtol * ||G(z_bar)||: the regularized gradient
-    mapping, free to the coordinator since SCAFFOLD-S gathers G(z~) anyway."""
-
-    rule: Literal["gradient"] = "gradient"
-    rtol: float = Field(0.1, gt=0, lt=1)
-    max_inner_syncs: int = Field(50, ge=1)
-
-
-InnerStop = Annotated[FixedInnerStop | ObjectiveStop | GradientStop, Field(discriminator="rule")]
-
-
-class CatalystSpec(_Algorithm):
-    name: Literal["scaffold_catalyst_s"] = "scaffold_catalyst_s"
-    gamma_local: float = Field(ge=0)
-    gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local")
-    theta: float = Field(1.0, gt=0, description="proximal weight (the first meta-iteration's, when estimated)")
-    theta_rule: ThetaRule = Field(
-        "estimated", description="estimated: theta = theta_scale x the secant monotonicity of the last meta-iteration"
-    )
-    theta_scale: float = Field(1.0, gt=0, description="c in theta = c mu_hat")
-    stop: InnerStop = Field(default_factory=GradientStop)
-
-    @model_validator(mode="after")
-    def _global_step_needed(self) -> CatalystSpec:
-        if self.gamma_local == 0 and self.gamma_global is None:
-            raise ValueError("gamma_global is required when gamma_local is 0")
-        return self
-
-
-class FedGdaGtSpec(_Algorithm):
-    name: Literal["fedgda_gt"] = "fedgda_gt"
-    eta: float = Field(gt=0, description="step size of the local steps (and of the average they make)")
-
-
-class LocalExtragradientSpec(_Algorithm):
-    name: Literal["local_extragradient"] = "local_extragradient"
-    gamma: float = Field(gt=0, description="step size of both half steps of every local extragradient step")
-
-
-class LocalSgdaPlusSpec(_Algorithm):
-    name: Literal["local_sgda_plus"] = "local_sgda_plus"
-    eta_x: float = Field(gt=0, description="descent step size on x")
-    eta_y: float | None = Field(None, gt=0, description="ascent step size on y; defaults to eta_x")
-    snapshot_every: int = Field(
-        1, ge=1, le=1_000_000, description="syncs between refreshes of the snapshot x~ the ascent looks at (S / tau)"
-    )
-
-
-# Every algorithm's spec is an AlgorithmSpecBase: the built-in ones below and the plug-ins'
-# (server/algorithms/registry.py finds a spec by its name).
+# The built-in algorithms' specs are declared in their own modules (server/algorithms/*.py), beside their server
+# and client halves; every algorithm's spec, built in or a plug-in's, is an AlgorithmSpecBase, found by its name
+# (server/algorithms/registry.py). The run's `sync` (FixedSync, RandomSync) is server/algorithms/spec.py's too.
 AlgorithmSpec = AlgorithmSpecBase
-BUILT_IN_SPECS: tuple[type[AlgorithmSpecBase], ...] = (
-    MinibatchMDSpec,
-    MirrorProxSpec,
-    FedAvgSpec,
-    ScaffoldSpec,
-    CatalystSpec,
-    FedGdaGtSpec,
-    LocalExtragradientSpec,
-    LocalSgdaPlusSpec,
-)
-ALGORITHM_NAMES = tuple(str(spec.model_fields["name"].default) for spec in BUILT_IN_SPECS)
+BUILT_IN_SPECS: tuple[type[AlgorithmSpecBase], ...] = tuple(algorithm.spec for algorithm in BUILT_IN.values())
+ALGORITHM_NAMES = tuple(BUILT_IN)
 
 
 # -- transport and output --------------------------------------------------------------

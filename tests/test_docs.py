@@ -70,8 +70,8 @@ def test_the_shell_blocks_of_a_guide_run_as_written(page: Path, tmp_path: Path) 
 
 
 def test_the_algorithms_table_has_a_row_for_each_built_in_algorithm_and_no_other() -> None:
-    from fedsaddle.server.algorithms.builtin import PAPER
     from fedsaddle.server.algorithms.registry import BUILT_IN, definition
+    from fedsaddle.server.algorithms.spec import PAPER
 
     table = (REPO / "docs" / "reference" / "algorithms.md").read_text()
     found = re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", table, re.M)

@@ -9,8 +9,8 @@ from conftest import config
 
 from fedsaddle.experiments.grid import STEP_SCALES, Grid, run_grid
 from fedsaddle.server.algorithms import build
-from fedsaddle.server.algorithms.catalyst import ScaffoldCatalystS
-from fedsaddle.server.config import CatalystSpec, FixedSync
+from fedsaddle.server.algorithms.catalyst import CatalystSpec, ScaffoldCatalystS
+from fedsaddle.server.algorithms.spec import FixedSync
 from fedsaddle.server.driver import DIVERGENCE_GROWTH, run_algorithm
 from fedsaddle.server.local_pool import LocalPool
 

@@ -1,15 +1,16 @@
 """The algorithms: the public API for writing one, the built-in ones, and `build`.
 
-An algorithm is an `AlgorithmDef` (registry.py): a spec, a server half (an
+An algorithm is an `AlgorithmDef` (spec.py): a spec, a server half (an
 `Algorithm`, written once as single-run code, see base.py) and optionally a client
-half (named local computations, common/computations.py, reached by `ComputeTask`).
-The built-in ones register in builtin.py; plug-ins by the entry-point group
+half (named local computations, reached by `ComputeTask`). Each built-in one is one
+module of this package declaring all three (minibatch_md.py, ..., local_sgda_plus.py),
+listed in registry.py; plug-ins register by the entry-point group
 `fedsaddle.algorithms` (docs/how-to/own-algorithm.md). `available()` names them all.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedsaddle.common.computations import ClientOracle, LocalComputation
 from fedsaddle.common.problems.domains import Domain
@@ -32,10 +33,7 @@ from fedsaddle.server.algorithms.local_sgda_plus import LocalSgdaPlus
 from fedsaddle.server.algorithms.minibatch_md import MinibatchMirrorDescent
 from fedsaddle.server.algorithms.mirror_prox import MirrorProx
 from fedsaddle.server.algorithms.registry import (
-    AlgorithmDef,
     AlgorithmNotFound,
-    AlgorithmSpecBase,
-    BuildContext,
     available,
     definition,
     register,
@@ -44,9 +42,7 @@ from fedsaddle.server.algorithms.registry import (
 )
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldS
 from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
-
-if TYPE_CHECKING:
-    from fedsaddle.server.config import FixedSync, RandomSync
+from fedsaddle.server.algorithms.spec import AlgorithmDef, AlgorithmSpecBase, BuildContext, FixedSync, RandomSync
 
 __all__ = [
     "Algorithm",

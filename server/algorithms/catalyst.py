@@ -49,9 +49,10 @@ average the clients that answered); the stop rules see that sampled G.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
+from pydantic import Field, model_validator
 
 from fedsaddle.common.numeric import Array, dot, norm
 from fedsaddle.common.problems.domains import Domain
@@ -59,9 +60,61 @@ from fedsaddle.common.tasks import GradientTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, positive
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldS, ScaffoldState
 from fedsaddle.server.algorithms.schedule import SyncSchedule
+from fedsaddle.server.algorithms.spec import PAPER, AlgorithmDef, AlgorithmSpecBase, BuildContext, StrictModel
 
-if TYPE_CHECKING:
-    from fedsaddle.server.config import ThetaRule
+# -- the spec ------------------------------------------------------------------------------
+
+# How Catalyst sets theta: kept as configured, or estimated from the last meta-iteration's secants.
+ThetaRule = Literal["fixed", "estimated"]
+
+
+class FixedInnerStop(StrictModel):
+    """Leave each meta-iteration after exactly `inner_syncs` syncs."""
+
+    rule: Literal["fixed"] = "fixed"
+    inner_syncs: int = Field(10, ge=1)
+
+
+class ObjectiveStop(StrictModel):
+    """The paper's heuristic: leave when the regularized objective stops changing,
+    |f^theta(z~_k) - f^theta(z~_{k-1})| <= rtol * |f^theta(z~_{k-1})|."""
+
+    rule: Literal["objective"] = "objective"
+    rtol: float = Field(1e-3, gt=0)
+    max_inner_syncs: int = Field(50, ge=1)
+
+
+class GradientStop(StrictModel):
+    """Leave when ||G^theta(z~)|| <= rtol * ||G(z_bar)||: the regularized gradient
+    mapping, free to the coordinator since SCAFFOLD-S gathers G(z~) anyway."""
+
+    rule: Literal["gradient"] = "gradient"
+    rtol: float = Field(0.1, gt=0, lt=1)
+    max_inner_syncs: int = Field(50, ge=1)
+
+
+InnerStopSpec = Annotated[FixedInnerStop | ObjectiveStop | GradientStop, Field(discriminator="rule")]
+
+
+# The hyper-parameters' defaults are declared here, and only here (the class below takes each one). theta_rule's
+# is the one the documented results use: README.md, docs/experiments.md and examples/*.yaml estimate theta.
+class CatalystSpec(AlgorithmSpecBase):
+    name: Literal["scaffold_catalyst_s"] = "scaffold_catalyst_s"
+    gamma_local: float = Field(ge=0)
+    gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local")
+    theta: float = Field(1.0, gt=0, description="proximal weight (the first meta-iteration's, when estimated)")
+    theta_rule: ThetaRule = Field(
+        "estimated", description="estimated: theta = theta_scale x the secant monotonicity of the last meta-iteration"
+    )
+    theta_scale: float = Field(1.0, gt=0, description="c in theta = c mu_hat")
+    stop: InnerStopSpec = Field(default_factory=GradientStop)
+
+    @model_validator(mode="after")
+    def _global_step_needed(self) -> CatalystSpec:
+        if self.gamma_local == 0 and self.gamma_global is None:
+            raise ValueError("gamma_global is required when gamma_local is 0")
+        return self
+
 
 # -- the inner stop rule -----------------------------------------------------------------
 
@@ -136,6 +189,15 @@ def residual(z: Array, gradient: Array, domain: Domain | None) -> float:
 InnerStop = FixedSyncs | ObjectiveDecrease | GradientMapping
 
 
+def stop_rule(spec: FixedInnerStop | ObjectiveStop | GradientStop) -> InnerStop:
+    """The inner stop rule a spec's `stop` describes."""
+    if isinstance(spec, FixedInnerStop):
+        return FixedSyncs(spec.inner_syncs)
+    if isinstance(spec, ObjectiveStop):
+        return ObjectiveDecrease(spec.rtol, spec.max_inner_syncs)
+    return GradientMapping(spec.rtol, spec.max_inner_syncs)
+
+
 # -- the algorithm -------------------------------------------------------------------------
 
 
@@ -159,7 +221,7 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
     name = "scaffold_catalyst_s"
     state_type = CatalystState
 
-    # The hyper-parameters' defaults are CatalystSpec's (server/config.py), declared there only.
+    # The hyper-parameters' defaults are CatalystSpec's, declared there only.
     def __init__(
         self,
         *,
@@ -267,3 +329,19 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
 
     def step_cost(self, state: CatalystState) -> StepCost:
         return _COST
+
+
+def _build(spec: CatalystSpec, run: BuildContext) -> ScaffoldCatalystS:
+    return ScaffoldCatalystS(
+        gamma_local=spec.gamma_local,
+        gamma_global=spec.gamma_global,
+        theta=spec.theta,
+        stop=stop_rule(spec.stop),
+        theta_rule=spec.theta_rule,
+        theta_scale=spec.theta_scale,
+        schedule=run.schedule,
+        dim_x=run.dim_x,
+    )
+
+
+SCAFFOLD_CATALYST_S = AlgorithmDef(CatalystSpec, _build, paper=PAPER)

@@ -25,12 +25,27 @@ heterogeneous clients it settles further from z*.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+from pydantic import Field
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.tasks import Decay, LocalStepsTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
 from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
+from fedsaddle.server.algorithms.spec import PAPER, AlgorithmDef, AlgorithmSpecBase, BuildContext
+
+
+# The hyper-parameters' defaults are declared here, and only here (the class below takes each one). decay's is
+# the decaying step of the paper's Experiments: README.md, docs/experiments.md and examples/*.yaml run it.
+class FedAvgSpec(AlgorithmSpecBase):
+    name: Literal["fedavg_s"] = "fedavg_s"
+    gamma_local: float = Field(gt=0)
+    gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local, as in the paper")
+    decay: Decay = Field(
+        "inverse_sqrt", description="inverse_sqrt: step k uses gamma / (sqrt(k) + 1), as in the Experiments"
+    )
+
 
 _COST = StepCost(exchanges=1, paper=1)
 
@@ -46,7 +61,7 @@ class FedAvgS(Algorithm[FedAvgState]):
     name = "fedavg_s"
     state_type = FedAvgState
 
-    # The hyper-parameters' defaults are FedAvgSpec's (server/config.py), declared there only.
+    # The hyper-parameters' defaults are FedAvgSpec's, declared there only.
     def __init__(self, *, gamma_local: float, gamma_global: float | None, decay: Decay, schedule: SyncSchedule) -> None:
         self.gamma_local = positive("gamma_local", gamma_local)
         # gamma_global None: the paper's gamma_g = gamma_l.
@@ -76,3 +91,12 @@ class FedAvgS(Algorithm[FedAvgState]):
 
     def step_cost(self, state: FedAvgState) -> StepCost:
         return _COST
+
+
+def _build(spec: FedAvgSpec, run: BuildContext) -> FedAvgS:
+    return FedAvgS(
+        gamma_local=spec.gamma_local, gamma_global=spec.gamma_global, decay=spec.decay, schedule=run.schedule
+    )
+
+
+FEDAVG_S = AlgorithmDef(FedAvgSpec, _build, paper=PAPER)

@@ -33,12 +33,21 @@ convention, as SCAFFOLD-S.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+from pydantic import Field
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.tasks import GradientTask, LocalStepsTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
 from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
+from fedsaddle.server.algorithms.spec import AlgorithmDef, AlgorithmSpecBase, BuildContext
+
+
+class FedGdaGtSpec(AlgorithmSpecBase):
+    name: Literal["fedgda_gt"] = "fedgda_gt"
+    eta: float = Field(gt=0, description="step size of the local steps (and of the average they make)")
+
 
 _COST = StepCost(exchanges=2, paper=1)
 
@@ -75,3 +84,10 @@ class FedGdaGt(Algorithm[FedGdaGtState]):
 
     def step_cost(self, state: FedGdaGtState) -> StepCost:
         return _COST
+
+
+def _build(spec: FedGdaGtSpec, run: BuildContext) -> FedGdaGt:
+    return FedGdaGt(eta=spec.eta, schedule=run.schedule)
+
+
+FEDGDA_GT = AlgorithmDef(FedGdaGtSpec, _build, paper="Sun and Wei, NeurIPS 2022")

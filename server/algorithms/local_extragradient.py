@@ -27,15 +27,25 @@ clients each extrapolates with its own G_i, and the local steps drift as FedAvg-
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
+from pydantic import Field
+
+from fedsaddle.common.computations import local_extragradient
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.tasks import ComputeTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
 from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
+from fedsaddle.server.algorithms.spec import AlgorithmDef, AlgorithmSpecBase, BuildContext
+
+
+class LocalExtragradientSpec(AlgorithmSpecBase):
+    name: Literal["local_extragradient"] = "local_extragradient"
+    gamma: float = Field(gt=0, description="step size of both half steps of every local extragradient step")
+
 
 _COST = StepCost(exchanges=1, paper=1)
-COMPUTATION = "local_extragradient"  # common/computations.py
+COMPUTATION = "local_extragradient"  # the client half, common/computations.py (clients never import the server)
 
 
 class LocalExtragradientState(NamedTuple):
@@ -67,3 +77,15 @@ class LocalExtragradient(Algorithm[LocalExtragradientState]):
 
     def step_cost(self, state: LocalExtragradientState) -> StepCost:
         return _COST
+
+
+def _build(spec: LocalExtragradientSpec, run: BuildContext) -> LocalExtragradient:
+    return LocalExtragradient(gamma=spec.gamma, schedule=run.schedule)
+
+
+LOCAL_EXTRAGRADIENT = AlgorithmDef(
+    LocalExtragradientSpec,
+    _build,
+    computations={COMPUTATION: local_extragradient},
+    paper="Beznosikov, Samokhin and Gasnikov, 2020",
+)

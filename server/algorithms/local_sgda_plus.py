@@ -30,17 +30,30 @@ sync is one step of gradient descent ascent: Minibatch Mirror Descent's step.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
+from pydantic import Field
 
+from fedsaddle.common.computations import local_sgda_plus
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.tasks import ComputeTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
 from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
+from fedsaddle.server.algorithms.spec import AlgorithmDef, AlgorithmSpecBase, BuildContext
+
+
+class LocalSgdaPlusSpec(AlgorithmSpecBase):
+    name: Literal["local_sgda_plus"] = "local_sgda_plus"
+    eta_x: float = Field(gt=0, description="descent step size on x")
+    eta_y: float | None = Field(None, gt=0, description="ascent step size on y; defaults to eta_x")
+    snapshot_every: int = Field(
+        1, ge=1, le=1_000_000, description="syncs between refreshes of the snapshot x~ the ascent looks at (S / tau)"
+    )
+
 
 _COST = StepCost(exchanges=1, paper=1)
-COMPUTATION = "local_sgda_plus"  # common/computations.py
+COMPUTATION = "local_sgda_plus"  # the client half, common/computations.py (clients never import the server)
 
 
 class LocalSgdaPlusState(NamedTuple):
@@ -86,3 +99,21 @@ class LocalSgdaPlus(Algorithm[LocalSgdaPlusState]):
 
     def step_cost(self, state: LocalSgdaPlusState) -> StepCost:
         return _COST
+
+
+def _build(spec: LocalSgdaPlusSpec, run: BuildContext) -> LocalSgdaPlus:
+    return LocalSgdaPlus(
+        eta_x=spec.eta_x,
+        eta_y=spec.eta_y,
+        snapshot_every=spec.snapshot_every,
+        schedule=run.schedule,
+        dim_x=run.dim_x,
+    )
+
+
+LOCAL_SGDA_PLUS = AlgorithmDef(
+    LocalSgdaPlusSpec,
+    _build,
+    computations={COMPUTATION: local_sgda_plus},
+    paper="Deng and Mahdavi, AISTATS 2021",
+)

@@ -21,11 +21,20 @@ converges to a neighbourhood of z* instead of z* itself.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+from pydantic import Field
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.tasks import GradientTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
+from fedsaddle.server.algorithms.spec import PAPER, AlgorithmDef, AlgorithmSpecBase, BuildContext
+
+
+class MinibatchMDSpec(AlgorithmSpecBase):
+    name: Literal["minibatch_md"] = "minibatch_md"
+    gamma: float = Field(gt=0, description="step size")
+
 
 _COST = StepCost(exchanges=1, paper=1)
 
@@ -57,3 +66,10 @@ class MinibatchMirrorDescent(Algorithm[MDState]):
 
     def step_cost(self, state: MDState) -> StepCost:
         return _COST
+
+
+def _build(spec: MinibatchMDSpec, run: BuildContext) -> MinibatchMirrorDescent:
+    return MinibatchMirrorDescent(gamma=spec.gamma, minibatch=run.schedule.minibatch)
+
+
+MINIBATCH_MD = AlgorithmDef(MinibatchMDSpec, _build, paper=PAPER)

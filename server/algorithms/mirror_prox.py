@@ -18,11 +18,20 @@ iterates then settle in a neighbourhood of z*.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+from pydantic import Field
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.tasks import GradientTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, no_exchange, positive
+from fedsaddle.server.algorithms.spec import PAPER, AlgorithmDef, AlgorithmSpecBase, BuildContext
+
+
+class MirrorProxSpec(AlgorithmSpecBase):
+    name: Literal["mirror_prox"] = "mirror_prox"
+    gamma: float = Field(gt=0, description="step size (both half steps)")
+
 
 _COST = StepCost(exchanges=2, paper=2)
 
@@ -56,3 +65,10 @@ class MirrorProx(Algorithm[MirrorProxState]):
 
     def step_cost(self, state: MirrorProxState) -> StepCost:
         return _COST
+
+
+def _build(spec: MirrorProxSpec, run: BuildContext) -> MirrorProx:
+    return MirrorProx(gamma=spec.gamma, minibatch=run.schedule.minibatch)
+
+
+MIRROR_PROX = AlgorithmDef(MirrorProxSpec, _build, paper=PAPER)

@@ -1,13 +1,12 @@
 """Where algorithms come from: the built-in ones, and the installed packages' plug-ins.
 
-An algorithm is one `AlgorithmDef`: its spec (a pydantic model holding its
-hyper-parameters and their defaults, declared once), a `build` that makes its
-server half from a validated spec, and, when it needs one, its client half: named
-local computations (common/computations.py) that a client runs on its own data.
-
-A plug-in package registers its `AlgorithmDef` under the entry-point group (or, for
-one process only, `register(definition)` does)
-`fedsaddle.algorithms`:
+An algorithm is one `AlgorithmDef` (spec.py), declared in one module beside its spec
+(a pydantic model holding its hyper-parameters and their defaults, declared once), its
+server half (built from a validated spec) and, when it needs one, its client half:
+named local computations that a client runs on its own data. The built-in algorithms
+are the modules of this package, listed in `BUILT_IN`; a plug-in package registers its
+`AlgorithmDef` under the entry-point group `fedsaddle.algorithms` (or, for one process
+only, `register(definition)` does):
 
     [project.entry-points."fedsaddle.algorithms"]
     my_method = "my_package:MY_METHOD"
@@ -17,91 +16,53 @@ finds the local computations by the name a task carries, in the same entry point
 (common/computations.py). Both sides read the installed packages once per process
 (`rescan()` reads them again).
 
-This module imports neither the config nor any algorithm: the config validates its
-`algorithms:` entries through `parse_algorithm`, and the built-in definitions
-(server/algorithms/builtin.py) import the config's specs; they are loaded by name.
+This module does not import the config: the config validates its `algorithms:`
+entries through `parse_algorithm`, and takes the built-in specs from `BUILT_IN`.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from fedsaddle.common import computations
-from fedsaddle.common.computations import LocalComputation
 from fedsaddle.common.problems.registry import import_failure, import_plugin_module
-
-if TYPE_CHECKING:
-    from fedsaddle.server.algorithms.base import Algorithm
-    from fedsaddle.server.algorithms.schedule import SyncSchedule
+from fedsaddle.server.algorithms.catalyst import SCAFFOLD_CATALYST_S
+from fedsaddle.server.algorithms.fedavg_s import FEDAVG_S
+from fedsaddle.server.algorithms.fedgda_gt import FEDGDA_GT
+from fedsaddle.server.algorithms.local_extragradient import LOCAL_EXTRAGRADIENT
+from fedsaddle.server.algorithms.local_sgda_plus import LOCAL_SGDA_PLUS
+from fedsaddle.server.algorithms.minibatch_md import MINIBATCH_MD
+from fedsaddle.server.algorithms.mirror_prox import MIRROR_PROX
+from fedsaddle.server.algorithms.scaffold_s import SCAFFOLD_S
+from fedsaddle.server.algorithms.spec import AlgorithmDef, AlgorithmSpecBase
 
 ENTRY_POINT_GROUP = "fedsaddle.algorithms"
 
-_BUILTIN_MODULE = "fedsaddle.server.algorithms.builtin"
-BUILT_IN = {
-    name: f"{_BUILTIN_MODULE}:{name.upper()}"
-    for name in (
-        "minibatch_md",
-        "mirror_prox",
-        "fedavg_s",
-        "scaffold_s",
-        "scaffold_catalyst_s",
-        "fedgda_gt",
-        "local_extragradient",
-        "local_sgda_plus",
+# The built-in algorithms by name, in the order `available()` lists them (the paper's five first).
+BUILT_IN: dict[str, AlgorithmDef[Any]] = {
+    algorithm.name: algorithm
+    for algorithm in (
+        MINIBATCH_MD,
+        MIRROR_PROX,
+        FEDAVG_S,
+        SCAFFOLD_S,
+        SCAFFOLD_CATALYST_S,
+        FEDGDA_GT,
+        LOCAL_EXTRAGRADIENT,
+        LOCAL_SGDA_PLUS,
     )
 }
-
-
-class AlgorithmSpecBase(BaseModel):
-    """What every algorithm's spec has: its `name` (a Literal with a default in each spec) and a `label`.
-
-    A spec declares the algorithm's hyper-parameters with their defaults and ranges; it
-    is the only place they are declared (the server half takes each one as required).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    label: str | None = Field(None, description="name in outputs; defaults to the algorithm name")
-    name: str
-
-    @property
-    def display_name(self) -> str:
-        return self.label or self.name
-
-
-class BuildContext(NamedTuple):
-    """What the run gives every algorithm besides its spec."""
-
-    schedule: SyncSchedule  # the run's synchronization schedule (fixed tau or random p)
-    dim_x: int | None  # the length of x in z = (x, y), when known
-
-
-@dataclass(frozen=True)
-class AlgorithmDef:
-    """One algorithm: spec, server half, and the client half's local computations by name."""
-
-    spec: type[AlgorithmSpecBase]
-    build: Callable[[Any, BuildContext], Algorithm[Any]]
-    computations: Mapping[str, LocalComputation] = field(default_factory=dict)
-    paper: str = ""  # the paper it comes from, for the algorithms table
-
-    @property
-    def name(self) -> str:
-        return str(self.spec.model_fields["name"].default)
 
 
 class AlgorithmNotFound(ValueError):
     """No algorithm of that name is built in or installed; the message lists those that are."""
 
 
-def _load(path: str, name: str) -> AlgorithmDef:
+def _load(path: str, name: str) -> AlgorithmDef[Any]:
     module_name, _, attribute = path.partition(":")
     try:
         module = import_plugin_module(module_name)
@@ -119,10 +80,10 @@ def _load(path: str, name: str) -> AlgorithmDef:
     return found
 
 
-_REGISTERED: dict[str, AlgorithmDef] = {}  # register()ed in this process
+_REGISTERED: dict[str, AlgorithmDef[Any]] = {}  # register()ed in this process
 
 
-def register(algorithm: AlgorithmDef) -> None:
+def register(algorithm: AlgorithmDef[Any]) -> None:
     """Make `algorithm` and its local computations known to this process, without an entry point
     (a notebook, a test, an in-process run). Processes it starts afresh do not inherit it: client
     processes find a plug-in by its entry point."""
@@ -161,11 +122,6 @@ def rescan() -> None:
     computations.rescan()  # the client side's view of the same entry points
 
 
-def registered() -> dict[str, str]:
-    """name -> 'module:ATTRIBUTE' of every algorithm this process can run (built-in names win)."""
-    return {**_entry_points(), **{name: "(registered in this process)" for name in _REGISTERED}, **BUILT_IN}
-
-
 def available() -> list[str]:
     """The names of every algorithm this process can run: the built-in ones, then the plug-ins, sorted."""
     plugins = sorted(name for name in {*_entry_points(), *_REGISTERED} if name not in BUILT_IN)
@@ -173,19 +129,21 @@ def available() -> list[str]:
 
 
 @functools.cache
-def definition(name: str) -> AlgorithmDef:
+def definition(name: str) -> AlgorithmDef[Any]:
     """The algorithm called `name`; AlgorithmNotFound (listing what is installed) if there is none."""
-    known = registered()
-    if name not in known:
+    if name in BUILT_IN:  # (built-in names win)
+        return BUILT_IN[name]
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    path = _entry_points().get(name)
+    if path is None:
         close = difflib.get_close_matches(name, available(), n=1, cutoff=0.7)
         guess = f" (did you mean {close[0]!r}?)" if close else ""
         raise AlgorithmNotFound(
             f"unknown name {name[:64]!r}{guess}; expected one of {available()} "
             f"(plug-ins register under the entry-point group {ENTRY_POINT_GROUP!r})"
         )
-    if name in _REGISTERED and name not in BUILT_IN:
-        return _REGISTERED[name]
-    return _load(known[name], name)
+    return _load(path, name)
 
 
 def parse_algorithm(data: Mapping[str, Any] | AlgorithmSpecBase) -> AlgorithmSpecBase:
@@ -200,4 +158,5 @@ def parse_algorithm(data: Mapping[str, Any] | AlgorithmSpecBase) -> AlgorithmSpe
     name = data.get("name")
     if not isinstance(name, str):
         raise AlgorithmNotFound(f"an algorithm needs a `name`; expected one of {available()}")
-    return definition(name).spec.model_validate(dict(data))
+    spec: type[AlgorithmSpecBase] = definition(name).spec
+    return spec.model_validate(dict(data))

@@ -38,12 +38,28 @@ fraction sampled.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+from pydantic import Field, model_validator
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.tasks import GradientTask, LocalStepsTask
 from fedsaddle.server.algorithms.base import Algorithm, Exchanges, StepCost, positive
 from fedsaddle.server.algorithms.schedule import SyncClock, SyncSchedule
+from fedsaddle.server.algorithms.spec import PAPER, AlgorithmDef, AlgorithmSpecBase, BuildContext
+
+
+class ScaffoldSpec(AlgorithmSpecBase):
+    name: Literal["scaffold_s"] = "scaffold_s"
+    gamma_local: float = Field(ge=0, description="0 gives the minibatch regime of the paper's analysis")
+    gamma_global: float | None = Field(None, gt=0, description="defaults to gamma_local")
+
+    @model_validator(mode="after")
+    def _global_step_needed(self) -> ScaffoldSpec:
+        if self.gamma_local == 0 and self.gamma_global is None:
+            raise ValueError("gamma_global is required when gamma_local is 0")
+        return self
+
 
 _COST = StepCost(exchanges=2, paper=1)
 _INIT_COST = StepCost(exchanges=1, paper=0)
@@ -60,7 +76,7 @@ class ScaffoldS(Algorithm[ScaffoldState]):
     name = "scaffold_s"
     state_type = ScaffoldState
 
-    # The hyper-parameters' defaults are ScaffoldSpec's (server/config.py), declared there only.
+    # The hyper-parameters' defaults are ScaffoldSpec's, declared there only.
     def __init__(self, *, gamma_local: float, gamma_global: float | None, schedule: SyncSchedule) -> None:
         self.gamma_local = positive("gamma_local", gamma_local, allow_zero=True)
         # gamma_global None: the paper's gamma_g = gamma_l.
@@ -99,3 +115,10 @@ class ScaffoldS(Algorithm[ScaffoldState]):
 
     def step_cost(self, state: ScaffoldState) -> StepCost:
         return _COST
+
+
+def _build(spec: ScaffoldSpec, run: BuildContext) -> ScaffoldS:
+    return ScaffoldS(gamma_local=spec.gamma_local, gamma_global=spec.gamma_global, schedule=run.schedule)
+
+
+SCAFFOLD_S = AlgorithmDef(ScaffoldSpec, _build, paper=PAPER)
