@@ -1,22 +1,22 @@
 """The configuration of a run: problem, algorithms, schedule, budget, transport.
 
 Everything is checked when the config is loaded; an invalid config raises
-ConfigError naming each offending field and the reason.
+ConfigError naming each offending field and the reason. This module is the schema
+(the models, each field's own range) and the reading of a config; the checks across
+fields are config_checks.py's, the rendering of errors config_errors.py's, and each
+algorithm's spec sits in its own module of server/algorithms/.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
-import re
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
     Field,
     SerializeAsAny,
     ValidationError,
@@ -30,27 +30,10 @@ from fedsaddle.common import wire
 from fedsaddle.common.attacks import Attack, AttackKind
 from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Precision
-from fedsaddle.common.problems import (
-    DataProblem,
-    PaperRegressionSpec,
-    Problem,
-    ProblemNotFound,
-    ProblemSpec,
-    make_problem,
-    parse_spec,
-    problem_class,
-)
-from fedsaddle.common.problems.domains import DomainError, problem_domain
+from fedsaddle.common.problems import PaperRegressionSpec, ProblemNotFound, ProblemSpec, parse_spec, problem_class
 from fedsaddle.common.problems.registry import add_plugin_folder
-from fedsaddle.common.secagg.graph import check_neighbours, default_neighbours
-from fedsaddle.common.secagg.settings import (
-    SCALE_BITS,
-    SecAggSettings,
-    check_bound,
-    check_threshold,
-    default_bound,
-    round_threshold,
-)
+from fedsaddle.common.secagg.graph import default_neighbours
+from fedsaddle.common.secagg.settings import SCALE_BITS, SecAggSettings, default_bound
 from fedsaddle.server.aggregation import (
     MAX_ROWS_MIB,
     Bucketing,
@@ -59,15 +42,15 @@ from fedsaddle.server.aggregation import (
     Krum,
     Mean,
     Median,
-    PluginNotFound,
     Rule,
     TrimmedMean,
     load_plugin,
-    rule_check,
-    rule_tolerates,
 )
 from fedsaddle.server.algorithms.registry import BUILT_IN, AlgorithmNotFound, definition, parse_algorithm
 from fedsaddle.server.algorithms.spec import AlgorithmSpecBase, FixedSync, StrictModel, SyncSpec
+from fedsaddle.server.config_checks import fields_disagree
+from fedsaddle.server.config_errors import FIELDS_DISAGREE, describe_error
+from fedsaddle.server.config_errors import describe_errors as describe_errors
 
 if TYPE_CHECKING:
     from fedsaddle.server.algorithms.base import StepCost
@@ -97,11 +80,6 @@ class RoundConvention(StrEnum):
     def words(self) -> str:
         """How tables, plots and reports say which rounds they count."""
         return "the paper's convention" if self is RoundConvention.PAPER else "every exchange counted"
-
-
-# A check across fields that fails: the field it names (as a location: ("privacy", "dp"); () for none) and why.
-Fault = tuple[tuple[str, ...], str]
-FIELDS_DISAGREE = "fields_disagree"  # the type of such a fault's error
 
 
 class _Model(StrictModel):
@@ -595,19 +573,8 @@ class RunConfig(_Model):
 
     @model_validator(mode="after")
     def _fields_agree(self, info: ValidationInfo) -> RunConfig:
-        """Every check across fields, each fault at the field it names, all reported at once (pydantic runs no
-        model validator after one that raises: a config with several such faults, as a private run's often
-        has, showed them one attempt at a time)."""
-        faults = [
-            *self._what_the_problem_offers(info),
-            *self._gradient_norm_is_evaluated(),
-            *self._per_client_is_possible(),
-            *self._dp_is_sound(),
-            *self._secure_aggregation_is_sound(),
-            *self._aggregation_is_sound(info),
-            *self._labels_unique(),
-            *self._precision_fits(),
-        ]
+        """Every check across fields (config_checks.py), each fault at the field it names, all reported at once."""
+        faults = fields_disagree(self, problem_invalid=bool(info.context and info.context.get("problem_invalid")))
         if faults:
             raise ValidationError.from_exception_data(
                 type(self).__name__,
@@ -628,88 +595,6 @@ class RunConfig(_Model):
             value = getattr(value, name)
         return value
 
-    def _what_the_problem_offers(self, info: ValidationInfo) -> list[Fault]:
-        if info.context and info.context.get("problem_invalid"):
-            return []  # the problem's own errors are reported; nothing to check it against
-        problem = make_problem(self.problem)
-        faults: list[Fault] = []
-        try:
-            problem_domain(problem)  # a declared domain must fit the problem's dimensions
-        except DomainError as exc:
-            faults.append(((), str(exc)))
-        if self.evaluate_every and not problem.metric_names and not self.output.gradient_norm:
-            why = (
-                f"problem {self.problem.name} has no evaluation metrics "
-                "(output.gradient_norm: true evaluates ||G(z)|| on any problem)"
-            )
-            faults.append((("evaluate_every",), why))
-        if self.init == "problem" and type(problem).initial_point is Problem.initial_point:
-            faults.append((("init",), f"problem {self.problem.name} has no starting point of its own"))
-        if self.weighting == "samples" and problem.synthetic:
-            faults.append((("weighting",), f"samples needs clients with data files; {self.problem.name} is synthetic"))
-        quorum = self.participation.min_clients
-        if quorum is not None and quorum > self.problem.num_clients:
-            why = f"{quorum} is more than the {self.problem.num_clients} clients"
-            faults.append((("participation", "min_clients"), why))
-        return faults
-
-    def _gradient_norm_is_evaluated(self) -> list[Fault]:
-        if self.output.gradient_norm and not self.evaluate_every:  # it would measure nothing, silently
-            why = (
-                "||G(z)|| is measured at the evaluated steps, and evaluate_every is 0: "
-                "set evaluate_every (e.g. 50; the last step is evaluated too)"
-            )
-            return [(("output", "gradient_norm"), why)]
-        return []
-
-    def _per_client_is_possible(self) -> list[Fault]:
-        if not self.output.per_client:
-            return []
-        faults: list[Fault] = []
-        if not self.evaluate_every:
-            why = (
-                "each client's results are gathered at the evaluated steps, and evaluate_every is 0: "
-                "set evaluate_every (e.g. 50; the last step is evaluated too)"
-            )
-            faults.append((("output", "per_client"), why))
-        if self.privacy.secure_aggregation:
-            why = (
-                "secure aggregation lets the coordinator hold only sums over the clients, never one client's "
-                "value, so it cannot report each client's results; what composes with it: the metrics averaged "
-                "over the clients (evaluate_every) and output.gradient_norm, both summed under the masks"
-            )
-            faults.append((("output", "per_client"), why))
-        return faults
-
-    def _dp_is_sound(self) -> list[Fault]:
-        if self.privacy.dp is None:
-            return []
-        faults: list[Fault] = []
-        if self.weighting != "uniform":  # the weights would be released without noise
-            faults.append((("privacy", "dp"), "differential privacy needs weighting: uniform"))
-        if self.evaluate_every:  # evaluation metrics are per-client data released without noise
-            why = "evaluate_every would release the clients' metrics without noise; set it to 0"
-            faults.append((("privacy", "dp"), why))
-        return faults
-
-    def _precision_fits(self) -> list[Fault]:
-        if self.precision == "float64":
-            return []
-        faults: list[Fault] = []
-        if self.privacy.secure_aggregation:
-            why = (
-                "float32 does not combine with secure aggregation: its fixed-point rows and their overflow bound "
-                "are defined on float64 answers; use precision: float64"
-            )
-            faults.append((("precision",), why))
-        if self.privacy.dp is not None:
-            why = (
-                "float32 does not combine with differential privacy: rounding a clipped answer to float32 can "
-                "raise its norm above the clip the noise is calibrated to; use precision: float64"
-            )
-            faults.append((("precision",), why))
-        return faults
-
     def dropouts_allowed(self) -> int:
         """How many of a round's clients a straggler quorum lets drop (0 without one)."""
         quorum = self.participation.min_clients
@@ -720,233 +605,6 @@ class RunConfig(_Model):
     def secure_settings(self) -> SecAggSettings:
         """Secure aggregation as the clients are told it (privacy.secure_aggregation must be on)."""
         return self.privacy.settings(self.problem.num_clients, self.dropouts_allowed())
-
-    def _secure_aggregation_is_sound(self) -> list[Fault]:
-        privacy = self.privacy
-        if not privacy.secure_aggregation:
-            return []
-        n = self.problem.num_clients
-        per_round = max(1, round(self.participation.fraction * n))  # as sample_clients draws them
-        settings = privacy.settings(n)
-        needed = round_threshold(settings, per_round)
-        faults: list[Fault] = []
-
-        def holds(check: Callable[[], None]) -> bool:
-            try:
-                check()
-            except ValueError as exc:
-                faults.append((("privacy",), str(exc)))
-                return False
-            return True
-
-        threshold_holds = holds(lambda: check_threshold(privacy.threshold or needed, per_round))
-        holds(lambda: check_bound(n, settings.bound, privacy.scale_bits))
-        neighbours_hold = holds(lambda: check_neighbours(settings.neighbours))
-        quorum = self.participation.min_clients
-        if quorum is None:
-            return faults
-        # The quorum is checked against a threshold and neighbours that are sound (else their fault says it all).
-        if threshold_holds and quorum < needed:
-            why = f"{quorum} is fewer than the {needed} clients secure aggregation needs to unmask a round"
-            faults.append((("participation", "min_clients"), why))
-        k = privacy.settings(n, self.dropouts_allowed()).neighbours
-        if neighbours_hold and 0 < k < per_round - 1 and per_round - quorum > k // 2 - 1:
-            # H(k, m) stays connected and every neighbourhood keeps the k/2 + 2 shares a self mask needs
-            # (graph.neighbourhood_threshold) while at most k/2 - 1 clients drop
-            why = (
-                f"{quorum} lets {per_round - quorum} of a round's {per_round} clients drop, more than the "
-                f"{k // 2 - 1} a neighbour graph of k = {k} (privacy.neighbours) can lose and still unmask every "
-                "round; raise min_clients or neighbours"
-            )
-            faults.append((("participation", "min_clients"), why))
-        return faults
-
-    def _aggregation_is_sound(self, info: ValidationInfo) -> list[Fault]:
-        aggregation, attack = self.aggregation, self.attack
-        faults: list[Fault] = []
-        n = self.problem.num_clients
-        per_round = max(1, round(self.participation.fraction * n))  # as sample_clients draws them
-        if aggregation.keeps_rows and self.privacy.secure_aggregation:
-            why = (
-                f"{aggregation.rule}{' with bucketing' if aggregation.bucketing else ''} needs each client's vector, "
-                "and secure aggregation shows the coordinator only their sum: use rule: mean (privacy.dp's "
-                "clipping bounds each client's norm before masking; docs/robustness.md)"
-            )
-            faults.append((("aggregation",), why))
-        if attack is not None and self.privacy.secure_aggregation:
-            why = "a simulated attack replaces clients' vectors at the coordinator, which secure aggregation hides"
-            faults.append((("attack",), why))
-        if aggregation.keeps_rows and self.privacy.dp is not None:
-            why = f"differential privacy's noise is calibrated to the clipped mean, not to {aggregation.rule}"
-            faults.append((("aggregation",), why))
-        if aggregation.keeps_rows and aggregation.rule != "plugin" and self.weighting != "uniform":
-            why = f"{aggregation.rule} gives every client one vote; it needs weighting: uniform"
-            faults.append((("aggregation",), why))
-        if attack is not None and attack.clients[-1] >= n:
-            why = f"client {attack.clients[-1]} does not exist: the federation has clients 0..{n - 1}"
-            faults.append((("attack", "clients"), why))
-        try:
-            rule = aggregation.build()
-        except (PluginNotFound, ValueError) as exc:
-            faults.append((("aggregation",), str(exc)))
-            return faults
-        if rule is not None:
-            try:
-                rule_check(rule, per_round)
-            except ValueError as exc:
-                faults.append((("aggregation",), f"{exc} (a round has {per_round} clients)"))
-            tolerated = rule_tolerates(rule, per_round)
-            if attack is not None and tolerated is not None and len(attack.clients) > tolerated:
-                why = (
-                    f"{len(attack.clients)} Byzantine clients, more than the {tolerated} that {rule.name} tolerates "
-                    f"among {per_round} clients"
-                )
-                faults.append((("attack", "clients"), why))
-        problem_valid = not (info.context and info.context.get("problem_invalid"))
-        flips = attack is not None and attack.kind == "label_flip" and problem_valid
-        if flips and not isinstance(make_problem(self.problem), DataProblem):
-            why = f"label_flip swaps the labels of clients' data files, and problem {self.problem.name} has none"
-            faults.append((("attack", "kind"), why))
-        if (rule is not None or attack is not None) and problem_valid:
-            held = n * make_problem(self.problem).dimension * 8 / 2**20
-            if held > aggregation.max_rows_mib:
-                why = (
-                    f"a round's rows would hold {n} x {make_problem(self.problem).dimension} float64 = {held:.0f} MiB "
-                    f"at the coordinator, more than max_rows_mib = {aggregation.max_rows_mib:g}"
-                )
-                faults.append((("aggregation", "max_rows_mib"), why))
-        return faults
-
-    def _labels_unique(self) -> list[Fault]:
-        names = [a.display_name for a in self.algorithms]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            return [((), f"algorithm names repeat: {repeated}; give each a distinct `label`")]
-        return []
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    """The models a field's annotation may hold, through lists, unions and Annotated."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [model for arg in get_args(annotation) for model in _models_in(arg)]
-
-
-def _tagged(model: type[BaseModel], tag: str) -> bool:
-    """Whether `tag` names this member of a discriminated union: one of its fields is Literal[tag]."""
-    return any(
-        get_origin(info.annotation) is Literal and tag in get_args(info.annotation)
-        for info in model.model_fields.values()
-    )
-
-
-def _walk(model: type[BaseModel] | None, loc: Sequence[Any]) -> tuple[list[str | int], list[type[BaseModel]]]:
-    """An error's location as the user wrote it, and the models that may stand at its end.
-
-    pydantic puts a discriminated union's tag into the location (algorithms.0.fedavg_s.gamma);
-    the user wrote algorithms[0].gamma. A tag is told from a field by the models themselves:
-    it is no field of the models at that point, and one of them declares it as its Literal.
-    """
-    candidates = [] if model is None else [model]
-    path: list[str | int] = []
-    for item in loc:
-        if isinstance(item, int):  # a list's element: the same models
-            path.append(item)
-            continue
-        having = [m for m in candidates if item in m.model_fields]
-        members = [m for m in candidates if _tagged(m, str(item))]
-        if having or not members:
-            path.append(item)
-            candidates = [sub for m in having for sub in _models_in(m.model_fields[item].annotation)]
-        else:  # the union's tag: the member it names stands here
-            candidates = members
-    return path, candidates
-
-
-def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
-    """The field names a config may give at `loc`, an error's location without its last part."""
-    return {name for m in _walk(model, loc)[1] for name in m.model_fields}
-
-
-def _suggestion(error: Any, model: type[BaseModel] | None) -> str:
-    """' (did you mean 'gamma_local'?)' for a misspelt field; with no close one, the fields that place
-    takes, when they are few enough to read (' (its fields: 'kind', 'tau')'); else ''."""
-    loc = tuple(error["loc"])
-    if model is None or error["type"] != "extra_forbidden" or not loc or not isinstance(loc[-1], str):
-        return ""
-    fields = {name.lower(): name for name in _fields_at(model, loc[:-1])}
-    close = difflib.get_close_matches(loc[-1].lower(), sorted(fields), n=1, cutoff=0.7)
-    if close:
-        return f" (did you mean {fields[close[0]]!r}?)"
-    if 0 < len(fields) <= FIELDS_LISTED:
-        return f" (its fields: {', '.join(repr(fields[name]) for name in sorted(fields))})"
-    return ""
-
-
-FIELDS_LISTED = 12  # an unknown field's place lists its fields when it has at most this many
-
-
-def _describe(error: Any, model: type[BaseModel] | None = None) -> str:
-    parts: list[str] = []
-    for item in _walk(model, error["loc"])[0]:
-        if isinstance(item, int):
-            parts[-1:] = [f"{parts[-1] if parts else ''}[{item}]"]
-        else:
-            parts.append(str(item))
-    where = ".".join(parts) or "config"
-    message = "unknown field" if error["type"] == "extra_forbidden" else str(error["msg"]).removeprefix("Value error, ")
-    if error["type"] == "union_tag_invalid":
-        ctx = error["ctx"]
-        field_name = str(ctx["discriminator"]).strip("'")
-        tags = re.findall(r"'([^']*)'", str(ctx["expected_tags"]))
-        close = difflib.get_close_matches(str(ctx["tag"]), tags, n=1, cutoff=0.7)
-        guess = f" (did you mean {close[0]!r}?)" if close else ""
-        message = f"unknown {field_name} {ctx['tag']!r}{guess}; expected one of {ctx['expected_tags']}"
-    elif error["type"] == "union_tag_not_found":
-        message = _tag_needed(str(error["ctx"]["discriminator"]).strip("'"), _walk(model, error["loc"])[1])
-    elif error["type"] == "model_attributes_type" and (tag := _union_tag(members := _walk(model, error["loc"])[1])):
-        # (`sync: fixed`: a choice named where its mapping belongs)
-        message = f"needs a mapping, not {error['input']!r}: it {_tag_needed(tag, members)}"
-    elif (
-        "input" in error
-        and error["type"] not in ("missing", "extra_forbidden", FIELDS_DISAGREE)
-        and not isinstance(error["input"], dict)
-        and f"got {error['input']!r}" not in message  # (a validator's own message may name it already)
-        and f"got {error['input']}" not in message
-    ):
-        message += f" (got {error['input']!r})"
-    return f"{where}: {message}{_suggestion(error, model)}"
-
-
-def _union_tag(members: list[type[BaseModel]]) -> str:
-    """The field that tells apart the members of a discriminated union standing at a place ('kind' for
-    `sync`), or '' if the place holds one model, or no such field."""
-    if len(members) < 2:
-        return ""
-    for name in members[0].model_fields:
-        if all(name in m.model_fields and get_origin(m.model_fields[name].annotation) is Literal for m in members):
-            return name
-    return ""
-
-
-def _tag_needed(tag: str, members: list[type[BaseModel]]) -> str:
-    """What an entry of a discriminated union that names no member lacks: 'needs kind: fixed (takes tau) or
-    kind: random (takes p)', from the members themselves (pydantic says only that it found no tag)."""
-    choices = []
-    for member in members:
-        field = member.model_fields.get(tag)
-        if field is None or get_origin(field.annotation) is not Literal:
-            continue
-        takes = [name for name in member.model_fields if name != tag]
-        choices.append(f"{tag}: {get_args(field.annotation)[0]}" + (f" (takes {', '.join(takes)})" if takes else ""))
-    if not choices:
-        return f"needs a {tag}"
-    return "needs " + (f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0])
-
-
-def describe_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
-    """One line per bad field: `where: what (got value)`; a misspelt field of `model` gets a suggestion."""
-    return "\n".join(f"  {_describe(e, model)}" for e in exc.errors())
 
 
 def parse_config(data: Any, source: str = "config") -> RunConfig:
@@ -966,7 +624,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
         except ValidationError as exc:
             plugin = data["problem"].get("plugin")
             spec = problem_class(data["problem"]["name"], plugin if isinstance(plugin, str) else None).Spec
-            errors += [f"  problem.{_describe(e, spec)}" for e in exc.errors()]
+            errors += [f"  problem.{describe_error(e, spec)}" for e in exc.errors()]
             del data["problem"]
     algorithm_errors = False
     if isinstance(data, dict) and isinstance(data.get("algorithms"), list):
@@ -979,7 +637,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
     except ValidationError as exc:
         # Entries already reported field by field leave no second, vaguer line.
         left = [e for e in exc.errors() if not (algorithm_errors and e["loc"][:1] == ("algorithms",))]
-        errors += [f"  {_describe(e, RunConfig)}" for e in left]
+        errors += [f"  {describe_error(e, RunConfig)}" for e in left]
     if errors:
         raise ConfigError(f"invalid {source}:\n" + "\n".join(errors))
     return config
@@ -997,7 +655,7 @@ def _parse_algorithms(entries: list[Any]) -> tuple[list[Any], list[str]]:
             parsed.append(entry)
         except ValidationError as exc:
             spec = definition(entry["name"]).spec
-            errors += [f"  algorithms[{i}].{_describe(e, spec)}" for e in exc.errors()]
+            errors += [f"  algorithms[{i}].{describe_error(e, spec)}" for e in exc.errors()]
             parsed.append(entry)
     return parsed, errors
 
