@@ -92,6 +92,4 @@ def build(
     iterates in `domain` (None: unconstrained)."""
     algorithm = definition(spec.name).build(spec, BuildContext(schedule_of(sync), dim_x))
     algorithm.domain = domain
-    if isinstance(algorithm, ScaffoldCatalystS):
-        algorithm.inner_solver.domain = domain
     return algorithm

@@ -243,6 +243,15 @@ class ScaffoldCatalystS(Algorithm[CatalystState]):
         self.theta_max = 1.0 / gamma if gamma > 0 else float("inf")
         self.dim_x = dim_x  # length of x in z = (x, y); None: half of z
 
+    @property
+    def domain(self) -> Domain | None:
+        """The problem's domain, the inner solver's too (its local and global steps are projected onto it)."""
+        return self.inner_solver.domain
+
+    @domain.setter
+    def domain(self, domain: Domain | None) -> None:
+        self.inner_solver.domain = domain
+
     def init(self, z0: Array, seed: int) -> Exchanges[CatalystState]:
         # G(z_bar^0), and f(z_bar^0) for the objective rule: one gradient round.
         answers = yield GradientTask(z0, exact=True, want_objective=self.stop.wants_objective)
