@@ -16,7 +16,7 @@ is the highest value of a loss and of the objective, the lowest of a metric the
 problem lists in `higher_is_better`.
 
 Secure aggregation never lets the coordinator see one client's value, so a config
-with both is refused (server/config.py).
+with both is refused (server/config_checks.py).
 """
 
 from __future__ import annotations
