@@ -30,8 +30,21 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from fedsaddle.client.hosted import HostedClients
 from fedsaddle.client.probe import TlsFiles, probe
-from fedsaddle.client.session import ClientError, ClientSession, RunFailed
+from fedsaddle.client.session import (
+    AgreeKeys,
+    ClientError,
+    ClientSession,
+    Close,
+    Compute,
+    Instruction,
+    LoadRun,
+    Refusal,
+    RunFailed,
+    Send,
+    Unmask,
+)
 from fedsaddle.common import blas, eventloop, wire
 from fedsaddle.common.attacks import Attack
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
@@ -151,7 +164,7 @@ def _channel(options: ClientOptions) -> grpc.aio.Channel:
 
 # The frames a SIGTERM finds when it comes while the loop's thread computes: a task, or a run's data
 # being loaded or generated (a coordinator's synthetic problem may take hours to generate).
-_COMPUTING = frozenset({Worker.execute.__code__, ClientSession._start_run.__code__})
+_COMPUTING = frozenset({Worker.execute.__code__, HostedClients.load.__code__})
 
 
 class _Lost(Exception):
@@ -185,7 +198,8 @@ def _parse(data: bytes) -> pb.Instruction | wire.RawChunk | wire.InlineTask | _G
 async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: ShardCache, waiting: _Waiting) -> None:
     """One session, until a DONE goodbye (return), a FAILED one (RunFailed) or a lost stream (_Lost)."""
     stats = options.stats
-    session = ClientSession(options.indices, shards, options.attack, stats=stats)
+    session = ClientSession(options.indices)
+    hosted = HostedClients(options.indices, shards, options.attack)
     open_session = channel.stream_stream(
         wire.SESSION_METHOD,
         request_serializer=wire.serialized,
@@ -208,17 +222,20 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
                     f"malformed instruction from the coordinator: {instruction.size} bytes that are not an Instruction"
                 )
             try:
-                for message in session.handle(instruction):
-                    if stats is not None:
-                        stats.sent(message)
-                    await call.write(message)
-                session.prepare_next()  # secure aggregation: the next round's masks, while the coordinator works
-            except (RunFailed, grpc.aio.AioRpcError):  # the coordinator's verdict, or the link: nothing to tell
+                close = await _carry_out(call, session, hosted, instruction, stats)
+                if close is None:
+                    hosted.prepare_next()  # secure aggregation: the next round's masks, while the coordinator works
+            except grpc.aio.AioRpcError:  # the link: nothing to tell
                 raise
             except Exception as exc:  # this client cannot go on: the coordinator is told why before it goes
                 await _tell(call, session.failure(instruction, exc))
                 raise
-            if session.over:
+            if close is not None:
+                if close.failure is not None:  # this client refuses to go on: the coordinator is told why first
+                    await _tell(call, close.failure)
+                error = close.error()
+                if error is not None:
+                    raise error
                 await _close_writing(call)
                 return
     except grpc.aio.AioRpcError as exc:
@@ -231,6 +248,35 @@ async def _session(channel: grpc.aio.Channel, options: ClientOptions, shards: Sh
     finally:
         call.cancel()
     raise _Lost(f"the coordinator at {options.coordinator} closed the session without a goodbye", joined)
+
+
+async def _carry_out(
+    call: _Call, session: ClientSession, hosted: HostedClients, instruction: Instruction, stats: ClientStats | None
+) -> Close | None:
+    """Carry out what an instruction calls for: write what the session sends, have the hosted clients do
+    the work it asks for and feed each result back. The Close that ends the session, if one does."""
+    began = time.perf_counter() if stats is not None else 0.0  # (an answer's time, from the instruction on)
+    actions = session.receive(instruction, time.monotonic())
+    for action in actions:  # (what a result calls for is appended, and carried out in turn)
+        if isinstance(action, Send):
+            for message in action.messages:
+                if stats is not None:
+                    stats.sent(message)
+                await call.write(message)
+        elif isinstance(action, Compute):
+            answer = hosted.compute(action)
+            if stats is not None and not isinstance(answer, Refusal):
+                stats.answered(time.perf_counter() - began)
+            actions += session.computed(action, answer, time.monotonic())
+        elif isinstance(action, LoadRun):
+            actions += session.loaded(hosted.load(action), time.monotonic())
+        elif isinstance(action, AgreeKeys):
+            actions += session.agreed(action, hosted.agree(action))
+        elif isinstance(action, Unmask):
+            actions += session.unmasked(hosted.unmask(action))
+        else:
+            return action
+    return None
 
 
 _Call = grpc.aio.StreamStreamCall[pb.ClientMessage | bytes, object]

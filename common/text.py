@@ -36,10 +36,13 @@ class RefusalLog:
         self.logged = 0
         self.suppressed = 0
 
-    def warn(self, message: str, *args: object) -> None:
-        now = time.monotonic()
+    def warn(self, message: str, *args: object, now: float | None = None) -> None:
+        """Log the warning unless this window's burst is spent. `now`: a monotonic time in seconds, for a
+        caller that keeps the time itself (a protocol object free of I/O); read from the clock if None."""
+        if now is None:
+            now = time.monotonic()
         if now - self.window_start >= self.window_s:
-            self.flush()
+            self.flush(now=now)
             self.window_start, self.logged = now, 0
         if self.logged < self.burst:
             self.logged += 1
@@ -47,9 +50,11 @@ class RefusalLog:
         else:
             self.suppressed += 1
 
-    def flush(self, at_exit: bool = False) -> None:
+    def flush(self, at_exit: bool = False, now: float | None = None) -> None:
         """Write how many warnings were held back: once their window has ended (call it now and then:
         a flood that stops inside a window sends no further warning to do it), or `at_exit`, at once."""
-        if self.suppressed and (at_exit or time.monotonic() - self.window_start >= self.window_s):
+        if self.suppressed and (
+            at_exit or (time.monotonic() if now is None else now) - self.window_start >= self.window_s
+        ):
             self.logger.warning("... and %d more refusals in the last %g s", self.suppressed, self.window_s)
             self.suppressed = 0

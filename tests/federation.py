@@ -3,8 +3,10 @@
 No socket, no event loop, no thread: a `Federation` feeds each message's bytes to
 `Coordination` (server/transport/protocol.py) as the servicer would, carries out its
 actions as the servicer would, and keeps the time itself (`advance`). An honest
-client is a `ClientSession` (client/session.py) answering every instruction; a
-hand-driven one keeps its instructions in `inbox` for the test to answer, or not.
+client is a `MemoryClient`: a `ClientSession` (client/session.py) and its
+`HostedClients` (client/hosted.py) driven as the client runtime drives them,
+answering every instruction; a hand-driven one keeps its instructions in `inbox`
+for the test to answer, or not.
 `MemoryPool` is a ClientPool over a federation, so that whole algorithms run on it.
 """
 
@@ -13,15 +15,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from fedsaddle.client import session as client
+from fedsaddle.client.hosted import HostedClients
 from fedsaddle.client.service import _Garbled as Garbled
 from fedsaddle.client.service import _parse as parse_instruction
 from fedsaddle.client.session import ClientSession
 from fedsaddle.common import wire
+from fedsaddle.common.attacks import Attack
 from fedsaddle.common.secagg import messages
 from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, Task
+from fedsaddle.common.worker import ShardCache
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import Category, ClientPool, RunInfo
@@ -57,6 +63,62 @@ def instruction(data: bytes) -> Instruction:
     return parsed
 
 
+class MemoryClient:
+    """A client process without its stream: its `ClientSession` and `HostedClients`, the session's actions
+    carried out as the client runtime carries them out (client/service.py, `_carry_out`), on a clock that
+    moves only when told (`now`)."""
+
+    def __init__(
+        self,
+        indices: tuple[int, ...],
+        shards: ShardCache | None = None,
+        attack: Attack | None = None,
+        clock: Callable[[], float] = lambda: 0.0,
+    ) -> None:
+        self.indices = indices
+        self.session = ClientSession(indices)
+        self.hosted = HostedClients(indices, shards, attack)
+        self.clock = clock
+        self.closed: client.Close | None = None  # the Close of the last instruction that ended the session
+        self.told: pb.ClientMessage | None = None  # the Failure the coordinator would be told last
+
+    def hello(self, name: str) -> pb.ClientMessage:
+        return self.session.hello(name)
+
+    def handle(self, instruction: Instruction) -> list[pb.ClientMessage | bytes]:
+        """The messages sent in reply, in order. An instruction that ends the session raises what the client
+        process ends with (ClientError, or RunFailed), after keeping its Close (`closed`) and the Failure
+        sent (`told`); a goodbye that ends it well returns what was sent before it (none). An error in the
+        hosted clients' work is raised as it came, after keeping the Failure the runtime would send."""
+        self.closed = None
+        sent: list[pb.ClientMessage | bytes] = []
+        try:
+            actions = self.session.receive(instruction, self.clock())
+            for action in actions:
+                if isinstance(action, client.Send):
+                    sent += action.messages
+                elif isinstance(action, client.Compute):
+                    actions += self.session.computed(action, self.hosted.compute(action), self.clock())
+                elif isinstance(action, client.LoadRun):
+                    actions += self.session.loaded(self.hosted.load(action), self.clock())
+                elif isinstance(action, client.AgreeKeys):
+                    actions += self.session.agreed(action, self.hosted.agree(action))
+                elif isinstance(action, client.Unmask):
+                    actions += self.session.unmasked(self.hosted.unmask(action))
+                else:
+                    self.closed, self.told = action, action.failure
+                    error = action.error()
+                    if error is not None:
+                        raise error
+                    return sent
+        except Exception as exc:
+            if self.closed is None:
+                self.told = self.session.failure(instruction, exc)
+            raise
+        self.hosted.prepare_next()
+        return sent
+
+
 class Federation:
     """A Coordination object, its clients, and a clock that moves only when told."""
 
@@ -65,7 +127,7 @@ class Federation:
         welcome = pb.Welcome(federation_id="f", num_clients=num_clients, chunk_bytes=chunk_bytes)
         self.protocol = Coordination(num_clients, welcome, **options)  # type: ignore[arg-type]
         self.chunk_bytes = chunk_bytes
-        self.clients: dict[int, ClientSession] = {}  # every stream's session: it computes the good answers
+        self.clients: dict[int, MemoryClient] = {}  # every stream's client: it computes the good answers
         self.honest: set[int] = set()  # the streams whose session answers by itself
         self.inbox: dict[int, list[Instruction]] = {}  # what the others were sent
         self.ended: dict[int, End] = {}
@@ -81,11 +143,11 @@ class Federation:
     def join(self, indices: tuple[int, ...], name: str = "memory", honest: bool = True) -> int:
         """A client process's stream, its Hello sent: its key."""
         key = self.connect()
-        session = ClientSession(indices)
-        self.clients[key] = session
+        client = MemoryClient(indices, clock=lambda: self.now)
+        self.clients[key] = client
         if honest:
             self.honest.add(key)
-        self.send(key, session.hello(name))
+        self.send(key, client.hello(name))
         return key
 
     def send(self, key: int, message: pb.ClientMessage | bytes) -> None:

@@ -18,8 +18,8 @@ import grpc
 import numpy as np
 import pytest
 from conftest import config
+from federation import MemoryClient
 
-from fedsaddle.client.session import ClientSession
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
@@ -53,7 +53,7 @@ class HandClient:
         self.auto_ready = auto_ready
         stub = pb_grpc.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
         self.stream: Iterator[pb.Instruction] = stub.Session(iter(self.requests.get, None))
-        self.state = ClientSession(tuple(indices))  # computes the good answers, as a real client would
+        self.state = MemoryClient(tuple(indices))  # computes the good answers, as a real client would
         hello = self.state.hello("hand")
         hello.hello.protocol_version = version  # type: ignore[assignment]
         self.send(hello)
@@ -74,7 +74,7 @@ class HandClient:
         self.inbox.put(None)
 
     def send(self, message: pb.ClientMessage | bytes) -> None:
-        """Send a message (ClientSession hands answers over serialized)."""
+        """Send a message (a client hands answers over serialized)."""
         self.requests.put(pb.ClientMessage.FromString(message) if isinstance(message, bytes) else message)
 
     def close(self) -> None:

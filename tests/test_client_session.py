@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from federation import MemoryClient
 
-from fedsaddle.client.session import ClientError, ClientSession
+from fedsaddle.client.session import ClientError, Working
 from fedsaddle.common import wire
 from fedsaddle.common.problems import PaperRegressionSpec, parse_spec
 from fedsaddle.common.tasks import ComputeTask, EvaluateTask, GradientTask, LocalStepsTask
@@ -18,8 +20,8 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 DIM = 3000  # z has 6000 entries: 48 kB, chunked at 16 kB
 
 
-def session(indices: tuple[int, ...] = (1, 4)) -> ClientSession:
-    state = ClientSession(indices)
+def session(indices: tuple[int, ...] = (1, 4)) -> MemoryClient:
+    state = MemoryClient(indices)
     state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
     spec = PaperRegressionSpec(num_clients=5, dim=DIM, s=2.0)
     run = pb.RunSpec(run_id="r", problem_name=spec.name, problem_json=spec.model_dump_json(), dimension=2 * DIM)
@@ -29,7 +31,7 @@ def session(indices: tuple[int, ...] = (1, 4)) -> ClientSession:
     return state
 
 
-def answer_to(state: ClientSession, task: LocalStepsTask | ComputeTask, round_id: int, chunk_bytes: int) -> bytes:
+def answer_to(state: MemoryClient, task: LocalStepsTask | ComputeTask, round_id: int, chunk_bytes: int) -> bytes:
     """The answer's payload, the task sent as the coordinator sends it; chunks parsed as the client runtime does."""
     replies: list[pb.ClientMessage | bytes] = []
     for piece in wire.encode_task("r", round_id, task, chunk_bytes):
@@ -65,8 +67,8 @@ def test_one_client_runs_its_local_steps_in_the_task_buffer_with_the_same_bits(c
     buffer instead of a copy: the answers stay those of an in-process worker, task after task."""
     rng = np.random.default_rng(1)
     chunked = session((2,))
-    assert chunked.run is not None
-    local = Worker(chunked.shards.get(parse_spec(json.loads(chunked.run.problem_json)), 7, (2,)), seed=0)
+    assert chunked.hosted.run is not None
+    local = Worker(chunked.hosted.shards.get(parse_spec(json.loads(chunked.hosted.run.problem_json)), 7, (2,)), seed=0)
     for round_id in (1, 2, 3):
         task = LocalStepsTask(
             rng.standard_normal(2 * DIM),
@@ -76,7 +78,7 @@ def test_one_client_runs_its_local_steps_in_the_task_buffer_with_the_same_bits(c
         )
         sent = task.z_start.copy()
         by_chunks = answer_to(chunked, task, round_id, 16_000)
-        assert chunked.worker is not None and "z" not in {name for name, _ in chunked.worker._buffers}
+        assert chunked.hosted.worker is not None and "z" not in {name for name, _ in chunked.hosted.worker._buffers}
         expected = local.execute(task, round_id).vectors
         assert by_chunks == expected.tobytes()
         assert np.array_equal(task.z_start, sent)  # the coordinator's vector was never written
@@ -84,7 +86,7 @@ def test_one_client_runs_its_local_steps_in_the_task_buffer_with_the_same_bits(c
 
 
 def test_a_task_larger_than_the_runs_vectors_is_refused_before_anything_is_allocated() -> None:
-    early = ClientSession((1,))
+    early = MemoryClient((1,))
     with pytest.raises(ClientError, match="task for run 'r' before its RunSpec"):
         early.handle(pb.Instruction(task=pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, payload_length=1 << 40)))
     state = session()
@@ -98,7 +100,7 @@ def test_a_task_larger_than_the_runs_vectors_is_refused_before_anything_is_alloc
 def test_tasks_are_bounded_by_the_datas_dimension_not_by_what_the_run_spec_claims() -> None:
     # A coordinator that claims a trillion entries, is told 8 in the Ready, and sends such a task anyway:
     # the client refuses it before allocating (it used to try, and die of a bare MemoryError).
-    state = ClientSession((1,))
+    state = MemoryClient((1,))
     state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
     spec = PaperRegressionSpec(num_clients=5, dim=4, s=1.0)
     run = pb.RunSpec(run_id="r", problem_json=spec.model_dump_json(), synthetic_seed=1, dimension=10**12)
@@ -124,12 +126,14 @@ def test_an_inline_task_whose_payload_length_disagrees_with_its_payload_is_refus
     gradient = pb.GradientParams(batch=1)
     z = np.ones(2 * DIM).tobytes()
     task = pb.Task(run_id="r", round_id=1, kind=pb.GRADIENT, gradient=gradient, payload_length=declared, payload=z)
-    with pytest.raises(
-        wire.WireError,
-        match=rf"^a task declares payload_length {declared} \({8 * declared} bytes\) but carries an inline payload "
-        rf"of {16 * DIM} bytes \({2 * DIM} float64 entries\)$",
-    ):
+    fault = (
+        rf"a task declares payload_length {declared} \({8 * declared} bytes\) but carries an inline payload "
+        rf"of {16 * DIM} bytes \({2 * DIM} float64 entries\)$"
+    )
+    with pytest.raises(ClientError, match=rf"^malformed instruction from the coordinator: {fault}"):
         state.handle(pb.Instruction(task=task))
+    assert state.told is not None and re.match(f"^{fault}", state.told.failure.reason)  # (what the coordinator reads)
+    assert state.told.failure.round_id == 1 and state.told.failure.run_id == "r"
     # Nothing of it was kept: the same task with its true length is answered, as round 1.
     task.payload_length = 2 * DIM
     (header, *_) = state.handle(pb.Instruction(task=task))
@@ -165,11 +169,11 @@ def test_a_task_must_name_hosted_clients_each_once(clients: list[int], error: st
 
 @pytest.mark.parametrize("chunk_bytes", [0, 1023, (64 << 20) + 1])
 def test_a_welcome_with_a_chunk_size_out_of_range_is_refused_and_changes_nothing(chunk_bytes: int) -> None:
-    state = ClientSession((1, 4))  # (a session's first Welcome: a second is refused as such)
+    state = MemoryClient((1, 4))  # (a session's first Welcome: a second is refused as such)
     welcome = pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=chunk_bytes)
     with pytest.raises(ClientError, match=f"malformed: chunk_bytes must be between 1024 .* got {chunk_bytes}$"):
         state.handle(pb.Instruction(welcome=welcome))
-    assert state.chunk_bytes == 0
+    assert state.session.chunk_bytes == 0
     with pytest.raises(ClientError, match="the coordinator sent a RunSpec before its Welcome"):
         state.handle(pb.Instruction(run=pb.RunSpec(run_id="r")))  # nothing of a run is served without one
 
@@ -181,15 +185,15 @@ def test_a_second_welcome_is_refused_naming_it_and_changes_nothing() -> None:
     again = pb.Welcome(federation_id="other", num_clients=7, chunk_bytes=1 << 20)
     with pytest.raises(ClientError, match=r"^the coordinator sent a second Welcome during run 'r'$"):
         state.handle(pb.Instruction(welcome=again))
-    assert state.chunk_bytes == 16_000
-    early = ClientSession((1,))
+    assert state.session.chunk_bytes == 16_000
+    early = MemoryClient((1,))
     early.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
     with pytest.raises(ClientError, match=r"^the coordinator sent a second Welcome$"):  # (no run yet)
         early.handle(pb.Instruction(welcome=again))
-    assert early.chunk_bytes == 16_000
+    assert early.session.chunk_bytes == 16_000
 
 
-def _ready_for(state: ClientSession, problem: dict[str, object]) -> pb.Ready:
+def _ready_for(state: MemoryClient, problem: dict[str, object]) -> pb.Ready:
     spec = parse_spec(problem)
     run = pb.RunSpec(run_id="big", problem_name=spec.name, problem_json=spec.model_dump_json(), synthetic_seed=1)
     (reply,) = state.handle(pb.Instruction(run=run))
@@ -204,7 +208,7 @@ def test_a_run_too_large_for_this_machine_is_refused_in_ready_and_the_session_go
     ready = _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 10**12})
     assert ready.run_id == "big" and ready.dimension == 0
     assert ready.error.startswith("not enough memory for this process's clients' data: Unable to allocate")
-    assert state.worker is None
+    assert state.hosted.worker is None
     # The session still serves the next run.
     assert not _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 4}).error
 
@@ -247,7 +251,7 @@ def test_a_run_spec_with_gradient_noise_that_is_no_deviation_is_refused_in_ready
     (reply,) = state.handle(pb.Instruction(run=run))
     assert isinstance(reply, pb.ClientMessage)
     assert reply.ready.error == f"the run's gradient noise must be finite and >= 0, got {noise}"
-    assert state.worker is None
+    assert state.hosted.worker is None
     assert not _ready_for(state, {"name": "paper_regression", "num_clients": 5, "dim": 4}).error
 
 
@@ -256,7 +260,7 @@ def test_a_running_session_says_in_its_log_how_far_it_is(
     caplog: pytest.LogCaptureFixture, indices: tuple[int, ...]
 ) -> None:
     state = session(indices)  # (one client: its gradient tasks take the few-calls path, LoneGradient)
-    state.heartbeat_s = 0.0  # a line per task (60 s in a real client)
+    state.session.heartbeat_s = 0.0  # a line per task (60 s in a real client)
     with caplog.at_level("INFO", logger="fedsaddle.client"):
         for round_id in (1, 2, 3):
             for _ in state.handle(
@@ -269,12 +273,12 @@ def test_a_running_session_says_in_its_log_how_far_it_is(
     assert said[3] == "coordinator says goodbye (3 tasks answered in the last run): the run is over"
 
 
-def data_session(tmp_path: Path) -> ClientSession:
+def data_session(tmp_path: Path) -> MemoryClient:
     """Client 0 of 2 on its own linear-regression file, with held-out rows (metric test_mse)."""
     rng = np.random.default_rng(0)
     x, x_test = rng.standard_normal((50, 3)), rng.standard_normal((10, 3))
     np.savez(tmp_path / "c0.npz", X=x, y=x.sum(axis=1), X_test=x_test, y_test=x_test.sum(axis=1))
-    state = ClientSession((0,), ShardCache(data={0: tmp_path / "c0.npz"}))
+    state = MemoryClient((0,), ShardCache(data={0: tmp_path / "c0.npz"}))
     state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=2, chunk_bytes=16_000)))
     spec = parse_spec({"name": "linear_regression", "num_clients": 2, "features": 3})
     (ready,) = state.handle(pb.Instruction(run=pb.RunSpec(run_id="r", problem_json=spec.model_dump_json())))
@@ -326,7 +330,7 @@ def test_a_compute_task_for_a_computation_this_client_lacks_ends_the_session_nam
 
 
 def test_a_run_that_names_a_computation_this_client_lacks_is_refused_in_ready() -> None:
-    state = ClientSession((0,))
+    state = MemoryClient((0,))
     state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
     spec = PaperRegressionSpec(num_clients=5, dim=4, s=2.0)
     run = pb.RunSpec(run_id="r", problem_name=spec.name, problem_json=spec.model_dump_json(), dimension=8)
@@ -359,11 +363,11 @@ def test_a_large_inline_task_read_by_hand_is_answered_and_refused_as_protobufs_r
         assert by_hand is not None and by_hand.payload.obj is piece
         return [by_hand, pb.Instruction.FromString(piece)]
 
-    def outcome(state: ClientSession, instruction: pb.Instruction | wire.InlineTask) -> object:
+    def outcome(state: MemoryClient, instruction: pb.Instruction | wire.InlineTask) -> object:
         try:
             replies = list(state.handle(instruction))
         except Exception as exc:
-            return type(exc).__name__, str(exc), state.failure(instruction, exc)
+            return type(exc).__name__, str(exc), state.told
         return [r if isinstance(r, bytes) else r.SerializeToString() for r in replies]
 
     (piece,) = wire.encode_task("r", 1, task, 1 << 20)
@@ -372,9 +376,9 @@ def test_a_large_inline_task_read_by_hand_is_answered_and_refused_as_protobufs_r
     short.task.payload_length -= 1
     cases = [
         (piece, session, "answered"),
-        (piece, lambda: ClientSession((1, 4)), "ClientError"),  # before the Welcome
+        (piece, lambda: MemoryClient((1, 4)), "ClientError"),  # before the Welcome
         (elsewhere, session, "ClientError"),  # for another run
-        (short.SerializeToString(), session, "WireError"),  # a payload_length its payload disagrees with
+        (short.SerializeToString(), session, "ClientError"),  # a payload_length its payload disagrees with
     ]
     for made, fresh, expected in cases:
         first, second = (outcome(fresh(), instruction) for instruction in both(made))
@@ -384,9 +388,9 @@ def test_a_large_inline_task_read_by_hand_is_answered_and_refused_as_protobufs_r
 
 def small_session(
     indices: tuple[int, ...] = (3,), noise: float = 0.0, dim: int = 10, chunk_bytes: int = 16_000
-) -> ClientSession:
+) -> MemoryClient:
     """A session of run "r" at d = `dim` (z has 2 * dim entries; 20 unless told)."""
-    state = ClientSession(indices)
+    state = MemoryClient(indices)
     state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=chunk_bytes)))
     spec = PaperRegressionSpec(num_clients=5, dim=dim, s=2.0)
     run = pb.RunSpec(run_id="r", problem_json=spec.model_dump_json(), dimension=2 * dim, gradient_noise=noise)
@@ -416,17 +420,17 @@ def test_the_usual_small_gradient_task_is_answered_in_a_few_calls_with_the_gener
                 setattr(instruction.task, name, value)
         return instruction
 
-    def outcome(state: ClientSession, instruction: pb.Instruction) -> object:
+    def outcome(state: MemoryClient, instruction: pb.Instruction) -> object:
         try:
             replies = list(state.handle(instruction))
         except Exception as exc:
             return type(exc).__name__, str(exc)
         return [r if isinstance(r, bytes) else r.SerializeToString() for r in replies]
 
-    def counting(state: ClientSession) -> list[int]:
+    def counting(state: MemoryClient) -> list[int]:
         """Counts the worker's general calls (execute) of a session."""
         calls = [0]
-        worker = state.worker
+        worker = state.hosted.worker
         assert worker is not None
         general = worker.execute
 
@@ -443,8 +447,8 @@ def test_the_usual_small_gradient_task_is_answered_in_a_few_calls_with_the_gener
         (task(z, 4, exact=True), "few calls"),  # (no noise: an exact gradient is the same)
         (task(z, 5, want_objective=True), "general"),
         (task(z, 6, client_indices=[3]), "general"),  # it names its one client
-        (task(z, 7, batch=0), "WireError"),
-        (task(z, 8, payload_length=19), "WireError"),  # the payload disagrees
+        (task(z, 7, batch=0), "ClientError"),  # (malformed)
+        (task(z, 8, payload_length=19), "ClientError"),  # the payload disagrees
         (task(z, 9, run_id="other"), "ClientError"),
         # Diverged, and finite with squares that overflow (tested entry by entry): answered as the general
         # path answers them (Worker.answer), from the one computation of the gradient.
@@ -484,7 +488,7 @@ def test_an_empty_instruction_or_one_of_a_later_kind_ends_the_session_saying_so(
             state.handle(instruction)
 
 
-def general_and_few_calls(monkeypatch: pytest.MonkeyPatch, **options: object) -> tuple[ClientSession, ClientSession]:
+def general_and_few_calls(monkeypatch: pytest.MonkeyPatch, **options: object) -> tuple[MemoryClient, MemoryClient]:
     """Two sessions of the same small run: one as the client runs it, one whose tasks all go the general way."""
     lone = small_session(**options)  # type: ignore[arg-type]
     with monkeypatch.context() as patched:
@@ -493,7 +497,7 @@ def general_and_few_calls(monkeypatch: pytest.MonkeyPatch, **options: object) ->
     return lone, general
 
 
-def replies(state: ClientSession, instruction: pb.Instruction) -> object:
+def replies(state: MemoryClient, instruction: pb.Instruction) -> object:
     """The serialized replies to an instruction, or the error it raised (its type and text)."""
     try:
         return [r if isinstance(r, bytes) else r.SerializeToString() for r in state.handle(instruction)]
@@ -573,12 +577,12 @@ def test_a_gradient_the_few_calls_path_leaves_to_the_general_one_is_computed_onc
 def test_a_run_that_does_not_take_the_few_calls_path_sets_no_buffer_aside_for_it(options: dict[str, int]) -> None:
     # Its answer buffer is made by the first task that needs one, as in every other run.
     state = small_session(**options)  # type: ignore[arg-type]
-    assert state.worker is not None and state._lone is None and not state.worker._buffers
+    assert state.hosted.worker is not None and state.hosted._lone is None and not state.hosted.worker._buffers
 
 
 @pytest.mark.parametrize("dp", [False, True], ids=["secure-aggregation", "and-dp"])
 def test_a_secure_run_of_one_hosted_client_never_takes_the_few_calls_path(dp: bool) -> None:
-    state = ClientSession((3,))
+    state = MemoryClient((3,))
     state.handle(pb.Instruction(welcome=pb.Welcome(federation_id="f", num_clients=5, chunk_bytes=16_000)))
     spec = PaperRegressionSpec(num_clients=5, dim=10, s=2.0)
     run = pb.RunSpec(run_id="r", problem_json=spec.model_dump_json(), dimension=20)
@@ -588,7 +592,7 @@ def test_a_secure_run_of_one_hosted_client_never_takes_the_few_calls_path(dp: bo
         run.dp.clip, run.dp.noise_multiplier = 1.0, 0.5
     (ready,) = state.handle(pb.Instruction(run=run))
     assert isinstance(ready, pb.ClientMessage) and not ready.ready.error and len(ready.ready.public_keys) == 1
-    assert state.worker is not None and state._lone is None and not state.worker._buffers
+    assert state.hosted.worker is not None and state.hosted._lone is None and not state.hosted.worker._buffers
 
 
 def test_the_few_calls_answer_speaks_for_the_client_the_shards_hold(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -629,7 +633,9 @@ def test_a_new_run_leaves_nothing_of_the_last_runs_few_calls_path(monkeypatch: p
         assert replies(lone, pb.Instruction(run=run)) == expected
         for instruction in tasks:
             assert replies(lone, instruction) == replies(general, instruction)
-    assert lone._lone is not None and lone._tasks == general._tasks == 1
+    assert lone.hosted._lone is not None
+    assert isinstance(lone.session.state, Working) and isinstance(general.session.state, Working)
+    assert lone.session.state.answered == general.session.state.answered == 1
 
 
 def test_a_float32_run_is_echoed_in_ready_and_answered_in_four_byte_entries_as_in_process() -> None:
@@ -663,4 +669,4 @@ def test_a_run_spec_of_an_element_type_this_client_does_not_know_is_refused_in_r
     (reply,) = state.handle(pb.Instruction(run=run))
     assert isinstance(reply, pb.ClientMessage)
     assert reply.ready.error.startswith("the coordinator's RunSpec.element_type is 7, which this client does not know")
-    assert state.worker is None
+    assert state.hosted.worker is None
