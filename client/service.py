@@ -1,5 +1,10 @@
 """The client runtime: dial the coordinator, open a Session stream, answer its tasks until goodbye.
 
+The shell around the protocol object: each instruction goes to the `ClientSession`
+(session.py) with the time, and its actions are carried out in order (`_carry_out`):
+messages written, the work done by the `HostedClients` (hosted.py) and its result fed
+back, and a `Close` turned into the process's end.
+
 A coordinator that is not up yet, restarts, loses the link, or closes connections
 (it is at its connection limit, or flooded) is waited for: the client reconnects
 with exponential backoff and jitter, for up to `connect_timeout_s` after it last had
@@ -87,8 +92,8 @@ class ClientOptions:
     check_statistics: bool = True  # warn when the spec's statistics contradict this process's data
     tls_files: TlsFiles | None = None  # the PEM files of `credentials`, for the probe (probe.py)
     # What gRPC takes in of the coordinator's stream before this process reads it (0: gRPC's own window,
-    # which grows with the link): at d = 1e6 gRPC's own held much of a 30 MiB task in its buffers. One
-    # default chunk: 1 MiB held no less, and made the d = 1e6 round about 30 ms longer (bench/README.md).
+    # which grows with the link and held much of a large task in its buffers). Two default chunks: one held
+    # no less and made large rounds longer (figures: bench/README.md).
     receive_window_mib: float = 2.0
     attack: Attack | None = None  # research and tests: this process lies about its answers (common/attacks.py)
     flipped: tuple[int, ...] = ()  # research and tests: clients that train on swapped labels (label_flip)

@@ -10,7 +10,7 @@ algorithm exchange (never on held-out evaluation). Two places apply one:
   omniscient: it sees the honest clients' vectors of the round, as the papers
   assume;
 * a real client process started with `fedsaddle client --attack KIND`
-  (client/session.py, through `corrupt_own`): it lies about its own answers and
+  (client/hosted.py, through `corrupt_own`): it lies about its own answers and
   knows nothing else, so only the attacks of one client's own vector are offered
   there (sign_flip, scale, gaussian, false_diverged).
 

@@ -114,7 +114,7 @@ class Worker:
         """`execute`'s arithmetic for a GradientTask of the one client this worker hosts, with no noise drawn
         and no objective asked: a function from z, as a column (dimension, 1), to G_i(z) in the answer
         buffer. None unless the worker hosts one client, alone (no batch), draws no gradient noise and
-        reuses its answers (a client process's worker). The usual small round takes it (client/session.py),
+        reuses its answers (a client process's worker). The usual small round takes it (client/hosted.py),
         and hands what it does not send as it is to `answer`."""
         if self.batched or len(self.indices) != 1 or self.noise_scale > 0 or not self.reuse_answers:
             return None
