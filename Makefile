@@ -46,8 +46,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 $(TYPECHECK)/fedsaddle: $(wildcard fedsaddle/*.py)
+	rm -rf $@
 	mkdir -p $@
 	for f in fedsaddle/*.py fedsaddle/py.typed; do ln -sf ../../$$f $@/$$(basename $$f); done
+	ln -sfn ../../fedsaddle/cli $@/cli
 	for d in common client server experiments proto; do ln -sfn ../../$$d $@/$$d; done
 
 typecheck: $(TORCH_STAMP) $(TYPECHECK)/fedsaddle

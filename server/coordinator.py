@@ -4,7 +4,7 @@ The run directory is written as the run goes: config.json first, a line of
 metrics.jsonl per step (flushed), checkpoint.npz every `output.checkpoint_every`
 rounds, and summary.json with the plots at the end, however the run ends. A
 run directory with a checkpoint can be resumed (`resume_run`). The command line
-decides what an ending means for the exit code (fedsaddle/cli.py); nothing here
+decides what an ending means for the exit code (fedsaddle/cli/run.py); nothing here
 exits or prints.
 """
 

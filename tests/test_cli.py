@@ -344,9 +344,10 @@ def test_an_unforeseen_error_that_has_no_words_is_named_by_its_kind() -> None:
     script = (
         "import sys\n"
         "from fedsaddle import cli\n"
+        "from fedsaddle.cli import inspection\n"
         "def out_of_memory(args):\n"
         "    raise MemoryError\n"
-        "cli.cmd_show_config = out_of_memory\n"
+        "inspection.cmd_show_config = out_of_memory\n"
         "sys.exit(cli.main(['show-config']))\n"
     )
     env = {k: v for k, v in CLIENT_ENV.items() if k != "FEDSADDLE_TRACEBACK"}

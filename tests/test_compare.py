@@ -199,7 +199,7 @@ def ages(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def own_problem(folder: Path, **options: Any) -> compare.OwnProblem:
     import argparse
 
-    from fedsaddle.cli import _own_problem
+    from fedsaddle.cli.experiment import _own_problem
 
     arguments = {"config": str(folder / "run.yaml"), "data": [str(folder / "client-{i:03d}.npz")], "reference": None}
     return _own_problem(argparse.Namespace(**{**arguments, **options}))  # type: ignore[no-any-return]
@@ -250,7 +250,7 @@ def test_compare_on_a_configs_problem_writes_the_same_report(ages: Path, tmp_pat
 
 
 def test_a_configs_problem_without_a_solution_needs_a_reference(tmp_path: Path) -> None:
-    from fedsaddle.cli import UsageError
+    from fedsaddle.cli.shared import UsageError
     from fedsaddle.experiments.datasets import split
 
     split("breast_cancer", 3, "label-skew", 1, tmp_path)

@@ -238,7 +238,7 @@ def test_the_algorithms_defaults_are_the_documented_ones() -> None:
 
 
 def test_the_built_in_run_is_the_example_file_as_installed() -> None:
-    from fedsaddle.cli import built_in_config
+    from fedsaddle.cli.shared import built_in_config
 
     example = Path(__file__).resolve().parent.parent / "examples" / "paper-s10.yaml"
     assert built_in_config() == load_config(example)

@@ -185,11 +185,12 @@ def test_an_interrupt_raised_inside_exec_source_still_exits_130(tmp_path: Path) 
     # while modules load) as unhandled even once caught, and `python -m` then ends by SIGINT (-2).
     (tmp_path / "interrupted.py").write_text(
         "import sys, fedsaddle.cli as cli\n"
+        "from fedsaddle.cli.signals import say_interrupted\n"
         "def interrupted(argv=None):\n"
         "    try:\n"
         "        exec('raise KeyboardInterrupt')\n"
         "    except KeyboardInterrupt:\n"
-        "        cli._say_interrupted()\n"
+        "        say_interrupted()\n"
         "        return 130\n"
         "cli.main = interrupted\n"
         "from fedsaddle.entry import main\n"

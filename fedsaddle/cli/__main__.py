@@ -1,0 +1,5 @@
+import sys
+
+from fedsaddle.cli import main
+
+sys.exit(main())
