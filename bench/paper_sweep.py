@@ -19,7 +19,7 @@ import time
 from fedsaddle.experiments.grid import PAPER_FIVE, STEP_SCALES, Grid
 from fedsaddle.server.batch import run_batch, run_batches
 from fedsaddle.server.driver import run_algorithm
-from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ from fedsaddle.server.aggregation import (
     TrimmedMean,
 )
 from fedsaddle.server.algorithms.base import RoundAnswers
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import RunInfo
+from fedsaddle.server.transport.local_pool import LocalPool
 
 RULES: dict[str, Rule | None] = {
     "mean": None,

@@ -39,9 +39,9 @@ from fedsaddle.common import eventloop, wire
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.launch import reap, start_clients
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientPool, RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 from fedsaddle.server.transport.sessions import Limits
 
 

@@ -23,9 +23,9 @@ import numpy as np
 
 from fedsaddle.common.problems import PaperRegressionSpec
 from fedsaddle.launch import index_groups, reap, start_clients
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 SETUPS = ((10, 10), (100, 10), (1000, 10), (10_000, 20), (100_000, 20))  # (clients, processes)
 

@@ -36,9 +36,9 @@ from fedsaddle.common.secagg import SecAggSettings
 from fedsaddle.common.secagg.graph import default_neighbours
 from fedsaddle.common.secagg.settings import default_bound
 from fedsaddle.launch import index_groups, reap, start_clients
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 
 def run_info(name: str, n: int, d: int, secure: bool, neighbours: int = 0) -> RunInfo:

@@ -1,7 +1,7 @@
 """What clients compute for a task: local steps and gradients over their shards.
 
 Shared by the client runtime (client/) and the in-process transport
-(server/local_pool.py, server/batch.py), so that every transport runs the
+(server/transport/local_pool.py, server/batch.py), so that every transport runs the
 same arithmetic on the same data.
 """
 

@@ -36,7 +36,7 @@ from fedsaddle.common.problems.data import data_paths
 from fedsaddle.common.worker import ShardCache
 from fedsaddle.server.config import RunConfig, parse_config
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
-from fedsaddle.server.local_pool import LocalPool, reference_solution
+from fedsaddle.server.transport.local_pool import LocalPool, reference_solution
 
 from .datasets import split
 from .grid import quartiles

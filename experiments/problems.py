@@ -38,7 +38,7 @@ from fedsaddle.common.worker import ShardCache
 from fedsaddle.server.batch import BatchRun, run_batches
 from fedsaddle.server.config import parse_config
 from fedsaddle.server.driver import AlgorithmResult
-from fedsaddle.server.local_pool import reference_solution
+from fedsaddle.server.transport.local_pool import reference_solution
 
 from .datasets import split
 from .report import PLOT_FLOOR, fmt, markdown

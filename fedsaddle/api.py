@@ -31,7 +31,7 @@ from fedsaddle.common.problems import data_paths
 from fedsaddle.server.config import RunConfig, load_config, parse_config
 from fedsaddle.server.coordinator import Outcome, run_config
 from fedsaddle.server.driver import AlgorithmResult
-from fedsaddle.server.local_pool import reference_solution
+from fedsaddle.server.transport.local_pool import reference_solution
 
 __all__ = ["Report", "load", "reference_solution", "run"]
 
@@ -97,7 +97,7 @@ def _run(
 ) -> Outcome:
     outcome: Outcome
     if transport == "inprocess":
-        from fedsaddle.server.local_pool import LocalPool
+        from fedsaddle.server.transport.local_pool import LocalPool
 
         local = LocalPool(data=paths)
         if reference is None:

@@ -126,8 +126,8 @@ def test_a_compute_task_larger_than_clients_take_fails_before_its_round_in_proce
     from conftest import config
 
     from fedsaddle.common.tasks import ComputeTask
-    from fedsaddle.server.local_pool import LocalPool
     from fedsaddle.server.pool import PoolError, RunInfo
+    from fedsaddle.server.transport.local_pool import LocalPool
 
     run = config(
         problem={"name": "paper_regression", "num_clients": 2, "dim": 3},

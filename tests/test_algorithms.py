@@ -14,8 +14,8 @@ from fedsaddle.server.algorithms import FedAvgS, ScaffoldS, SyncSchedule, build,
 from fedsaddle.server.algorithms.fedavg_s import FedAvgState
 from fedsaddle.server.algorithms.scaffold_s import ScaffoldState
 from fedsaddle.server.driver import run_algorithm, run_all
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import RunInfo
+from fedsaddle.server.transport.local_pool import LocalPool
 
 GAME = {"name": "quadratic_game", "num_clients": 5, "dim": 4, "heterogeneity": 0.5}
 GAME_HOMOGENEOUS = {**GAME, "heterogeneity": 0.0}

@@ -23,9 +23,9 @@ from federation import MemoryClient
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientLost, RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 from fedsaddle.server.transport.sessions import Limits
 
 RUN = config(

@@ -17,7 +17,7 @@ from fedsaddle.experiments.datasets import split
 from fedsaddle.experiments.grid import Grid, best_steps, quartiles, run_grid
 from fedsaddle.server.batch import BatchRun, run_batch, run_batches
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
-from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 ALGORITHMS: list[dict[str, Any]] = [
     {"name": "minibatch_md", "gamma": 0.1},

@@ -22,9 +22,9 @@ from test_bad_answers import REFUSED_WITH, _garbled, answer
 from fedsaddle.common import wire
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.driver import AlgorithmResult, RunStopped, run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientLost, ClientPool, PoolError, RunInfo
 from fedsaddle.server.transport.events import MissingClients, RoundResult, Send, run_spec
+from fedsaddle.server.transport.local_pool import LocalPool
 from fedsaddle.server.transport.protocol import MAX_REFUSED_IN_A_ROUND, Phase
 from fedsaddle.server.transport.sessions import Limits, State
 

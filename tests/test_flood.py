@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from flooder import PREFACE, SETTINGS, session_headers  # bench/flooder.py
 
 from fedsaddle.server.driver import run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.transport import gate as gate_module
 from fedsaddle.server.transport.gate import MAX_SWEEP_S, OVER_CAP_GRACE_S, SWEEP_S, ConnectionGate, sweep_interval
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 from fedsaddle.server.transport.sessions import Limits
 
 FLOOD_SOURCE = "127.0.0.2"  # the flood's address; honest peers come from 127.0.0.1

@@ -25,9 +25,9 @@ from fedsaddle.launch import start_clients
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.algorithms.base import aggregate, aggregate_rows
 from fedsaddle.server.fold import OrderedFold
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientLost, RunInfo
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 from fedsaddle.server.transport.rounds import Collecting
 from fedsaddle.server.transport.sessions import Limits
 

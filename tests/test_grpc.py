@@ -12,8 +12,8 @@ from formulas import expected_traffic
 
 from fedsaddle.launch import start_clients
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 FIVE: list[dict[str, Any]] = [
     {"name": "minibatch_md", "gamma": 0.02},

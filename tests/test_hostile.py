@@ -27,8 +27,8 @@ from test_failures import Coordinator, write_config
 from fedsaddle.launch import client_command, open_federation_warning
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.driver import RunStopped, run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 from fedsaddle.server.transport.sessions import Limits
 
 

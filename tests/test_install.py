@@ -34,7 +34,7 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_a_federation_outside_the_reposit
     # The package data: the wire contract and the typing marker; the generated modules it imports.
     assert {"fedsaddle/proto/fedsaddle.proto", "fedsaddle/py.typed", "fedsaddle/proto/fedsaddle_pb2.py"} <= names
     assert "fedsaddle/examples/paper-s10.yaml" in names  # the built-in run's config
-    assert {"fedsaddle/cli/__init__.py", "fedsaddle/cli/run.py", "fedsaddle/scaffold.py"} <= names  # the command line
+    assert {"fedsaddle/cli/__init__.py", "fedsaddle/cli/run.py", "fedsaddle/problem_template.py"} <= names
     assert "fedsaddle/server/algorithms/scaffold_s.py" in names
     assert not any(name.startswith(("server/", "common/", "tests/")) for name in names)  # one import name
     venv = tmp_path / "venv"

@@ -12,7 +12,7 @@ from fedsaddle.server.algorithms import build
 from fedsaddle.server.algorithms.catalyst import CatalystSpec, ScaffoldCatalystS
 from fedsaddle.server.algorithms.spec import FixedSync
 from fedsaddle.server.driver import DIVERGENCE_GROWTH, run_algorithm
-from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 
 def test_every_default_runs_2000_rounds_at_every_s_without_diverging_or_drifting() -> None:

@@ -15,8 +15,8 @@ from federation import Federation, SecureMemoryPool
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.config import parse_config
 from fedsaddle.server.driver import run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import Category
+from fedsaddle.server.transport.local_pool import LocalPool
 
 CLIENTS, DIM = 6, 30  # a client's masked row: 2 * DIM + 2 entries, 496 bytes
 CONFIG = parse_config(

@@ -31,9 +31,9 @@ from fedsaddle.launch import CLIENT_ENV, reap, start_clients
 from fedsaddle.server.checkpoint import config_digest
 from fedsaddle.server.config import MonitorSpec
 from fedsaddle.server.coordinator import run_config
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.monitor import Monitor
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "a-viewer-token-of-32-characters!"

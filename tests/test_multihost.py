@@ -26,7 +26,7 @@ from test_failures import Coordinator, write_config
 from fedsaddle.common.indices import parse_indices
 from fedsaddle.experiments.datasets import split
 from fedsaddle.server.driver import run_algorithm
-from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 pytestmark = [
     pytest.mark.multihost,

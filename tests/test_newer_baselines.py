@@ -16,7 +16,7 @@ from fedsaddle.common.worker import Worker
 from fedsaddle.server.algorithms import RoundAnswers, build, load_state, save_state
 from fedsaddle.server.batch import BatchRun, run_batch
 from fedsaddle.server.driver import run_algorithm, run_all
-from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 GAME = {"name": "quadratic_game", "num_clients": 5, "dim": 4, "heterogeneity": 0.5}
 ONE_CLIENT = {**GAME, "num_clients": 1}

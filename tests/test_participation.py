@@ -15,8 +15,8 @@ from test_failures import Coordinator, write_config
 from fedsaddle.launch import start_clients
 from fedsaddle.server.batch import BatchRun, run_batch
 from fedsaddle.server.driver import run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import sample_clients
+from fedsaddle.server.transport.local_pool import LocalPool
 
 PROBLEM = {"name": "quadratic_game", "num_clients": 7, "dim": 3, "heterogeneity": 0.5}
 FIVE: list[dict[str, Any]] = [

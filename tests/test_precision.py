@@ -27,9 +27,9 @@ from fedsaddle.server.algorithms.base import flatten_state
 from fedsaddle.server.batch import BatchRun, run_batch
 from fedsaddle.server.config import ConfigError
 from fedsaddle.server.driver import AlgorithmResult, StepDone, run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import ClientPool
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 EIGHT: list[dict[str, Any]] = [
     {"name": "minibatch_md", "gamma": 0.02},

@@ -20,7 +20,7 @@ from fedsaddle.common.secagg.settings import SecAggSettings, round_threshold
 from fedsaddle.common.tasks import Answer, GradientTask
 from fedsaddle.server.config import ConfigError, RunConfig, parse_config
 from fedsaddle.server.driver import run_algorithm
-from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -28,10 +28,10 @@ from fedsaddle.launch import index_groups, start_clients
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.config import parse_config
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import Category
 from fedsaddle.server.transport import checks
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 from fedsaddle.server.transport.refusal import Refusal
 from fedsaddle.server.transport.sessions import Limits
 

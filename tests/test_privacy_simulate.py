@@ -19,8 +19,8 @@ from fedsaddle.experiments.datasets import split
 from fedsaddle.server.algorithms.base import RoundAnswers
 from fedsaddle.server.config import ConfigError, RunConfig, parse_config
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.pool import Category
+from fedsaddle.server.transport.local_pool import LocalPool
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CLIENTS = 10

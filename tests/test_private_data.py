@@ -284,7 +284,7 @@ import numpy as np  # loaded first, as in a notebook: BLAS starts with a thread 
 from fedsaddle import api
 from fedsaddle.server.config import parse_config
 from fedsaddle.server.driver import run_all
-from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.local_pool import LocalPool
 config, pattern = json.loads(sys.argv[1]), sys.argv[2]
 pool = LocalPool(data={i: pattern.format(i=i) for i in range(2)})  # no api around it
 direct = run_all(parse_config(config), pool)

@@ -326,7 +326,7 @@ def test_a_batch_of_seeds_equals_each_run_alone() -> None:
     from fedsaddle.common.problems import make_problem
     from fedsaddle.server.batch import BatchRun, run_batch
     from fedsaddle.server.driver import run_algorithm
-    from fedsaddle.server.local_pool import LocalPool
+    from fedsaddle.server.transport.local_pool import LocalPool
 
     configs = [parse_config(small_config(seed=seed, rounds=9)) for seed in (0, 1)]
     # (a batch measures distances to a reference point; a network has no z*, any point does)

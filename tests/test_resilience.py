@@ -16,7 +16,7 @@ from formulas import expected_traffic
 from test_failures import Coordinator, write_config
 
 from fedsaddle.server.driver import run_algorithm
-from fedsaddle.server.local_pool import LocalPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 PROBLEM = {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 2.0}
 

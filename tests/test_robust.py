@@ -31,9 +31,9 @@ from fedsaddle.server.algorithms.base import RoundAnswers
 from fedsaddle.server.batch import BatchRun, run_batch
 from fedsaddle.server.config import ConfigError, load_config
 from fedsaddle.server.driver import run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.settlement import settle
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 RNG = np.random.default_rng(0)
 PAPER = {"name": "paper_regression", "num_clients": 5, "dim": 3, "s": 0.0}

@@ -13,9 +13,9 @@ from conftest import client_process, config, stop_processes
 
 from fedsaddle.server.config import ConfigError, RunConfig, TlsSpec
 from fedsaddle.server.driver import run_algorithm
-from fedsaddle.server.local_pool import LocalPool
 from fedsaddle.server.transport.auth import Authenticator, server_credentials, token_hash
 from fedsaddle.server.transport.grpc_pool import GrpcPool
+from fedsaddle.server.transport.local_pool import LocalPool
 
 RUN = config(
     problem={"name": "paper_regression", "num_clients": 3, "dim": 4, "s": 2.0},

@@ -211,7 +211,7 @@ def _own_problem(args: argparse.Namespace) -> Any:
     from fedsaddle.common.worker import ShardCache
     from fedsaddle.experiments.compare import STEP_FIELDS, OwnProblem
     from fedsaddle.server.config import load_config
-    from fedsaddle.server.local_pool import reference_solution
+    from fedsaddle.server.transport.local_pool import reference_solution
 
     config = load_config(args.config)
     problem = make_problem(config.problem)

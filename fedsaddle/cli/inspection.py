@@ -10,7 +10,7 @@ from fedsaddle.cli.shared import EXIT_OK, UsageError, config_from
 
 
 def cmd_compare_runs(args: argparse.Namespace) -> int:
-    from fedsaddle.compare import RunDirError, main_compare
+    from fedsaddle.compare_runs import RunDirError, main_compare
 
     try:
         code, lines = main_compare(args.first, args.second, args.limit)

@@ -12,7 +12,7 @@ from fedsaddle.cli.shared import EXIT_OK, EXIT_RUN_FAILED, UsageError, config_fr
 
 def cmd_new(args: argparse.Namespace) -> int:
     """Write a package to start a problem of one's own from, with a test that passes."""
-    from fedsaddle.scaffold import ScaffoldError, new_problem
+    from fedsaddle.problem_template import TemplateError, new_problem
 
     if args.kind == "algorithm":
         raise UsageError(
@@ -22,7 +22,7 @@ def cmd_new(args: argparse.Namespace) -> int:
     out = Path(args.out or args.name)
     try:
         written = new_problem(args.name, out, torch=args.torch)
-    except ScaffoldError as exc:
+    except TemplateError as exc:
         raise UsageError(str(exc)) from None
     for path in written:
         print(f"wrote {path}")

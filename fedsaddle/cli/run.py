@@ -67,7 +67,7 @@ def _device(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from fedsaddle.server.local_pool import LocalPool
+    from fedsaddle.server.transport.local_pool import LocalPool
 
     _device(args)
     stop_on_sigterm()
@@ -91,7 +91,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _reference(config: RunConfig, pool: Any) -> Any:
     """z* for an in-process run: on real data, solved from every client's data (all at hand here)."""
     from fedsaddle.common.problems import DataError
-    from fedsaddle.server.local_pool import reference_solution
+    from fedsaddle.server.transport.local_pool import reference_solution
 
     try:
         with _naming_memory(config):

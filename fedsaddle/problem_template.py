@@ -21,7 +21,7 @@ from fedsaddle import __version__
 from fedsaddle.common.problems.registry import BUILT_IN
 
 
-class ScaffoldError(ValueError):
+class TemplateError(ValueError):
     """A name or folder that a package cannot be written with; the message says which and why."""
 
 
@@ -32,16 +32,16 @@ def class_name(name: str) -> str:
 
 def check_name(name: str) -> None:
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or keyword.iskeyword(name):
-        raise ScaffoldError(
+        raise TemplateError(
             f"problem name {name!r} must be a Python module name in lower case: letters, digits and _, "
             "starting with a letter (e.g. robust_regression)"
         )
     if name.startswith("fedsaddle"):
-        raise ScaffoldError(f"problem name {name!r} must not start with 'fedsaddle' (fedsaddle's own modules do)")
+        raise TemplateError(f"problem name {name!r} must not start with 'fedsaddle' (fedsaddle's own modules do)")
     if name in BUILT_IN:
-        raise ScaffoldError(f"problem name {name!r} is a built-in problem's, which a config naming it would get")
+        raise TemplateError(f"problem name {name!r} is a built-in problem's, which a config naming it would get")
     if name in sys.stdlib_module_names or importlib.util.find_spec(name) is not None:
-        raise ScaffoldError(
+        raise TemplateError(
             f"problem name {name!r} is a module Python already finds here; a package of that name would shadow it"
         )
 
@@ -51,7 +51,7 @@ def new_problem(name: str, out: Path, torch: bool = False) -> list[Path]:
     written in PyTorch (an MLP against a learned shift of the targets) instead of numpy."""
     check_name(name)
     if out.exists() and any(out.iterdir()):
-        raise ScaffoldError(f"{out} exists and is not empty; choose another folder (--out)")
+        raise TemplateError(f"{out} exists and is not empty; choose another folder (--out)")
     cls = class_name(name)
     values = {"name": name, "cls": cls, "dist": name.replace("_", "-"), "version": __version__.split("+")[0]}
     files = {
