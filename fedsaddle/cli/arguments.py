@@ -105,8 +105,28 @@ def global_flags(parser: argparse.ArgumentParser, top: bool) -> None:
 def add_command(
     commands: Commands, name: str, help: str, func: Callable[[argparse.Namespace], int]
 ) -> argparse.ArgumentParser:
-    """A command of the top-level parser, with the global flags; `func` runs it."""
-    p = commands.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+    """A command of the top-level parser, its help also its description, with the global flags; `func` runs it."""
+    return add_subcommand(commands, name, help, help, func)
+
+
+def add_group(commands: Commands, name: str, help: str, dest: str, metavar: str, title: str) -> Commands:
+    """A command whose actions are subcommands of its own (`data split`), with the global flags; its
+    subcommands, for add_subcommand."""
+    group = commands.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+    global_flags(group, top=False)
+    return group.add_subparsers(dest=dest, required=True, metavar=metavar, title=title)
+
+
+def add_subcommand(
+    subcommands: Commands,
+    name: str,
+    help: str,
+    description: str,
+    func: Callable[[argparse.Namespace], int],
+    epilog: str | None = None,
+) -> argparse.ArgumentParser:
+    """A command, or an action of a group (add_group), with the global flags; `func` runs it."""
+    p = subcommands.add_parser(name, help=help, description=description, epilog=epilog, formatter_class=HelpFormatter)
     global_flags(p, top=False)
     p.set_defaults(func=func)
     return p

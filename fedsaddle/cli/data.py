@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedsaddle.cli.arguments import Commands, HelpFormatter, global_flags, positive_float, positive_int
+from fedsaddle.cli.arguments import Commands, add_group, add_subcommand, positive_float, positive_int
 from fedsaddle.cli.shared import EXIT_OK, UsageError
 
 
@@ -127,15 +127,9 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
 
 
 def add_data(commands: Commands) -> None:
-    data = commands.add_parser(
-        "data",
-        help="prepare client data files",
-        description="prepare client data files",
-        formatter_class=HelpFormatter,
-    )
-    global_flags(data, top=False)
-    data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION", title="actions")
-    p = data_commands.add_parser(
+    data_commands = add_group(commands, "data", "prepare client data files", "data_command", "ACTION", "actions")
+    p = add_subcommand(
+        data_commands,
         "split",
         help="split a table (CSV, Parquet), images or a bundled dataset into one file per client",
         description="Split a table of your own (.csv, or .parquet with the data extra), images of your own (a .npy "
@@ -149,10 +143,8 @@ def add_data(commands: Commands) -> None:
         "  fedsaddle data split --dataset breast_cancer --clients 10 --out data/ --config run.yaml\n"
         "  fedsaddle data split scans.npy --labels labels.npy --partition label-skew --clients 10 --out data/\n"
         "  fedsaddle data split digits/ --positive 7 --clients 10 --out data/   # digits/0/*.png ... digits/9/*.png",
-        formatter_class=HelpFormatter,
+        func=cmd_data_split,
     )
-    global_flags(p, top=False)
-    p.set_defaults(func=cmd_data_split)
     p.add_argument(
         "file",
         nargs="?",
@@ -216,13 +208,12 @@ def add_data(commands: Commands) -> None:
         help="write the problem and its statistics into this config (a new file gets a starter config)",
     )
 
-    p = data_commands.add_parser(
+    p = add_subcommand(
+        data_commands,
         "inspect",
         help="describe a client's data file",
         description="Describe a client's data file (.npz or .csv): rows, held-out rows, features, labels, groups, "
         "and the statistics each problem's spec would take from it.",
-        formatter_class=HelpFormatter,
+        func=cmd_data_inspect,
     )
-    global_flags(p, top=False)
-    p.set_defaults(func=cmd_data_inspect)
     p.add_argument("file", metavar="FILE", help="a client's data file")

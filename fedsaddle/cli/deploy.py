@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedsaddle.cli.arguments import Commands, HelpFormatter, add_command, address, global_flags, indices, positive_float
+from fedsaddle.cli.arguments import Commands, add_command, add_group, add_subcommand, address, indices, positive_float
 from fedsaddle.cli.credentials import channel_credentials, tls_options
 from fedsaddle.cli.shared import EXIT_OK, EXIT_RUN_FAILED, UsageError
 from fedsaddle.common.indices import parse_indices
@@ -130,15 +130,10 @@ def add_commands(commands: Commands) -> None:
     p.add_argument("--timeout", type=positive_float, default=5.0, help="seconds to wait for the answer")
     tls_options(p)
 
-    deploy = commands.add_parser(
-        "deploy",
-        help="write manifests that run a federation on a cluster",
-        description="write manifests that run a federation on a cluster",
-        formatter_class=HelpFormatter,
-    )
-    global_flags(deploy, top=False)
-    deploy_commands = deploy.add_subparsers(dest="deploy_command", required=True, metavar="TARGET", title="targets")
-    p = deploy_commands.add_parser(
+    about = "write manifests that run a federation on a cluster"
+    deploy_commands = add_group(commands, "deploy", about, "deploy_command", "TARGET", "targets")
+    p = add_subcommand(
+        deploy_commands,
         "kubernetes",
         help="Kubernetes manifests (and the form podman kube play runs) for a config and its clients",
         description="Write OUT/kubernetes.yaml: the config as a ConfigMap, the coordinator as a Deployment with a "
@@ -148,10 +143,8 @@ def add_commands(commands: Commands) -> None:
         "(4.3) takes: Pods and PersistentVolumeClaims, and ConfigMaps for --configmap.",
         epilog="example:\n  fedsaddle deploy kubernetes --config run.yaml --clients 10 --tls-dir certs --tokens "
         "--out k8s/\n  kubectl apply -f k8s/kubernetes.yaml",
-        formatter_class=HelpFormatter,
+        func=cmd_deploy_kubernetes,
     )
-    global_flags(p, top=False)
-    p.set_defaults(func=cmd_deploy_kubernetes)
     p.add_argument("--config", required=True, help="run config, YAML or JSON")
     p.add_argument(
         "--clients", type=int, help="client pods, one per index: the config's problem.num_clients (the default)"
