@@ -94,10 +94,13 @@ def local_extragradient(oracle: ClientOracle, z: Array, *, steps: float, gamma: 
     """Local Extragradient's client half (server/algorithms/local_extragradient.py): `steps` stochastic
     extragradient steps from z, answering the sum of the update directions actually taken,
     sum_l (z_i^l - z_i^{l+1}) / gamma (sum_l G^_i(z_i^{l+1/2}) when unconstrained)."""
+    # The oracle's gradients are this computation's own arrays: each step's products and differences are
+    # written into them (the same operations, two arrays less per step, a third of a sweep's call at d = 10).
     z_i = z.copy()
     direction_sum = np.zeros(z.shape)
     for _ in range(int(steps)):
-        z_half = oracle.project(z_i - gamma * oracle.stochastic_gradient(z_i))
+        g = oracle.stochastic_gradient(z_i)
+        z_half = oracle.project(np.subtract(z_i, np.multiply(gamma, g, out=g), out=g))
         g_half = oracle.stochastic_gradient(z_half)
         if oracle.constrained:
             z_next = oracle.project(z_i - gamma * g_half)
@@ -105,7 +108,7 @@ def local_extragradient(oracle: ClientOracle, z: Array, *, steps: float, gamma: 
             z_i = z_next
         else:
             direction_sum += g_half
-            z_i = z_i - gamma * g_half
+            z_i -= np.multiply(gamma, g_half, out=g_half)
     return direction_sum
 
 
@@ -134,7 +137,7 @@ def local_sgda_plus(
             z_i = z_next
         else:
             direction_sum += direction
-            z_i = z_i - scale * direction
+            z_i -= np.multiply(scale, direction, out=direction)  # (direction: the oracle's, this step's own)
     return direction_sum
 
 
