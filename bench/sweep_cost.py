@@ -173,7 +173,7 @@ REPRODUCED = ("minibatch_md", "fedavg_s_constant", "local_extragradient", "local
 
 def numpy_sweep(grid: Grid, work: dict[str, list[list[BatchRun]]]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     per_run, finals = {}, {}
-    for algorithm in REPRODUCED:
+    for algorithm in (a for a in REPRODUCED if a in work):
         runs = [m for piece in work[algorithm] for m in piece]
         started = time.process_time()
         with np.errstate(all="ignore"):
