@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/memory.py --secure
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/paper_sweep.py
+	$(BIN)/python bench/sweep_cost.py
 	$(BIN)/python bench/soak.py
 	$(BIN)/python bench/abuse.py
 	$(BIN)/python bench/chunk_flood.py

@@ -72,12 +72,18 @@ class ComputeTask(NamedTuple):
     computation receives besides z (each of any length), `params` named numbers.
     The answer is one vector of z's length per client. Nothing of it is specific to
     an algorithm, so a plug-in's computation travels without a change to the wire.
+
+    `per_run` exists only in a batch of runs (server/batch.py, in-process; never on
+    the wire): the parameters that differ between the batch's runs, each a (B, 1)
+    column, for a computation that declares it takes them so (common/computations.py's
+    `per_run`).
     """
 
     name: str
     z: Array
     arrays: tuple[tuple[str, Array], ...] = ()
     params: tuple[tuple[str, float], ...] = ()
+    per_run: tuple[tuple[str, Array], ...] = ()
 
     def payload(self) -> list[Array]:
         return [self.z, *(array for _, array in self.arrays)]

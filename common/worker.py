@@ -376,6 +376,7 @@ class Worker:
         z = np.array(self._per_client(task.z))  # the computation's own copy, one column per client
         named: dict[str, object] = {name: self._per_client(array) for name, array in task.arrays}
         named.update(task.params)
+        named.update((name, self._per_run(column)) for name, column in task.per_run)  # (B, 1) -> (B,)
         result = np.asarray(computation(_Oracle(self, round_id), z, **named), dtype=np.float64)
         if result.shape != z.shape:
             raise ValueError(

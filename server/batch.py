@@ -6,7 +6,10 @@ rules as a run alone's (`settle`, server/settlement.py). The driver here advance
 whenever every unfinished run waits on an exchange, it groups the pending tasks
 by shape (kind, local steps, round id, ...), stacks each group's vectors along a
 leading run axis, and executes the group in one vectorized worker call; per-run
-numbers (step sizes, theta) travel as a column. Client arithmetic is elementwise
+numbers (step sizes, theta) travel as a column. So do a COMPUTE task's parameters
+that its computation declares per run (common/computations.py's `per_run`); runs
+of a computation that declares none share a call when their parameters are
+equal. Client arithmetic is elementwise
 per run, so each run gets the bits it gets alone, in-process or over gRPC
 (tests/test_batch.py checks this). Metrics at step boundaries are computed for
 all runs at a boundary at once.
@@ -21,6 +24,7 @@ default): a run's result does not depend on the process that computes it.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import sys
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsaddle.common.attacks import corrupt_round, label_flipped
+from fedsaddle.common.computations import find_computation, per_run_names
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem, solution, stack_shards
 from fedsaddle.common.tasks import Answer, ComputeTask, GradientTask, LocalStepsTask, Task
@@ -92,14 +97,24 @@ class _Member:
         self.faulty_rounds = 0
 
 
-def _signature(task: Task, round_id: int) -> tuple[object, ...]:
+def _per_run_params(name: str) -> frozenset[str]:
+    """The parameters the computation `name` takes one per run (common/computations.py's `per_run`)."""
+    computation = find_computation(name)
+    return frozenset() if computation is None else per_run_names(computation)
+
+
+def _signature(task: Task, round_id: int, per_run: Callable[[str], frozenset[str]]) -> tuple[object, ...]:
     """Tasks with equal signatures can run as one batched worker call."""
     if isinstance(task, GradientTask):
         return ("gradient", round_id, task.batch, task.exact, task.want_objective)
     if isinstance(task, LocalStepsTask):
         return ("local", round_id, task.steps, task.step_offset, task.decay, task.control is None)
-    if isinstance(task, ComputeTask):  # one call for runs of the same computation, parameters and array names
-        return ("compute", round_id, task.name, task.params, tuple(name for name, _ in task.arrays))
+    if isinstance(task, ComputeTask):
+        # One call for runs of the same computation, array names and parameters: equal parameters, but for those
+        # the computation takes one per run, which need only the same names.
+        varying = per_run(task.name)
+        params = tuple((name, None if name in varying else value) for name, value in task.params)
+        return ("compute", round_id, task.name, params, tuple(name for name, _ in task.arrays))
     raise ValueError("batches of runs do not evaluate on held-out data; run them one at a time")
 
 
@@ -111,15 +126,24 @@ def _per_run(values: list[float]) -> float | Array:
     return np.array(values, dtype=float)[:, None]
 
 
-def _stacked_task(tasks: list[Task]) -> Task:
+def _stacked_task(tasks: list[Task], per_run: Callable[[str], frozenset[str]]) -> Task:
     first = tasks[0]
     if isinstance(first, GradientTask):
         z = np.stack([t.z for t in tasks])  # type: ignore[union-attr]
         return GradientTask(z, batch=first.batch, exact=first.exact, want_objective=first.want_objective)
     if isinstance(first, ComputeTask):
         computes = [t for t in tasks if isinstance(t, ComputeTask)]
+        varying = per_run(first.name)
         arrays = tuple((name, np.stack([dict(t.arrays)[name] for t in computes])) for name, _ in first.arrays)
-        return ComputeTask(first.name, np.stack([t.z for t in computes]), arrays, first.params)
+        shared: list[tuple[str, float]] = []
+        columns: list[tuple[str, Array]] = []
+        for k, (name, value) in enumerate(first.params):  # (the names agree, in order: the signature's)
+            column = np.array([float(t.params[k][1]) for t in computes])[:, None]
+            if name in varying and (column.view(np.int64) != column.view(np.int64)[0]).any():
+                columns.append((name, column))
+            else:  # equal in every run (bit for bit, when declared per run): as a run alone sees it
+                shared.append((name, value))
+        return ComputeTask(first.name, np.stack([t.z for t in computes]), arrays, tuple(shared), tuple(columns))
     local = [t for t in tasks if isinstance(t, LocalStepsTask)]
     first = local[0]
     return LocalStepsTask(
@@ -183,6 +207,7 @@ def run_batch(
     for member in runs:
         member.event = member.run.advance(None)
     finished = 0
+    per_run = functools.cache(_per_run_params)  # (looked up once per computation and batch)
     while True:
         _record_boundaries(runs, dim_x)
         waiting = [b for b, m in enumerate(runs) if m.event is not None]
@@ -197,10 +222,10 @@ def run_batch(
             task = runs[b].event
             assert isinstance(task, GradientTask | LocalStepsTask | ComputeTask)
             weights = runs[b].weights
-            key = (*_signature(task, runs[b].rounds + 1), None if weights is None else weights.tobytes())
+            key = (*_signature(task, runs[b].rounds + 1, per_run), None if weights is None else weights.tobytes())
             groups.setdefault(key, []).append(b)
         for rows in groups.values():
-            _exchange(runs, tuple(rows), workers)
+            _exchange(runs, tuple(rows), workers, per_run)
     wall = time.perf_counter() - started
     results = [m.run.result(_traffic_dict(m), wall_s=wall / len(runs)) for m in runs]
     for member, result in zip(runs, results, strict=True):
@@ -226,12 +251,14 @@ def _record_boundaries(runs: list[_Member], dim_x: int) -> None:
             m.event = m.run.advance(None) if going else None
 
 
-def _exchange(runs: list[_Member], rows: tuple[int, ...], workers: _Workers) -> None:
+def _exchange(
+    runs: list[_Member], rows: tuple[int, ...], workers: _Workers, per_run: Callable[[str], frozenset[str]]
+) -> None:
     """One round for the runs in `rows` (tasks of one signature): one worker call, then each run goes on."""
     tasks: list[Task] = [runs[b].event for b in rows]  # type: ignore[misc]
     first = runs[rows[0]]
     with np.errstate(over="ignore", invalid="ignore"):
-        answer = workers.over(rows, len(runs)).execute(_stacked_task(tasks), first.rounds + 1)
+        answer = workers.over(rows, len(runs)).execute(_stacked_task(tasks, per_run), first.rounds + 1)
     vectors, objective = answer.vectors, answer.objective
     finite = np.isfinite(vectors).all(axis=(1, 2))
     if objective is not None:

@@ -11,10 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import CLIENT_ENV, config
+from fedsaddle_fedprox_gda import FEDPROX_GDA
 
+from fedsaddle.common import computations
 from fedsaddle.common.worker import ShardCache
 from fedsaddle.experiments.datasets import split
 from fedsaddle.experiments.grid import Grid, best_steps, quartiles, run_grid
+from fedsaddle.server.algorithms import register, unregister
 from fedsaddle.server.batch import BatchRun, run_batch, run_batches
 from fedsaddle.server.driver import AlgorithmResult, run_algorithm
 from fedsaddle.server.transport.local_pool import LocalPool
@@ -206,3 +209,132 @@ def test_a_batch_on_real_data_weighted_by_samples_equals_the_runs_alone(tmp_path
         alone = run_algorithm(member.spec, member.config, LocalPool(data=data), reference=np.zeros(20))
         assert same(result, alone), (member.config.weighting, member.spec.name)
     assert batched[0].z_sha256 != batched[3].z_sha256  # the weighting matters
+
+
+# The algorithms whose clients run a named computation (COMPUTE tasks), each with the field of its step.
+COMPUTING: list[tuple[dict[str, Any], str]] = [
+    ({"name": "local_extragradient"}, "gamma"),
+    ({"name": "local_sgda_plus", "snapshot_every": 2}, "eta_x"),
+]
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, name: str, declared: bool = True) -> list[int]:
+    """Count the calls of built-in computation `name`: one per worker call, whatever the runs it serves.
+    Not `declared`: the same computation as a plug-in that declares no per-run parameters."""
+    original = computations.BUILT_IN[name]
+    calls: list[int] = []
+
+    def computation(oracle: Any, z: Any, **named: Any) -> Any:
+        calls.append(z.shape[-1])
+        return original(oracle, z, **named)
+
+    wrapped = computations.per_run(*computations.per_run_names(original))(computation) if declared else computation
+    monkeypatch.setitem(computations.BUILT_IN, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize(("entry", "step"), COMPUTING, ids=lambda a: a["name"] if isinstance(a, dict) else "")
+def test_runs_of_a_computation_with_different_steps_share_each_call_and_equal_the_runs_alone(
+    entry: dict[str, Any], step: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    members = []
+    for s in (0.0, 6.0):
+        for scale in (0.05, 0.01, 1e12):  # so large a step overflows: flagged per run
+            for seed in (0, 1):
+                algorithm = {**entry, step: scale / max(s, 1)}
+                if entry["name"] == "local_sgda_plus" and seed:
+                    algorithm["eta_y"] = scale / 2  # both of its steps differing between runs
+                run = config(seed=seed, problem={"name": "paper_regression", "s": s}, rounds=20, algorithms=[algorithm])
+                members.append(BatchRun(run, run.algorithms[0]))
+    calls = counted(monkeypatch, entry["name"])
+    batched = run_batch(members)
+    assert len(calls) == 20 and calls[0] == len(members)  # one call per round for every run still going
+    statuses = set()
+    for member, result in zip(members, batched, strict=True):
+        assert same(result, run_algorithm(member.spec, member.config, LocalPool())), member.spec
+        statuses.add(result.status)
+    assert statuses == {"ok", "diverged"}
+    for small, smaller in zip(batched[::6] + batched[1::6], batched[2::6] + batched[3::6], strict=True):
+        assert small.status == smaller.status == "ok" and small.z_sha256 != smaller.z_sha256  # each its own step
+
+
+@pytest.mark.parametrize(("entry", "step"), COMPUTING, ids=lambda a: a["name"] if isinstance(a, dict) else "")
+def test_a_computation_that_declares_nothing_shares_calls_only_between_equal_parameters(
+    entry: dict[str, Any], step: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A plug-in's computation written for one run at a time is still batched, over the runs of equal steps.
+    members = []
+    for gamma in (0.02, 0.05, 0.02):
+        for seed in (0, 1):
+            run = config(
+                seed=seed,
+                problem={"name": "quadratic_game", "num_clients": 4, "dim": 3},
+                gradient_noise=0.3,
+                sync={"kind": "random", "p": 0.3},
+                rounds=12,
+                algorithms=[{**entry, step: gamma}],
+            )
+            members.append(BatchRun(run, run.algorithms[0]))
+    calls = counted(monkeypatch, entry["name"], declared=False)
+    batched = run_batch(members)
+    assert max(calls) <= 4 and sum(calls) == 12 * len(members)  # no call mixes steps (nor sync intervals)
+    monkeypatch.undo()
+    together = run_batch(members)  # the declared computation: the same bits
+    for member, alone_in_batch, result in zip(members, batched, together, strict=True):
+        alone = run_algorithm(member.spec, member.config, LocalPool())
+        assert same(alone_in_batch, alone) and same(result, alone)
+
+
+def test_computations_on_a_constrained_problem_batch_with_the_bits_of_the_runs_alone(tmp_path: Path) -> None:
+    split("breast_cancer", 4, "label-skew", seed=2, out=tmp_path)
+    data = {i: str(tmp_path / f"client-{i:03d}.npz") for i in range(4)}
+    reference = np.concatenate([np.zeros(31), np.full(4, 0.25)])  # (any point of the domain)
+    members = []
+    for entry, step in COMPUTING:
+        for gamma in (0.5, 0.1, 0.02):
+            run = config(
+                problem={"name": "agnostic", "num_clients": 4, "features": 30, "lam": 0.2, "nu": 0.2},
+                rounds=15,
+                algorithms=[{**entry, step: gamma}],
+            )
+            members.append(BatchRun(run, run.algorithms[0], reference=reference))
+    batched = run_batch(members, ShardCache(size=2, data=data))
+    for member, result in zip(members, batched, strict=True):
+        alone = run_algorithm(member.spec, member.config, LocalPool(data=data), reference=reference)
+        assert same(result, alone), member.spec
+        weights = result.final_z[31:]
+        assert np.all(weights >= 0) and abs(weights.sum() - 1) < 1e-12  # kept on the simplex
+
+
+def test_a_plugin_computation_declared_per_run_batches_over_its_steps_with_the_bits_of_the_runs_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    register(FEDPROX_GDA)  # examples/algorithm-plugin: its computation declares gamma per run
+    try:
+        calls: list[int] = []
+        original = computations.find_computation("fedprox_gda_steps")
+        assert original is not None and computations.per_run_names(original) == {"gamma"}
+
+        def counting(oracle: Any, z: Any, **named: Any) -> Any:
+            calls.append(z.shape[-1])
+            return original(oracle, z, **named)
+
+        monkeypatch.setitem(computations._REGISTERED, "fedprox_gda_steps", computations.per_run("gamma")(counting))
+        members = []
+        for gamma in (0.08, 0.05, 0.02):
+            for mu in (0.0, 0.3):
+                run = config(
+                    seed=4,
+                    problem={"name": "quadratic_game", "num_clients": 5, "dim": 4, "heterogeneity": 0.5},
+                    gradient_noise=0.2,
+                    rounds=10,
+                    algorithms=[{"name": "fedprox_gda", "gamma_local": gamma, "mu": mu}],
+                )
+                members.append(BatchRun(run, run.algorithms[0]))
+        batched = run_batch(members)
+        assert sorted(calls) == [3] * 20  # per round, one call for each mu, over the three steps
+        monkeypatch.undo()
+        for member, result in zip(members, batched, strict=True):
+            assert same(result, run_algorithm(member.spec, member.config, LocalPool()))
+    finally:
+        unregister("fedprox_gda")

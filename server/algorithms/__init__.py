@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedsaddle.common.computations import ClientOracle, LocalComputation
+from fedsaddle.common.computations import ClientOracle, LocalComputation, per_run
 from fedsaddle.common.problems.domains import Domain
 from fedsaddle.common.tasks import ComputeTask, GradientTask, LocalStepsTask
 from fedsaddle.server.algorithms.base import (
@@ -73,6 +73,7 @@ __all__ = [
     "definition",
     "load_state",
     "no_exchange",
+    "per_run",
     "positive",
     "register",
     "rescan",

@@ -34,6 +34,7 @@ from fedsaddle.server.algorithms import (
     SyncClock,
     SyncSchedule,
     no_exchange,
+    per_run,
     positive,
 )
 
@@ -47,6 +48,7 @@ class FedProxGdaSpec(AlgorithmSpecBase):
     mu: float = Field(0.1, ge=0, description="weight of the proximal pull towards the last synchronized z~")
 
 
+@per_run("gamma")  # elementwise in gamma: a sweep's runs of different steps share each call (not mu: `if mu`)
 def fedprox_gda_steps(oracle: ClientOracle, z: np.ndarray, *, steps: float, gamma: float, mu: float) -> np.ndarray:
     """The client half: `steps` proximal local steps from z (one column per hosted client)."""
     z_i = z.copy()

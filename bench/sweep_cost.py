@@ -1,0 +1,260 @@
+"""What a run of `fedsaddle experiment paper` costs, per algorithm, beside a numpy reproduction.
+
+The sweep's shape (n = 10, d = 10, lambda = 1e-5, tau = 20, 500 rounds counted as
+exchanges, every algorithm and variant of the sweep with its own step grid, 5
+seeds) on half the values of s (--s; the sweep has 0..15). Each (algorithm,
+variant) is one batch on one process, as big as each of the sweep's two worker
+processes gets on a 2-core machine; the printed figure is the batch's CPU time (this
+process's: the machine is shared) divided by its runs, the median over --repeats
+sweeps, the sweeps alternating with the other layouts asked for.
+
+--layouts: `declared` is the code as it is: Local Extragradient's and Local
+SGDA+'s computations declare the step sizes they take one per run, so one worker
+call serves every run of a round. `undeclared` runs the same two computations as
+a plug-in that declares nothing: runs share a call only when their parameters are
+equal (one call per step size), as every computation did before. Only those two
+algorithms run in that layout; its summary takes the others' figures from
+`declared`.
+
+`numpy` is an independent reproduction of four of the algorithms (Minibatch MD,
+FedAvg-S with the constant step, Local Extragradient, Local SGDA+ with a snapshot
+every sync): plain numpy over arrays (runs, clients, d), all runs of an algorithm
+at once, with the same data and ||x - x*|| recorded at every sync; its final
+iterates are compared with fedsaddle's (the largest relative difference over
+the runs that did not diverge is printed: 0 means the same bits).
+
+    python bench/sweep_cost.py [--s 0,2,4,6,8,10,12,14] [--repeats 3] [--layouts declared,undeclared,numpy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from fedsaddle.common import computations
+from fedsaddle.common.problems.synthetic import PaperRegressionShards, PaperRegressionSpec
+from fedsaddle.experiments.grid import NAMES, SWEPT, Grid
+from fedsaddle.server.batch import BatchRun, run_batch
+from fedsaddle.server.driver import initial_point
+
+COMPUTING = ("local_extragradient", "local_sgda_plus")  # the sweep's algorithms with COMPUTE tasks
+
+
+@contextmanager
+def undeclared() -> Iterator[None]:
+    """The two built-in computations as a plug-in that declares no per-run parameters would run."""
+    saved = dict(computations.BUILT_IN)
+    for name, fn in saved.items():
+        computations.BUILT_IN[name] = lambda oracle, z, _fn=fn, **named: _fn(oracle, z, **named)
+    try:
+        yield
+    finally:
+        computations.BUILT_IN.clear()
+        computations.BUILT_IN.update(saved)
+
+
+def batches(grid: Grid) -> dict[str, list[list[BatchRun]]]:
+    """Each algorithm's batches, one per variant, as `run_grid` makes them."""
+    out: dict[str, list[list[BatchRun]]] = {}
+    for algorithm in grid.algorithms:
+        by_variant: dict[str, list[BatchRun]] = defaultdict(list)
+        for key, member in grid.members(algorithm):
+            by_variant[key["variant"]].append(member)
+        out[algorithm] = list(by_variant.values())
+    return out
+
+
+def fedsaddle_sweep(work: dict[str, list[list[BatchRun]]]) -> tuple[dict[str, float], dict[str, list[Any]]]:
+    """Seconds per run of each algorithm, and its runs' final iterates."""
+    per_run, finals = {}, {}
+    for algorithm, pieces in work.items():
+        started = time.process_time()
+        results = [r for piece in pieces for r in run_batch(piece)]
+        per_run[algorithm] = (time.process_time() - started) / len(results)
+        finals[algorithm] = results
+    return per_run, finals
+
+
+# -- the numpy reproduction -----------------------------------------------------------
+
+
+def paper_data(runs: Sequence[BatchRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A_i / 2 and b_i / 2 as (R, n, d), and lambda as (R, 1, 1), of each run's clients."""
+    half_a, half_b, lam = [], [], []
+    for run in runs:
+        spec = run.config.problem
+        assert isinstance(spec, PaperRegressionSpec)
+        shards = PaperRegressionShards(spec, run.config.seed, range(spec.num_clients))
+        half_a.append(shards.a.T / 2)
+        half_b.append(shards.b.T / 2)
+        lam.append(spec.lam)
+    return np.array(half_a), np.array(half_b), np.array(lam)[:, None, None]
+
+
+def steps_of(runs: Sequence[BatchRun], field: str) -> np.ndarray:
+    return np.array([getattr(run.spec, field) for run in runs])[:, None, None]
+
+
+def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarray:
+    """The final z of every run, (R, 2d), from plain numpy; ||x|| (z* = 0) kept at every sync."""
+    half_a, half_b, lam = paper_data(runs)
+    _, n, d = half_a.shape
+    tau, budget = grid.tau, grid.rounds
+    z0 = np.array([initial_point(run.config) for run in runs])[:, None]  # where fedsaddle's runs start
+    x, y = z0[..., :d], z0[..., d:]
+    distances = []
+
+    def grad(xi: np.ndarray, yi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return lam * xi - half_a * yi, yi - half_b + half_a * xi  # (grad_x, -grad_y)
+
+    if algorithm == "minibatch_md":
+        gamma = steps_of(runs, "gamma")
+        for _ in range(budget):
+            gx, gy = grad(x, y)
+            x = x - gamma * gx.mean(axis=1, keepdims=True)
+            y = y - gamma * gy.mean(axis=1, keepdims=True)
+            distances.append(np.linalg.norm(x, axis=2))
+    elif algorithm == "fedavg_s_constant":
+        gamma = steps_of(runs, "gamma_local")
+        for _ in range(budget):
+            xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
+            sx, sy = np.zeros_like(xi), np.zeros_like(yi)
+            for _ in range(tau):
+                gx, gy = grad(xi, yi)
+                sx += gx
+                sy += gy
+                xi, yi = xi - gamma * gx, yi - gamma * gy
+            x = x - gamma * sx.mean(axis=1, keepdims=True)
+            y = y - gamma * sy.mean(axis=1, keepdims=True)
+            distances.append(np.linalg.norm(x, axis=2))
+    elif algorithm == "local_extragradient":
+        gamma = steps_of(runs, "gamma")
+        for _ in range(budget):
+            xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
+            sx, sy = np.zeros_like(xi), np.zeros_like(yi)
+            for _ in range(tau):
+                gx, gy = grad(xi, yi)
+                hx, hy = grad(xi - gamma * gx, yi - gamma * gy)
+                sx += hx
+                sy += hy
+                xi, yi = xi - gamma * hx, yi - gamma * hy
+            x = x - gamma * sx.mean(axis=1, keepdims=True)
+            y = y - gamma * sy.mean(axis=1, keepdims=True)
+            distances.append(np.linalg.norm(x, axis=2))
+    elif algorithm == "local_sgda_plus":
+        eta = steps_of(runs, "eta_x")  # eta_y = eta_x in the sweep
+        for _ in range(budget):
+            snapshot = x  # refreshed every sync (snapshot_every = 1)
+            xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
+            sx, sy = np.zeros_like(xi), np.zeros_like(yi)
+            for _ in range(tau):
+                gx, _ = grad(xi, yi)
+                _, gy = grad(snapshot, yi)
+                sx += gx
+                sy += gy
+                xi, yi = xi - eta * gx, yi - eta * gy
+            x = x - eta * sx.mean(axis=1, keepdims=True)
+            y = y - eta * sy.mean(axis=1, keepdims=True)
+            distances.append(np.linalg.norm(x, axis=2))
+    else:
+        raise ValueError(algorithm)
+    return np.concatenate([x[:, 0], y[:, 0]], axis=1)
+
+
+REPRODUCED = ("minibatch_md", "fedavg_s_constant", "local_extragradient", "local_sgda_plus")
+
+
+def numpy_sweep(grid: Grid, work: dict[str, list[list[BatchRun]]]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    per_run, finals = {}, {}
+    for algorithm in (a for a in REPRODUCED if a in work):
+        runs = [m for piece in work[algorithm] for m in piece]
+        started = time.process_time()
+        with np.errstate(all="ignore"):
+            finals[algorithm] = reproduce(algorithm, grid, runs)
+        per_run[algorithm] = (time.process_time() - started) / len(runs)
+    return per_run, finals
+
+
+def agreement(results: list[Any], reference: np.ndarray) -> float:
+    """The largest relative difference between fedsaddle's final z and the reproduction's, over runs that
+    neither diverged."""
+    worst = 0.0
+    for result, z in zip(results, reference, strict=True):
+        if result.status != "ok" or not np.isfinite(z).all():
+            continue
+        ours = np.asarray(result.final_z)
+        worst = max(worst, float(np.max(np.abs(ours - z)) / max(np.max(np.abs(z)), 1e-300)))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--s", default="0,2,4,6,8,10,12,14", help="the values of s (the sweep: 0..15)")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layouts", default="declared,undeclared,numpy")
+    parser.add_argument("--algorithms", default=",".join(SWEPT))
+    args = parser.parse_args()
+    grid = Grid(
+        s_values=tuple(float(s) for s in args.s.split(",")),
+        seeds=tuple(range(args.seeds)),
+        algorithms=tuple(args.algorithms.split(",")),
+    )
+    layouts = args.layouts.split(",")
+    work = batches(grid)
+    sizes = {a: sum(len(p) for p in pieces) for a, pieces in work.items()}
+    timings: dict[str, dict[str, list[float]]] = {layout: defaultdict(list) for layout in layouts}
+    checks: dict[str, float] = {}
+    runners: dict[str, Callable[[], tuple[dict[str, float], Any]]] = {
+        "declared": lambda: fedsaddle_sweep(work),
+        "numpy": lambda: numpy_sweep(grid, work),
+    }
+    finals: dict[str, Any] = {}
+    for _ in range(args.repeats):
+        for layout in layouts:
+            if layout == "undeclared":  # (only the two algorithms it changes)
+                with undeclared():
+                    per_run, out = fedsaddle_sweep({a: p for a, p in work.items() if a in COMPUTING})
+            else:
+                per_run, out = runners[layout]()
+            finals[layout] = out
+            for algorithm, seconds in per_run.items():
+                timings[layout][algorithm].append(seconds)
+    if "numpy" in finals and "declared" in finals:
+        for algorithm in REPRODUCED:
+            if algorithm in finals["declared"]:
+                checks[algorithm] = agreement(finals["declared"][algorithm], finals["numpy"][algorithm])
+    print(f"sweep of {sum(sizes.values())} runs: {grid.describe()}; s in {grid.s_values}")
+    print(f"CPU ms per run, median of {args.repeats} alternating sweeps, one process")
+    print(f"  {'algorithm':<28} {'runs':>5} " + " ".join(f"{layout:>11}" for layout in layouts))
+    medians = {layout: {a: statistics.median(v) * 1e3 for a, v in timings[layout].items()} for layout in layouts}
+    for algorithm in grid.algorithms:
+        cells = [f"{medians[layout].get(algorithm, float('nan')):11.2f}" for layout in layouts]
+        print(f"  {NAMES[algorithm]:<28} {sizes[algorithm]:5d} " + " ".join(cells))
+    ordinary = [a for a in grid.algorithms if a not in COMPUTING]
+    for layout in (x for x in layouts if x != "numpy"):
+        m = {**medians.get("declared", {}), **medians[layout]}  # (`undeclared` changes only COMPUTING's)
+        if ordinary and all(a in m for a in COMPUTING):
+            base = sum(m[a] * sizes[a] for a in ordinary) / sum(sizes[a] for a in ordinary)
+            ratios = ", ".join(f"{NAMES[a]} {m[a] / base:.2f}" for a in COMPUTING)
+            print(f"  {layout}: ordinary tasks {base:.2f} ms per run; per-run cost against it: {ratios}")
+        whole = sum(m[a] * sizes[a] for a in m) / sum(sizes[a] for a in m)
+        print(f"  {layout}: the whole sweep {whole:.2f} ms per run")
+        if "numpy" in medians:
+            ratios = ", ".join(
+                f"{NAMES[a]} {m[a] / medians['numpy'][a]:.2f}" for a in REPRODUCED if a in m and a in medians["numpy"]
+            )
+            print(f"  {layout} / numpy per run: {ratios}")
+    for algorithm, worst in checks.items():
+        print(f"  {NAMES[algorithm]}: largest relative difference of the final z from the reproduction's {worst:.1e}")
+
+
+if __name__ == "__main__":
+    main()
