@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,16 +75,22 @@ def bench_steps(args: argparse.Namespace) -> None:
     problem = DeepAuc(spec)
     seed, client, gamma = 0, 0, 0.01
     z0 = problem.initial_point(seed)
-    shards = problem.shards(seed, [client])
-    worker = Worker(shards, seed, reuse_answers=True, scratch_tasks=True)
     task_z = np.empty_like(z0)
 
-    def client_round(round_id: int) -> float:
-        np.copyto(task_z, z0)
-        task = LocalStepsTask(task_z, args.steps, gamma)
-        started = time.process_time()
-        worker.execute(task, round_id)
-        return (time.process_time() - started) / args.steps
+    def client_round(iterate: str) -> Callable[[int], float]:
+        own = DeepAuc(spec.model_copy(update={"local_iterate": iterate}))
+        worker = Worker(own.shards(seed, [client]), seed, reuse_answers=True, scratch_tasks=True)
+
+        def run(round_id: int) -> float:
+            np.copyto(task_z, z0)
+            task = LocalStepsTask(task_z, args.steps, gamma)
+            started = time.process_time()
+            worker.execute(task, round_id)
+            return (time.process_time() - started) / args.steps
+
+        return run
+
+    clients = {iterate: client_round(iterate) for iterate in ("float64", "players")}
 
     # The plain loop: what a PyTorch user writes for the same steps.
     x, y = problem.build("cpu", seed)
@@ -110,12 +117,15 @@ def bench_steps(args: argparse.Namespace) -> None:
                     p.add_(g, alpha=gamma).clamp_(min=0.0)
         return (time.process_time() - started) / args.steps
 
-    client_round(0), plain_round(0)  # warm both
-    fed, plain = [], []
+    for run in (*clients.values(), plain_round):  # warm each
+        run(0)
+    times: dict[str, list[float]] = {iterate: [] for iterate in clients}
+    plain = []
     for k in range(args.pairs):
-        fed.append(client_round(k + 1))
+        for iterate, run in clients.items():
+            times[iterate].append(run(k + 1))
         plain.append(plain_round(k + 1))
-    f, p = statistics.median(fed), statistics.median(plain)
+    p = statistics.median(plain)
     print(
         f"deep_auc widened to {problem.dimension:,} parameters (channels {spec.channels}, hidden {spec.hidden}), "
         f"minibatches of {args.batch}, {args.steps} local steps a task, {args.pairs} alternating pairs, "
@@ -123,7 +133,9 @@ def bench_steps(args: argparse.Namespace) -> None:
     )
     print("| | ms per local step (median) | ratio |")
     print("|---|---|---|")
-    print(f"| fedsaddle client (Worker, FedAvg-S task) | {1e3 * f:.2f} | {f / p:.3f} |")
+    for iterate, measured in times.items():
+        f = statistics.median(measured)
+        print(f"| fedsaddle client, local_iterate: {iterate} (Worker, FedAvg-S task) | {1e3 * f:.2f} | {f / p:.3f} |")
     print(f"| plain PyTorch loop | {1e3 * p:.2f} | 1 |")
 
 

@@ -258,6 +258,16 @@ class Worker:
         return g, objective
 
     def _local_steps(self, task: LocalStepsTask, round_id: int) -> Array:
+        # Shards that keep the iterate in their own parameters (a PyTorch problem's `local_iterate: players`) run
+        # FedAvg-S's steps themselves, or answer None for the arithmetic below.
+        in_place = getattr(self.shards, "local_steps", None)
+        if in_place is not None and not self.batched and self.noise_scale == 0 and task.control is None:
+            gamma = float(task.gamma_local)
+            rates = [gamma * step_weight(task.decay, task.step_offset + step) for step in range(task.steps)]
+            columns = self._per_client(task.z_start)
+            done: Array | None = in_place(columns, rates, gamma, self._answer_buffer(columns.shape))
+            if done is not None:
+                return done
         if self.domain is not None:
             return self._projected_local_steps(task, round_id, self.domain)
         gradient_pairs = getattr(self.shards, "gradient_pairs", None)

@@ -159,6 +159,54 @@ def test_minibatch_local_steps_take_the_documented_rows_of_each_call() -> None:
     np.testing.assert_allclose(full.vectors[1], hand_gradient(datas[1].X, datas[1].y, z0), rtol=1e-12)
 
 
+class Boxed(Tiny):
+    """Tiny with its max player held in the box v >= -0.01 (steps of 0.5 reach the bound)."""
+
+    def domains(self) -> Any:
+        from fedsaddle.common.problems.domains import Box, Free
+
+        return [Free(4), Box(2, -0.01)]
+
+
+@pytest.mark.parametrize("decay", ["constant", "inverse_sqrt"])
+def test_local_iterate_players_steps_the_parameters_in_place_as_a_plain_loop_does(decay: Any) -> None:
+    # The loop a PyTorch user writes, replayed by hand: z rounded into float32 parameters, each step's
+    # minibatch, sub_/add_ with alpha = gamma * weight, the box clamped; the answer (z_0 - z_L) / gamma.
+    from fedsaddle.common.tasks import step_weight
+
+    spec = TinySpec(dtype="float32", batch_size=3, local_iterate="players")
+    datas = [client_data(7, 0), client_data(5, 1)]
+    worker = Worker(TorchShards(Boxed(spec), datas, [4, 9]), seed=11)
+    z0 = np.random.default_rng(3).standard_normal(6)
+    steps, gamma, offset = 5, 0.5, 3
+    answer = worker.execute(LocalStepsTask(z0, steps, gamma, step_offset=offset, decay=decay), round_id=7)
+    for row, (i, data) in enumerate(zip((4, 9), datas, strict=True)):
+        x, y = Boxed(spec).build("cpu", 0)
+        (v,) = y.value
+        unflatten(z0, [*x.parameters, v])
+        first = flatten(x.parameters, [v])
+        inputs, targets = torch.tensor(data.X, dtype=torch.float32), torch.tensor(data.y, dtype=torch.float32)
+        clamped = 0
+        for call in range(steps):
+            rows = torch.from_numpy(minibatch_rows(11, i, 7, call, data.samples, 3))
+            loss = Boxed(spec).loss(x.value, [v], Batch(inputs[rows], targets[rows]), client=None)
+            grads = torch.autograd.grad(loss, [*x.parameters, v])
+            rate = gamma * step_weight(decay, offset + call)
+            with torch.no_grad():
+                for p, g in zip(x.parameters, grads, strict=False):
+                    p.sub_(g, alpha=rate)
+                v.add_(grads[-1], alpha=rate)
+                clamped += int((v < -0.01).sum())
+                v.clamp_(min=-0.01)
+        np.testing.assert_array_equal(answer.vectors[row], (first - flatten(x.parameters, [v])) / gamma)
+        assert clamped  # the box did act
+    # the worker's float64 iterate computes other bits, the same steps up to float32's rounding
+    float64 = Worker(TorchShards(Boxed(spec.model_copy(update={"local_iterate": "float64"})), datas, [4, 9]), 11)
+    other = float64.execute(LocalStepsTask(z0, steps, gamma, step_offset=offset, decay=decay), round_id=7)
+    assert not np.array_equal(other.vectors, answer.vectors)
+    np.testing.assert_allclose(other.vectors, answer.vectors, rtol=1e-4, atol=1e-5)
+
+
 class Declared(Tiny):
     def dims(self) -> tuple[int, int]:
         return 5, 2
@@ -251,6 +299,19 @@ def test_the_example_gives_the_same_bits_in_simulate_and_in_local(tmp_path: Path
     assert simulate_lines == local_lines  # test_auc included, bit for bit
     aucs = [line["test_auc"] for line in simulate_lines if "test_auc" in line]
     assert aucs and all(0.0 <= auc <= 1.0 for auc in aucs)
+
+
+def test_local_iterate_players_gives_the_same_bits_in_simulate_and_in_local(tmp_path: Path) -> None:
+    config = small_config(name="deep-players", rounds=6)
+    config["problem"] = {**config["problem"], "local_iterate": "players"}
+    path = write_config(tmp_path / "players.yaml", **config)
+    runs = {}
+    for command, extra in (("simulate", []), ("local", ["--clients-per-process", "3", "--quiet-clients"])):
+        done = fedsaddle(command, "--config", str(path), "--out", str(tmp_path / command), *extra, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs[command] = summary_of(tmp_path / command)["algorithms"][0]
+    assert runs["simulate"]["status"] == runs["local"]["status"] == "ok"
+    assert runs["simulate"]["z_sha256"] == runs["local"]["z_sha256"]
 
 
 # Each process that loads a PyTorch problem imports torch (seconds on a loaded machine): these runs start few.

@@ -71,7 +71,7 @@ from fedsaddle.common.problems.base import (
     accepts_client,
     client_context,
 )
-from fedsaddle.common.problems.domains import problem_domain
+from fedsaddle.common.problems.domains import Box, problem_domain
 from fedsaddle.common.problems.shards import Minibatches, ProblemError, minibatch_rows, shard_columns
 
 if TYPE_CHECKING:
@@ -99,6 +99,12 @@ class TorchSpec(ProblemSpec):
         "float32", description="what the players compute in (the wire carries the run's precision)"
     )
     threads: int = Field(1, ge=1, le=256, description="torch's CPU threads in each process that hosts clients")
+    local_iterate: Literal["float64", "players"] = Field(
+        "float64",
+        description="where a client keeps its iterate during a task's local steps (FedAvg-S's): float64, the "
+        "worker's arithmetic as for numpy problems; players, in the parameters themselves, in dtype, stepped in "
+        "place as a plain PyTorch loop does (faster; other bits than float64 when dtype is float32)",
+    )
 
 
 @dataclass(frozen=True)
@@ -282,7 +288,9 @@ def unflatten(z: Array, parameters: Sequence[torch.Tensor]) -> None:
     total = _count(parameters)
     if np.shape(z) != (total,):
         raise ValueError(f"z has shape {np.shape(z)}; the players have {total} parameters")
-    flat = torch.from_numpy(np.ascontiguousarray(z, dtype=np.float64))
+    values = np.ascontiguousarray(z, dtype=np.float64)
+    # (torch wants a writable array even to read it: a broadcast task column is read-only)
+    flat = torch.from_numpy(values if values.flags.writeable else values.copy())
     offset = 0
     with torch.no_grad():
         for p in parameters:
@@ -348,6 +356,7 @@ class TorchShards:
         ]
         self._with_context = {name: accepts_client(getattr(problem, name)) for name in ("loss", "test_metrics")}
         self.domain = problem_domain(problem)
+        self._iterates: torch.Tensor | None = None  # `local_steps`' first and last iterates
         for j in range(len(self.datas)):  # the loss at the players' initialization
             value = float(self._loss(j, self.train[j]).detach())
             if not np.isfinite(value):
@@ -410,6 +419,74 @@ class TorchShards:
             out[target] = g_column
             out[y_block] *= -1.0  # G = (grad_x f, -grad_y f)
         return out
+
+    def local_steps(
+        self, z_start: Array, rates: Sequence[float], gamma_local: float, out: Array | None
+    ) -> Array | None:
+        """FedAvg-S's local steps with the iterate in the players (`local_iterate: players`), from each hosted
+        client's column of `z_start` (D, k): step l moves the parameters in place, x by -rates[l] grad_x f_i and
+        y by +rates[l] grad_y f_i on the step's minibatch (`sub_`/`add_` with alpha, as a plain loop does), then
+        projects the constrained blocks of the domain; the answer is (z_0 - z_L) / gamma_local in float64, the
+        steps actually taken (z_0: z_start rounded to the players' dtype; z_L: the last iterate). None, for the
+        worker's own arithmetic, when `local_iterate` is float64 or gamma_local is 0 (nothing moves)."""
+        if self.problem.spec.local_iterate != "players" or not gamma_local > 0:
+            return None
+        out = np.empty(z_start.shape) if out is None else out
+        descent, ascent = self.x.parameters, self.parameters[len(self.x.parameters) :]
+        if self._iterates is None:  # z_0 and z_L, flat in the players' dtype, kept from task to task
+            self._iterates = torch.empty((2, self.dimension), dtype=self.dtype, device=self.device)
+        first, last = self._iterates
+        for j, where, column in self._columns(z_start):
+            unflatten(column, self.parameters)
+            torch.cat([p.detach().view(-1) for p in self.parameters], out=first)
+            for rate in rates:
+                with self.draws.stochastic():
+                    batch = self._rows(j)
+                grads = torch.autograd.grad(self._loss(j, batch), self.parameters, allow_unused=True)
+                with torch.no_grad():
+                    for p, g in zip(descent, grads, strict=False):
+                        if g is not None:
+                            p.sub_(g, alpha=rate)
+                    for p, g in zip(ascent, grads[len(descent) :], strict=True):
+                        if g is not None:
+                            p.add_(g, alpha=rate)
+                    self._project_players()
+            torch.cat([p.detach().view(-1) for p in self.parameters], out=last)
+            into: tuple[slice | int, ...] = (slice(None), *where)
+            answer = torch.from_numpy(out[into])
+            answer.copy_(first)  # (widened exactly)
+            answer.sub_(last.to("cpu"))
+            answer.div_(gamma_local)
+        return out
+
+    def _project_players(self) -> None:
+        """The players' constrained blocks projected in place: a box entry by entry (clamped to its bounds in the
+        players' dtype), a ball or simplex gathered as one float64 vector, projected, and put back."""
+        if self.domain is None:
+            return
+        for rows, block in self.domain.constrained:
+            pieces = self._pieces(rows)
+            if isinstance(block, Box):
+                for p, a, b in pieces:
+                    p.view(-1)[a:b].clamp_(min=block.low, max=block.high)
+                continue
+            values = torch.cat([p.view(-1)[a:b] for p, a, b in pieces]).to(device="cpu", dtype=torch.float64)
+            projected = torch.from_numpy(np.ascontiguousarray(block.project(values.numpy())))
+            offset = 0
+            for p, a, b in pieces:
+                p.view(-1)[a:b].copy_(projected[offset : offset + b - a])
+                offset += b - a
+
+    def _pieces(self, rows: slice) -> list[tuple[torch.Tensor, int, int]]:
+        """The parameters' entries that z[rows] covers: (parameter, first, stop) in z's order."""
+        pieces, offset = [], 0
+        for p in self.parameters:
+            n = int(p.numel())
+            a, b = max(rows.start, offset), min(rows.stop, offset + n)
+            if a < b:
+                pieces.append((p, a - offset, b - offset))
+            offset += n
+        return pieces
 
     def objective(self, z: Array) -> Array:
         values = np.empty(z.shape[1:])
