@@ -4,10 +4,12 @@ aggregation, and across a coordinator killed and resumed)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -335,6 +337,34 @@ def test_simulate_equals_a_secure_federation_of_client_processes(
     assert a["z_sha256"] == b["z_sha256"] and a["status"] == b["status"] == "ok"
     assert b["traffic"]["privacy"]["rounds"] >= 1  # it did run masked
     assert without_time(run_dir / "metrics.jsonl") == secure_simulated[1]
+
+
+def test_a_coordinator_of_a_pytorch_problem_never_maps_torch(
+    tmp_path: Path, secure_simulated: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    # The coordinator only folds vectors: it reads deep_auc's spec, dimension and domain without torch, and
+    # builds z0 (`init: problem`) in a child process. Its memory maps are read all along the run (importing torch
+    # maps libtorch_cpu.so, libtorch_python.so, ...).
+    address = free_address()
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **SECURE), tmp_path / "runs", listen=address)
+    clients = [subprocess.Popen(client_command(address, "0-2", "--connect-timeout", "60"), env=CLIENT_ENV)]
+    maps = Path(f"/proc/{coordinator.process.pid}/maps")
+    seen, torch_mapped = 0, []
+    try:
+        deadline = time.monotonic() + 300
+        while coordinator.process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # (it may end between poll and read)
+                torch_mapped += [line for line in maps.read_text().splitlines() if "libtorch" in line]
+                seen += 1
+            time.sleep(0.05)
+        code, log = coordinator.finish(timeout=30)
+    finally:
+        codes = stop_processes(clients)
+    assert code == 0, log
+    assert codes == [0]
+    assert seen > 10 and torch_mapped == []
+    (a,), (b,) = secure_simulated[0]["algorithms"], summary_of(tmp_path / "runs")["algorithms"]
+    assert a["z_sha256"] == b["z_sha256"] and b["status"] == "ok"  # the child's z0 is simulate's
 
 
 def test_a_coordinator_killed_mid_run_resumes_to_the_same_bits(

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 from numpy.typing import NDArray
 from pydantic import Field
 
@@ -43,8 +42,13 @@ from fedsaddle.common.problems.auc import roc_auc
 from fedsaddle.common.problems.base import ClientContext, ClientData, SyntheticProblem
 from fedsaddle.common.problems.data import deal_by_class
 from fedsaddle.common.problems.domains import Block, Box, Free
-from fedsaddle.common.problems.pytorch import Batch, Player, TorchProblem, TorchShards, TorchSpec
+from fedsaddle.common.problems.pytorch import Batch, Player, TorchProblem, TorchSpec
 from fedsaddle.common.problems.shards import Shards
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedsaddle.common.problems.deep_auc_network import AucModel
 
 DIGITS_ROWS = 1797  # load_digits' images
 SIDE = 8  # pixels per side
@@ -68,36 +72,6 @@ class DeepAucSpec(TorchSpec):
         description="aucm: the AUC-M min-max margin loss; cross_entropy: the baseline, binary cross-entropy of the "
         "same network on the same data (a, b and alpha then stay where they start)",
     )
-
-
-class Cnn(torch.nn.Module):
-    """conv3x3(1 -> c) ReLU maxpool2, conv3x3(c -> 2c) ReLU maxpool2, linear(8c -> hidden) ReLU, linear(-> 1):
-    the score's logit for an 8 x 8 image."""
-
-    def __init__(self, channels: int, hidden: int) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, channels, 3, padding=1)
-        self.conv2 = torch.nn.Conv2d(channels, 2 * channels, 3, padding=1)
-        self.fc1 = torch.nn.Linear(2 * channels * (SIDE // 4) ** 2, hidden)
-        self.fc2 = torch.nn.Linear(hidden, 1)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        h = torch.max_pool2d(torch.relu(self.conv1(images)), 2)
-        h = torch.max_pool2d(torch.relu(self.conv2(h)), 2)
-        h = torch.relu(self.fc1(h.flatten(1)))
-        logits: torch.Tensor = self.fc2(h).squeeze(1)
-        return logits
-
-
-class AucModel(torch.nn.Module):
-    """The min player: the network and AUC-M's a and b. On the wire (named_parameters order, which lists a
-    module's own parameters before its submodules'): a, b, then the network's."""
-
-    def __init__(self, channels: int, hidden: int) -> None:
-        super().__init__()
-        self.net = Cnn(channels, hidden)
-        self.a = torch.nn.Parameter(torch.zeros(1))
-        self.b = torch.nn.Parameter(torch.zeros(1))
 
 
 @functools.cache
@@ -161,12 +135,25 @@ class DeepAuc(TorchProblem, SyntheticProblem):
         return sum(float(d.y.sum()) for d in datas) / sum(d.samples for d in datas)
 
     def players(self) -> tuple[Player, Player]:
-        return AucModel(self.spec.channels, self.spec.hidden), [torch.zeros(1)]
+        import torch
+
+        from fedsaddle.common.problems.deep_auc_network import AucModel
+
+        return AucModel(self.spec.channels, self.spec.hidden, SIDE), [torch.zeros(1)]
+
+    def dims(self) -> tuple[int, int]:
+        """Declared from the spec (a coordinator needs no network): the CNN's convolutions (3 x 3, with biases),
+        its two linear layers, then a and b; alpha."""
+        c, h = self.spec.channels, self.spec.hidden
+        net = (9 * c + c) + (9 * c * 2 * c + 2 * c) + (2 * c * (SIDE // 4) ** 2 * h + h) + (h + 1)
+        return net + 2, 1
 
     def inputs(self, X: torch.Tensor) -> torch.Tensor:
         return X.reshape(-1, 1, SIDE, SIDE)
 
     def loss(self, x: Any, y: Any, batch: Batch, *, client: ClientContext) -> torch.Tensor:
+        import torch
+
         model: AucModel = x
         (alpha,) = y
         p, margin = self.positive_rate, self.spec.margin
@@ -186,12 +173,16 @@ class DeepAuc(TorchProblem, SyntheticProblem):
         return self._regularized(model, value)
 
     def _regularized(self, model: AucModel, value: torch.Tensor) -> torch.Tensor:
+        import torch
+
         if self.spec.lam:
             value = value + self.spec.lam / 2 * sum(torch.sum(w**2) for w in model.net.parameters())
         result: torch.Tensor = value.reshape(())
         return result
 
     def test_metrics(self, x: Any, y: Any, batch: Batch, *, client: ClientContext) -> Sequence[float]:
+        import torch
+
         logits = x.net(batch.inputs).to(device="cpu", dtype=torch.float64).numpy()
         return (roc_auc(logits, batch.targets.cpu().numpy() > 0),)
 
@@ -200,6 +191,8 @@ class DeepAuc(TorchProblem, SyntheticProblem):
         return [Free(dim_x), Box(dim_y, 0.0)]  # alpha >= 0
 
     def shards(self, seed: int, indices: Sequence[int]) -> Shards:
+        from fedsaddle.common.problems.torch_shards import TorchShards
+
         datas = split_digits(self.spec)
         return TorchShards(self, [datas[i] for i in indices], indices)
 
@@ -219,6 +212,8 @@ class DeepAuc(TorchProblem, SyntheticProblem):
         return self._auc(z, images[rows], (digits[rows] == self.spec.positive_digit).astype(np.float64))
 
     def _auc(self, z: Array, X: Array, t: Array) -> float:
+        import torch
+
         model, _ = self.unflatten(z)
         with torch.no_grad():
             images = self.inputs(torch.as_tensor(X, dtype=model.a.dtype))

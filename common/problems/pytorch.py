@@ -29,7 +29,14 @@ are refused, as are parameters with requires_grad off.
 Arithmetic. Each oracle call copies z (float64, as the worker computes) into the
 parameters in the spec's `dtype` (float32 by default: z's entries rounded to nearest),
 computes f_i and its gradient in that dtype, and widens the gradient to float64
-exactly. What travels is the run's `precision`, as for any problem.
+exactly. What travels is the run's `precision`, as for any problem. With
+`local_iterate: players`, FedAvg-S's local steps keep the iterate in the parameters
+instead, in `dtype`, stepped in place (`TorchShards.local_steps`).
+
+Imports. This module does not import torch (common/problems/torch_shards.py, which
+computes, does): a coordinator imports a problem's module for its spec, dimensions
+and domain, and builds z0 in a child process when torch is not imported
+(`initial_point`), so that it never maps PyTorch.
 
 Determinism. In every process that hosts clients fedsaddle calls
 `torch.use_deterministic_algorithms(True)` and `torch.set_num_threads(spec.threads)`
@@ -52,38 +59,49 @@ every row. A `batch_size` larger than a client's rows is refused.
 from __future__ import annotations
 
 import abc
-import os
+import json
+import subprocess
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
 
 import numpy as np
-import torch
 from pydantic import Field
 
-from fedsaddle.common import devices
 from fedsaddle.common.numeric import Array
-from fedsaddle.common.problems.base import (
-    ClientContext,
-    ClientData,
-    DataProblem,
-    ProblemSpec,
-    accepts_client,
-    client_context,
-)
-from fedsaddle.common.problems.domains import Box, problem_domain
-from fedsaddle.common.problems.shards import Minibatches, ProblemError, minibatch_rows, shard_columns
+from fedsaddle.common.problems.base import ClientContext, ClientData, DataProblem, ProblemSpec
+from fedsaddle.common.problems.shards import ProblemError, minibatch_rows
+from fedsaddle.common.problems.torch_batch import Batch
 
 if TYPE_CHECKING:
+    import torch
+
     from fedsaddle.common.problems.shards import Shards
+    from fedsaddle.common.problems.torch_shards import Players, TorchShards, configure, flatten, unflatten
 
-# Before the first cuBLAS call of the process (torch's "reproducibility" notes): deterministic CUDA matmuls.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+__all__ = [
+    "Batch",
+    "TorchProblem",
+    "TorchShards",
+    "TorchSpec",
+    "configure",
+    "flatten",
+    "minibatch_rows",
+    "unflatten",
+]
 
-__all__ = ["Batch", "TorchProblem", "TorchShards", "TorchSpec", "flatten", "minibatch_rows", "unflatten"]
+Player: TypeAlias = "torch.nn.Module | Sequence[torch.Tensor]"
+# What common/problems/torch_shards.py defines, importable from here as it always was (it imports torch: loaded
+# on first use, so that importing this module does not).
+_RUNTIME = ("Players", "TorchShards", "configure", "flatten", "unflatten")
 
-Player = torch.nn.Module | Sequence[torch.Tensor]
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNTIME:
+        from fedsaddle.common.problems import torch_shards
+
+        return getattr(torch_shards, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TorchSpec(ProblemSpec):
@@ -105,25 +123,6 @@ class TorchSpec(ProblemSpec):
         "worker's arithmetic as for numpy problems; players, in the parameters themselves, in dtype, stepped in "
         "place as a plain PyTorch loop does (faster; other bits than float64 when dtype is float32)",
     )
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Rows of one client's data as tensors on the device: all its training rows, a minibatch, or its held-out
-    rows. `inputs` as the problem's `inputs` shaped them, in the spec's dtype; `targets` the file's `y` (same
-    dtype); `group` its sensitive attribute, if it has one."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    group: torch.Tensor | None = None
-
-    @property
-    def rows(self) -> int:
-        return int(self.targets.shape[0])
-
-    def take(self, rows: torch.Tensor) -> Batch:
-        group = None if self.group is None else self.group[rows]
-        return Batch(self.inputs[rows], self.targets[rows], group)
 
 
 class TorchProblem(DataProblem):
@@ -165,12 +164,16 @@ class TorchProblem(DataProblem):
         the client processes then check the built players against it."""
         if self._counts is None:
             x, y = self.build("cpu", 0)
-            self._counts = (_count(x.parameters), _count(y.parameters))
+            self._counts = (x.count, y.count)
         return self._counts
 
     def build(self, device: str | torch.device, seed: int) -> tuple[Players, Players]:
         """The two players, built under `torch.manual_seed(seed)` (the global generator forked), on `device` in
         the spec's dtype; ProblemError naming the fault if they are not usable."""
+        import torch
+
+        from fedsaddle.common.problems.torch_shards import DTYPES, Players
+
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             try:
@@ -184,12 +187,45 @@ class TorchProblem(DataProblem):
         )
 
     def initial_point(self, seed: int) -> Array:
-        """z0 for `init: problem`: the players as `players` initializes them under torch.manual_seed(seed)."""
+        """z0 for `init: problem`: the players as `players` initializes them under torch.manual_seed(seed).
+
+        A process that has not imported torch (a coordinator: it never computes) builds them in a child process
+        instead, which hands z0 back and exits, so that it never maps PyTorch's libraries (the same build, on the
+        CPU: the same bits)."""
+        if "torch" not in sys.modules:
+            return self._initial_point_elsewhere(seed)
+        from fedsaddle.common.problems.torch_shards import flatten
+
         x, y = self.build("cpu", seed)
         return flatten(x.parameters, y.parameters)
 
+    def _initial_point_elsewhere(self, seed: int) -> Array:
+        cls = type(self)
+        key = (f"{cls.__module__}:{cls.__qualname__}", self.spec.model_dump_json(), seed)
+        held = _INITIAL_POINTS.get(key)
+        if held is None:
+            request = json.dumps({"problem": key[0], "spec": json.loads(key[1]), "seed": seed, "path": sys.path})
+            done = subprocess.run(
+                [sys.executable, "-c", _CHILD], input=request.encode(), capture_output=True, check=False
+            )
+            if done.returncode != 0:
+                said = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(nothing on stderr)"]
+                raise ProblemError(
+                    f"{self._name()}: building its players for `init: problem` (in a child process, which imports "
+                    f"torch) failed with exit code {done.returncode}: {said[0]}"
+                )
+            held = np.frombuffer(done.stdout, dtype=np.float64)
+            if held.shape != (self.dimension,):
+                raise ProblemError(
+                    f"{self._name()}: its players have {held.size} parameters, but dims() declares {self.dimension}"
+                )
+            _INITIAL_POINTS[key] = held
+        return held.copy()
+
     def unflatten(self, z: Array, device: str = "cpu") -> tuple[Any, Any]:
         """The two players (as `players` returns them, on `device`) holding z: e.g. to score the final iterate."""
+        from fedsaddle.common.problems.torch_shards import unflatten
+
         x, y = self.build(device, 0)
         unflatten(z, [*x.parameters, *y.parameters])
         return x.value, y.value
@@ -197,6 +233,8 @@ class TorchProblem(DataProblem):
     def client_shards(
         self, datas: Sequence[ClientData], indices: Sequence[int], weighting: Literal["uniform", "samples"] = "uniform"
     ) -> Shards:
+        from fedsaddle.common.problems.torch_shards import TorchShards
+
         return TorchShards(self, datas, indices, weighting)
 
     # The numpy interface, for one client's data at a time (tools that call a problem directly use it;
@@ -221,6 +259,8 @@ class TorchProblem(DataProblem):
         for held, i, w, shards in self._lones:
             if held is data and i == index and w == weighting:
                 return shards
+        from fedsaddle.common.problems.torch_shards import TorchShards
+
         shards = TorchShards(self, [data], [index], weighting)
         self._lones = [*self._lones[-3:], (data, index, weighting, shards)]
         return shards
@@ -229,297 +269,20 @@ class TorchProblem(DataProblem):
         return f"problem {self.spec.name!r}"
 
 
-def _count(parameters: Sequence[torch.Tensor]) -> int:
-    return sum(int(p.numel()) for p in parameters)
+# z0 of each (problem class, spec, seed) that a child process built: a coordinator asks more than once.
+_INITIAL_POINTS: dict[tuple[str, str, int], Array] = {}
 
-
-@dataclass
-class Players:
-    """One player as the problem built it (`value`: a module or a list of tensors) and its parameters, in the
-    wire's order."""
-
-    value: Any
-    parameters: list[torch.Tensor]
-
-    @staticmethod
-    def of(player: object, role: str, problem: str, device: str | torch.device, dtype: torch.dtype) -> Players:
-        if isinstance(player, torch.nn.Module):
-            buffers = [name for name, _ in player.named_buffers()]
-            if buffers:
-                raise ProblemError(
-                    f"{problem}: the {role} has buffers {buffers[:5]} (BatchNorm's running statistics, say): they "
-                    "would be state outside z that no algorithm sees; use layers without buffers (GroupNorm, "
-                    "LayerNorm) or make them parameters"
-                )
-            frozen = [name for name, p in player.named_parameters() if not p.requires_grad]
-            if frozen:
-                raise ProblemError(
-                    f"{problem}: the {role}'s parameters {frozen[:5]} have requires_grad off; every parameter is "
-                    "part of z and is trained (leave constants out of the module's parameters)"
-                )
-            player.to(device=device, dtype=dtype)
-            return Players(player, [p for _, p in player.named_parameters()])
-        if isinstance(player, torch.Tensor) or not isinstance(player, Sequence):
-            raise ProblemError(
-                f"{problem}: players() must return two players, each a torch.nn.Module or a list of tensors; "
-                f"the {role} is a {type(player).__name__}"
-            )
-        tensors = []
-        for k, tensor in enumerate(player):
-            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-                raise ProblemError(
-                    f"{problem}: the {role}'s entry {k} is a {type(tensor).__name__}; expected a float tensor"
-                )
-            tensors.append(tensor.detach().to(device=device, dtype=dtype).clone().requires_grad_(True))
-        return Players(tensors, tensors)
-
-
-def flatten(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor]) -> Array:
-    """z = (x's parameters, then y's), each flattened row-major, widened to a float64 numpy vector."""
-    parts = [p.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for p in (*x, *y)]
-    if not parts:
-        return np.zeros(0)
-    return np.ascontiguousarray(torch.cat(parts).numpy())
-
-
-def unflatten(z: Array, parameters: Sequence[torch.Tensor]) -> None:
-    """Copy z into `parameters` (in their order, each in its own dtype and device: float32 rounds to nearest);
-    ValueError if z's length is not their count."""
-    total = _count(parameters)
-    if np.shape(z) != (total,):
-        raise ValueError(f"z has shape {np.shape(z)}; the players have {total} parameters")
-    values = np.ascontiguousarray(z, dtype=np.float64)
-    # (torch wants a writable array even to read it: a broadcast task column is read-only)
-    flat = torch.from_numpy(values if values.flags.writeable else values.copy())
-    offset = 0
-    with torch.no_grad():
-        for p in parameters:
-            n = int(p.numel())
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
-
-
-def configure(threads: int) -> None:
-    """The settings a process's bits depend on (module docstring): deterministic kernels, `threads` threads."""
-    torch.use_deterministic_algorithms(True)
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
-class TorchShards:
-    """The clients a process hosts for a PyTorch problem: the Shards interface (common/problems/shards.py) over
-    autograd. One pair of players serves every hosted client: each call loads its client's column of z first.
-
-    Checked when made, so that a problem that cannot serve fails before the run's first round, naming the client:
-    the players' parameter counts against `dims()`, `batch_size` against each client's rows, and the loss at the
-    players' initialization (a scalar, finite).
-    """
-
-    def __init__(
-        self,
-        problem: TorchProblem,
-        datas: Sequence[ClientData],
-        indices: Sequence[int],
-        weighting: Literal["uniform", "samples"] = "uniform",
-    ) -> None:
-        if len(datas) != len(indices):
-            raise ValueError(f"{len(indices)} clients need {len(indices)} data files, got {len(datas)}")
-        spec = problem.spec
-        configure(spec.threads)
-        self.problem = problem
-        self.indices = tuple(indices)
-        self.device = torch.device(devices.current())
-        self.dtype = DTYPES[spec.dtype]
-        self.x, self.y = problem.build(self.device, 0)
-        self.parameters = [*self.x.parameters, *self.y.parameters]
-        counts = (_count(self.x.parameters), _count(self.y.parameters))
-        declared = problem.dims()
-        if counts != tuple(declared):
-            raise ProblemError(
-                f"{problem._name()}: its players have {counts[0]} + {counts[1]} parameters (x, y), but dims() "
-                f"declares {declared[0]} + {declared[1]}"
-            )
-        self.dim_x = counts[0]
-        self.dimension = counts[0] + counts[1]
-        self.datas = list(datas)
-        self.contexts = [
-            client_context(i, spec.num_clients, data.samples, weighting)
-            for i, data in zip(self.indices, self.datas, strict=True)
-        ]
-        self.batch_size = spec.batch_size
-        self.draws = Minibatches(self.indices, [d.samples for d in self.datas], spec.batch_size, problem._name())
-        self.begin_round, self.stochastic = self.draws.begin_round, self.draws.stochastic
-        self.train = [self._batch(data.X, data.y, data.group) for data in self.datas]
-        self.test = [
-            None if d.X_test is None or d.y_test is None else self._batch(d.X_test, d.y_test, d.group_test)
-            for d in self.datas
-        ]
-        self._with_context = {name: accepts_client(getattr(problem, name)) for name in ("loss", "test_metrics")}
-        self.domain = problem_domain(problem)
-        self._iterates: torch.Tensor | None = None  # `local_steps`' first and last iterates
-        for j in range(len(self.datas)):  # the loss at the players' initialization
-            value = float(self._loss(j, self.train[j]).detach())
-            if not np.isfinite(value):
-                raise ProblemError(
-                    f"{self._where('loss', j)} is {value} at the players' initialization (seed 0): f_i must be "
-                    "finite where a run starts"
-                )
-
-    def _batch(self, X: Array, t: Array, group: Array | None) -> Batch:
-        # Copies (torch.tensor, never a view of numpy's memory): every process holds its rows in torch's own
-        # allocations, so no kernel's result can depend on where numpy happened to put an array.
-        inputs = self.problem.inputs(torch.tensor(X, dtype=self.dtype, device=self.device))
-        targets = torch.tensor(t, dtype=self.dtype, device=self.device)
-        groups = None if group is None else torch.tensor(group, dtype=self.dtype, device=self.device)
-        return Batch(inputs, targets, groups)
-
-    def _where(self, name: str, j: int) -> str:
-        return f"{self.problem._name()}: {name}() on client {self.indices[j]}'s data"
-
-    def _loss(self, j: int, batch: Batch) -> torch.Tensor:
-        try:
-            if self._with_context["loss"]:
-                value = self.problem.loss(self.x.value, self.y.value, batch, client=self.contexts[j])
-            else:
-                value = self.problem.loss(self.x.value, self.y.value, batch)  # type: ignore[call-arg]
-        except Exception as exc:
-            raise ProblemError(f"{self._where('loss', j)} raised {type(exc).__name__}: {exc}") from exc
-        if not isinstance(value, torch.Tensor):
-            raise ProblemError(f"{self._where('loss', j)} returned a {type(value).__name__}; it must return a tensor")
-        if value.numel() != 1:
-            raise ProblemError(
-                f"{self._where('loss', j)} returned shape {tuple(value.shape)}; f_i is a scalar (reduce over the "
-                "batch's rows, e.g. with .mean())"
-            )
-        return value.reshape(())
-
-    def _rows(self, j: int) -> Batch:
-        """Client j's rows for this call: its minibatch inside a stochastic call (`draws`), else all of them."""
-        rows = self.draws.rows(j)
-        batch = self.train[j]
-        return batch if rows is None else batch.take(torch.from_numpy(rows).to(self.device))
-
-    # -- the Shards interface ----------------------------------------------------------------------
-
-    def _columns(self, z: Array) -> list[tuple[int, tuple[int, ...], Array]]:
-        return shard_columns(z, len(self.datas))
-
-    def gradient(self, z: Array, out: Array | None = None) -> Array:
-        out = np.empty_like(z) if out is None else out
-        for j, where, column in self._columns(z):
-            batch = self._rows(j)
-            unflatten(column, self.parameters)
-            loss = self._loss(j, batch)
-            grads = torch.autograd.grad(loss, self.parameters, allow_unused=True)
-            pieces = zip(self.parameters, grads, strict=True)
-            flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in pieces])
-            g_column = flat.to(device="cpu", dtype=torch.float64).numpy()
-            target: tuple[slice | int, ...] = (slice(None), *where)
-            y_block: tuple[slice | int, ...] = (slice(self.dim_x, None), *where)
-            out[target] = g_column
-            out[y_block] *= -1.0  # G = (grad_x f, -grad_y f)
-        return out
-
-    def local_steps(
-        self, z_start: Array, rates: Sequence[float], gamma_local: float, out: Array | None
-    ) -> Array | None:
-        """FedAvg-S's local steps with the iterate in the players (`local_iterate: players`), from each hosted
-        client's column of `z_start` (D, k): step l moves the parameters in place, x by -rates[l] grad_x f_i and
-        y by +rates[l] grad_y f_i on the step's minibatch (`sub_`/`add_` with alpha, as a plain loop does), then
-        projects the constrained blocks of the domain; the answer is (z_0 - z_L) / gamma_local in float64, the
-        steps actually taken (z_0: z_start rounded to the players' dtype; z_L: the last iterate). None, for the
-        worker's own arithmetic, when `local_iterate` is float64 or gamma_local is 0 (nothing moves)."""
-        if self.problem.spec.local_iterate != "players" or not gamma_local > 0:
-            return None
-        out = np.empty(z_start.shape) if out is None else out
-        descent, ascent = self.x.parameters, self.parameters[len(self.x.parameters) :]
-        if self._iterates is None:  # z_0 and z_L, flat in the players' dtype, kept from task to task
-            self._iterates = torch.empty((2, self.dimension), dtype=self.dtype, device=self.device)
-        first, last = self._iterates
-        for j, where, column in self._columns(z_start):
-            unflatten(column, self.parameters)
-            torch.cat([p.detach().view(-1) for p in self.parameters], out=first)
-            for rate in rates:
-                with self.draws.stochastic():
-                    batch = self._rows(j)
-                grads = torch.autograd.grad(self._loss(j, batch), self.parameters, allow_unused=True)
-                with torch.no_grad():
-                    for p, g in zip(descent, grads, strict=False):
-                        if g is not None:
-                            p.sub_(g, alpha=rate)
-                    for p, g in zip(ascent, grads[len(descent) :], strict=True):
-                        if g is not None:
-                            p.add_(g, alpha=rate)
-                    self._project_players()
-            torch.cat([p.detach().view(-1) for p in self.parameters], out=last)
-            into: tuple[slice | int, ...] = (slice(None), *where)
-            answer = torch.from_numpy(out[into])
-            answer.copy_(first)  # (widened exactly)
-            answer.sub_(last.to("cpu"))
-            answer.div_(gamma_local)
-        return out
-
-    def _project_players(self) -> None:
-        """The players' constrained blocks projected in place: a box entry by entry (clamped to its bounds in the
-        players' dtype), a ball or simplex gathered as one float64 vector, projected, and put back."""
-        if self.domain is None:
-            return
-        for rows, block in self.domain.constrained:
-            pieces = self._pieces(rows)
-            if isinstance(block, Box):
-                for p, a, b in pieces:
-                    p.view(-1)[a:b].clamp_(min=block.low, max=block.high)
-                continue
-            values = torch.cat([p.view(-1)[a:b] for p, a, b in pieces]).to(device="cpu", dtype=torch.float64)
-            projected = torch.from_numpy(np.ascontiguousarray(block.project(values.numpy())))
-            offset = 0
-            for p, a, b in pieces:
-                p.view(-1)[a:b].copy_(projected[offset : offset + b - a])
-                offset += b - a
-
-    def _pieces(self, rows: slice) -> list[tuple[torch.Tensor, int, int]]:
-        """The parameters' entries that z[rows] covers: (parameter, first, stop) in z's order."""
-        pieces, offset = [], 0
-        for p in self.parameters:
-            n = int(p.numel())
-            a, b = max(rows.start, offset), min(rows.stop, offset + n)
-            if a < b:
-                pieces.append((p, a - offset, b - offset))
-            offset += n
-        return pieces
-
-    def objective(self, z: Array) -> Array:
-        values = np.empty(z.shape[1:])
-        with torch.no_grad():
-            for j, where, column in self._columns(z):
-                unflatten(column, self.parameters)
-                values[where] = float(self._loss(j, self.train[j]))
-        return values
-
-    def evaluate(self, z: Array) -> tuple[Array, Array]:
-        names = self.problem.metric_names
-        values = np.zeros((len(self.datas), len(names)))
-        counts = np.zeros(len(self.datas))
-        unflatten(np.ascontiguousarray(z), self.parameters)
-        for j, batch in enumerate(self.test):
-            if batch is None:
-                continue
-            try:
-                with torch.no_grad():
-                    if self._with_context["test_metrics"]:
-                        found = self.problem.test_metrics(self.x.value, self.y.value, batch, client=self.contexts[j])
-                    else:
-                        found = self.problem.test_metrics(self.x.value, self.y.value, batch)  # type: ignore[call-arg]
-            except Exception as exc:
-                raise ProblemError(f"{self._where('test_metrics', j)} raised {type(exc).__name__}: {exc}") from exc
-            if np.shape(found) != (len(names),):
-                raise ProblemError(
-                    f"{self._where('test_metrics', j)} returned shape {np.shape(found)}; it must give one value per "
-                    f"metric name {list(names)}"
-                )
-            values[j] = [float(v) for v in found]
-            counts[j] = batch.rows
-        return values, counts
-
-    def sample_counts(self) -> list[int]:
-        return [data.samples for data in self.datas]
+# The child process: reads the request on stdin, writes z0's float64 bytes on stdout.
+_CHILD = """
+import json, sys
+request = json.loads(sys.stdin.buffer.read())
+sys.path[:] = request["path"]
+import importlib
+module, name = request["problem"].split(":")
+cls = importlib.import_module(module)
+for part in name.split("."):
+    cls = getattr(cls, part)
+import torch  # (before initial_point, so that it builds here)
+z0 = cls(cls.Spec.model_validate(request["spec"])).initial_point(request["seed"])
+sys.stdout.buffer.write(z0.astype("float64").tobytes())
+"""
