@@ -408,10 +408,11 @@ class Worker:
         grad_start = self.shards.gradient(z_start) if control is not None else None
         z = z_start.copy()
         direction_sum = np.zeros(z.shape)
+        g = self._buffer("g", z.shape)  # (written whole by every gradient: one page-faulted vector, not one a step)
         for step in range(task.steps):
             weight = step_weight(task.decay, task.step_offset + step)
             with self._stochastic():
-                g = self.shards.gradient(z)
+                self.shards.gradient(z, out=g)
             if noisy:
                 g += self._noise(streams)
             if control is not None and grad_start is not None:

@@ -218,13 +218,21 @@ class TorchShards:
             batch = self._rows(j)
             unflatten(column, self.parameters)
             loss = self._loss(j, batch)
-            grads = torch.autograd.grad(loss, self.parameters, allow_unused=True)
-            pieces = zip(self.parameters, grads, strict=True)
-            flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in pieces])
-            g_column = flat.to(device="cpu", dtype=torch.float64).numpy()
+            # (None for a parameter the loss does not use: torch's stubs do not say so)
+            grads: Sequence[torch.Tensor | None] = torch.autograd.grad(loss, self.parameters, allow_unused=True)
+            # Each gradient widened straight into its rows of the column (exactly: no float32 -> float64 rounding),
+            # with no flat copy of its own in between.
             target: tuple[slice | int, ...] = (slice(None), *where)
+            g_column = torch.from_numpy(out[target])
+            offset = 0
+            for p, g in zip(self.parameters, grads, strict=True):
+                rows = g_column[offset : offset + int(p.numel())]
+                if g is None:
+                    rows.zero_()
+                else:
+                    rows.copy_(g.reshape(-1))
+                offset += int(p.numel())
             y_block: tuple[slice | int, ...] = (slice(self.dim_x, None), *where)
-            out[target] = g_column
             out[y_block] *= -1.0  # G = (grad_x f, -grad_y f)
         return out
 
