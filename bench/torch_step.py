@@ -2,26 +2,35 @@
 
     python bench/torch_step.py steps [--params 1e6] [--steps 20] [--pairs 7]
     python bench/torch_step.py rounds [--sizes 1e6,1e7] [--rounds 4]
+    python bench/torch_step.py coordinator [--params 1e6] [--rounds 3]
 
 `steps`: one client of the built-in deep_auc problem (the CNN widened to about --params parameters,
 minibatches of --batch rows), running the local steps of a FedAvg-S task as a client process runs them
-(common/worker.py's Worker over the problem's TorchShards: z copied into the network, G_i by autograd,
-widened to float64, the float64 step and the projection of alpha >= 0), against a plain PyTorch loop in the
-same process doing the same steps: the same network, the same rows of the same minibatches, the same loss,
+(common/worker.py's Worker over the problem's TorchShards), once with each `local_iterate`: float64 (z copied
+into the network, G_i by autograd, widened to float64, the float64 step and the projection of alpha >= 0) and
+players (the parameters stepped in place, alpha clamped), against a plain PyTorch loop in the same process
+doing the same steps: the same network, the same rows of the same minibatches, the same loss,
 torch.autograd.grad and an in-place SGD step on the parameters (descent on the network, a and b; ascent on
-alpha, clamped at 0). The two alternate, --pairs times each, in one process with one torch thread; the
-figures are medians of the time per step, and the ratio is of those medians.
+alpha, clamped at 0). The three alternate, --pairs times each, in one process with one torch thread; the
+figures are medians of the CPU time per step, and each ratio is of those medians.
 
 `rounds`: `fedsaddle local` with 10 client processes (one client each) on deep_auc widened to each size,
 FedAvg-S, tau = 1, --rounds rounds; every process of the tree sampled every 50 ms: the coordinator's and the
 client processes' peak resident sets (VmHWM), the time per round and the bytes each way on the wire (from the
 run's summary.json).
+
+`coordinator`: `fedsaddle coordinator` on 127.0.0.1 for deep_auc widened to --params, with one client process
+hosting the 10 clients, FedAvg-S, --rounds rounds; the coordinator's peak resident set (VmHWM) and whether
+PyTorch's libraries were ever in its memory maps, sampled every 50 ms. A coordinator only folds vectors: it
+should never import torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -128,7 +137,7 @@ def bench_steps(args: argparse.Namespace) -> None:
     p = statistics.median(plain)
     print(
         f"deep_auc widened to {problem.dimension:,} parameters (channels {spec.channels}, hidden {spec.hidden}), "
-        f"minibatches of {args.batch}, {args.steps} local steps a task, {args.pairs} alternating pairs, "
+        f"minibatches of {args.batch}, {args.steps} local steps a task, {args.pairs} alternating rounds of the three, "
         f"torch {torch.__version__}, {torch.get_num_threads()} thread"
     )
     print("| | ms per local step (median) | ratio |")
@@ -216,23 +225,76 @@ def bench_rounds(args: argparse.Namespace) -> None:
         )
 
 
+# -- a coordinator alone ---------------------------------------------------------------------------------------
+
+
+def bench_coordinator(args: argparse.Namespace) -> None:
+    config = {
+        "name": "torch-coordinator",
+        "problem": problem_entry(args.params, args.batch, 10),
+        "init": "problem",
+        "algorithms": [{"name": "fedavg_s", "gamma_local": 0.01, "decay": "constant"}],
+        "sync": {"kind": "fixed", "tau": 1},
+        "rounds": args.rounds,
+        "output": {"plot": False},
+        "transport": {"round_timeout_s": 1800.0, "join_timeout_s": 1800.0},
+    }
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "coordinator.yaml"
+        path.write_text(yaml.safe_dump(config))
+        fedsaddle = [sys.executable, "-m", "fedsaddle"]
+        coordinator = subprocess.Popen(
+            [*fedsaddle, "coordinator", "--config", str(path), "--out", tmp, "--listen", address],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = subprocess.Popen(
+            [*fedsaddle, "client", "--coordinator", address, "--clients", "0-9", "--quiet"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        peak, mapped = 0, False
+        while coordinator.poll() is None:
+            with contextlib.suppress(OSError):
+                mapped |= "libtorch" in Path(f"/proc/{coordinator.pid}/maps").read_text()
+                peak = field_mib(f"/proc/{coordinator.pid}/status", "VmHWM") or peak
+            time.sleep(0.05)
+        client.wait(timeout=120)
+    if coordinator.returncode != 0:
+        sys.exit(f"fedsaddle coordinator failed ({coordinator.returncode})")
+    print(
+        f"fedsaddle coordinator, deep_auc widened (channels {config['problem']['channels']}, hidden "
+        f"{config['problem']['hidden']}), 10 clients in one client process, FedAvg-S, {args.rounds} rounds: "
+        f"peak RSS {peak} MiB, PyTorch's libraries mapped: {'yes' if mapped else 'no'}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="which", required=True)
     steps = sub.add_parser("steps", help="a client's local step against a plain PyTorch loop")
     steps.add_argument("--params", type=float, default=1e6, help="model size: 1e6 or 1e7")
     steps.add_argument("--steps", type=int, default=20, help="local steps per task")
-    steps.add_argument("--pairs", type=int, default=7, help="alternating (client, plain) pairs")
+    steps.add_argument("--pairs", type=int, default=7, help="alternating (float64, players, plain) rounds")
     steps.add_argument("--batch", type=int, default=16, help="minibatch rows")
     rounds = sub.add_parser("rounds", help="round time, bytes and peak RSS of a 10-client federation")
     rounds.add_argument("--sizes", default="1e6,1e7", help="model sizes (1e6, 1e7)")
     rounds.add_argument("--rounds", type=int, default=5, help="communication rounds (at least 3)")
     rounds.add_argument("--batch", type=int, default=16, help="minibatch rows")
+    alone = sub.add_parser("coordinator", help="a coordinator process's peak RSS, and whether it maps PyTorch")
+    alone.add_argument("--params", type=float, default=1e6, help="model size: 1e6 or 1e7")
+    alone.add_argument("--rounds", type=int, default=3, help="communication rounds")
+    alone.add_argument("--batch", type=int, default=16, help="minibatch rows")
     args = parser.parse_args()
     if args.which == "steps":
         bench_steps(args)
-    else:
+    elif args.which == "rounds":
         bench_rounds(args)
+    else:
+        bench_coordinator(args)
 
 
 if __name__ == "__main__":
