@@ -20,21 +20,13 @@ from fedsaddle.common.secagg.party import UnmaskRequest
 from fedsaddle.common.tasks import GradientTask
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import RunInfo
+from fedsaddle.server.transport import states
 from fedsaddle.server.transport.actions import round_request, run_spec
 from fedsaddle.server.transport.key_epochs import KeyEpochs
 from fedsaddle.server.transport.protocol import ACCEPTS, REFUSED
 from fedsaddle.server.transport.refusal import Status
 from fedsaddle.server.transport.servicer import GRPC_STATUS
-from fedsaddle.server.transport.states import (
-    Closed,
-    Idle,
-    Joining,
-    Operation,
-    Presence,
-    RoundOpen,
-    Starting,
-    Unmask,
-)
+from fedsaddle.server.transport.states import Closed, Idle, Operation
 
 PROBLEM = config(
     problem={"name": "paper_regression", "num_clients": 2, "dim": 3},
@@ -76,13 +68,13 @@ def in_state(name: str) -> tuple[Federation, int]:
     return federation, hand
 
 
-STATES = {
+STATES = {  # (by their names here, each reached as `in_state` says)
     "idle": Idle,
-    "joining": Joining,
-    "presence": Presence,
-    "starting": Starting,
-    "round_open": RoundOpen,
-    "unmask": Unmask,
+    "joining": states.Joining,
+    "presence": states.Presence,
+    "starting": states.Starting,
+    "round_open": states.RoundOpen,
+    "unmask": states.Unmask,
     "closed": Closed,
 }
 ANSWER = pb.ClientMessage(answer=pb.Answer(run_id="r", round_id=3, client_indices=[0]))
