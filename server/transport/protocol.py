@@ -254,11 +254,12 @@ class Coordination:
 
     def next_deadline(self) -> float | None:
         """When to call `tick` if nothing happens before."""
-        match self.state:
-            case Joining(deadline=deadline) | Presence(deadline=deadline):
-                soonest: float | None = deadline
-            case Starting(barrier) | RoundOpen(barrier) | Unmask(barrier):
-                soonest = barrier.deadline()
+        state = self.state
+        match state:  # (class patterns without arguments: asked after every message, they cost least)
+            case RoundOpen() | Starting() | Unmask():
+                soonest: float | None = state.barrier.deadline()
+            case Joining() | Presence():
+                soonest = state.deadline
             case _:
                 soonest = None
         if self._greeting:
@@ -424,7 +425,7 @@ class Coordination:
     def collecting(self) -> Collecting | None:
         """The round in flight, if one is (what it expects and what came)."""
         state = self.state
-        return state.barrier if isinstance(state, RoundOpen) else None
+        return state.barrier if type(state) is RoundOpen else None
 
     def take_resent(self) -> Resent:
         """What was sent again to rejoining sessions since the last call (retransmission traffic)."""
@@ -446,35 +447,38 @@ class Coordination:
     # -- settling the operation under way ---------------------------------------------------
 
     def _barrier(self) -> Barrier | None:
-        match self.state:
-            case Starting(barrier) | RoundOpen(barrier) | Unmask(barrier):
-                return barrier
+        state = self.state
+        match state:
+            case RoundOpen() | Starting() | Unmask():
+                return state.barrier
         return None
 
     def _settle(self, now: float, actions: list[Action]) -> list[Action]:
         """Append Settled or Failed if the operation under way is over at `now` (after any event)."""
         state = self.state
-        match state:
-            case Joining(deadline, timeout):
-                if self.registry.complete:
-                    self._finish(actions, Settled(None))
-                    log.info("all %d clients connected", self.registry.num_clients)
-                elif now >= deadline:
-                    missing = MissingClients(self.registry.missing(), timeout, self.registry.why_missing())
-                    self._finish(actions, Failed(missing))
-            case Presence():
-                self._check_presence(state, now, actions)
-            case Starting(barrier):
-                settled, error = barrier.verdict(now)
-                if settled:
-                    self._finish(actions, self._run_started(barrier) if error is None else Failed(error))
-            case RoundOpen(round_):
+        match state:  # (a round's first: every answer settles against it)
+            case RoundOpen():
+                round_ = state.barrier
                 settled, error = round_.verdict(now)
                 if settled:
                     self._cut_streams(round_, actions)
                     result = RoundResult(round_.in_order(), round_.bytes_down, round_.bytes_up, round_.fold)
                     self._finish(actions, Settled(result) if error is None else Failed(error))
-            case Unmask(unmasking):
+            case Joining():
+                if self.registry.complete:
+                    self._finish(actions, Settled(None))
+                    log.info("all %d clients connected", self.registry.num_clients)
+                elif now >= state.deadline:
+                    missing = MissingClients(self.registry.missing(), state.timeout, self.registry.why_missing())
+                    self._finish(actions, Failed(missing))
+            case Presence():
+                self._check_presence(state, now, actions)
+            case Starting():
+                settled, error = state.barrier.verdict(now)
+                if settled:
+                    self._finish(actions, self._run_started(state.barrier) if error is None else Failed(error))
+            case Unmask():
+                unmasking = state.barrier
                 settled, error = unmasking.verdict(now)
                 if settled:
                     unmasked = UnmaskResult(
