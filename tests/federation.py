@@ -31,7 +31,7 @@ from fedsaddle.common.worker import ShardCache
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import Category, ClientPool, RunInfo
-from fedsaddle.server.transport.events import (
+from fedsaddle.server.transport.actions import (
     Action,
     End,
     Failed,
@@ -45,9 +45,7 @@ from fedsaddle.server.transport.events import (
     round_request,
     run_spec,
 )
-from fedsaddle.server.transport.protocol import (
-    Coordination,
-)
+from fedsaddle.server.transport.protocol import Coordination
 
 CHUNK_BYTES = 1 << 20
 
@@ -270,7 +268,7 @@ class SecureMemoryPool(MemoryPool):
     sum as the protocol reads them (`fold` off: the answers keep them, and the round adds them at the end)."""
 
     def _public_keys(self) -> dict[int, bytes]:
-        return dict(self.federation.protocol.public_keys)
+        return dict(self.federation.protocol.keys.public_keys)
 
     def _send_directory(self, epoch: int, keys: dict[int, bytes]) -> None:
         assert self.run is not None

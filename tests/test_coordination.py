@@ -12,7 +12,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 from conftest import config
@@ -23,10 +22,12 @@ from fedsaddle.common import wire
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.driver import AlgorithmResult, RunStopped, run_algorithm
 from fedsaddle.server.pool import ClientLost, ClientPool, PoolError, RunInfo
-from fedsaddle.server.transport.events import MissingClients, RoundResult, Send, run_spec
+from fedsaddle.server.transport.actions import MissingClients, RoundResult, Send, run_spec
 from fedsaddle.server.transport.local_pool import LocalPool
-from fedsaddle.server.transport.protocol import MAX_REFUSED_IN_A_ROUND, Phase
+from fedsaddle.server.transport.protocol import MAX_REFUSED_IN_A_ROUND
+from fedsaddle.server.transport.refusal import Status
 from fedsaddle.server.transport.sessions import Limits, State
+from fedsaddle.server.transport.states import Idle, Presence
 
 RUN = config(
     problem={"name": "paper_regression", "num_clients": 2, "dim": 3, "s": 2.0},
@@ -35,7 +36,7 @@ RUN = config(
     sync={"kind": "fixed", "tau": 4},
 )
 PROBLEM_1 = config(problem={"name": "paper_regression", "num_clients": 1, "dim": 3}, algorithms=RUN.algorithms).problem
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
+INVALID = Status.INVALID_ARGUMENT
 
 
 def clean_run(run: Any = RUN, algorithm: int = 0) -> AlgorithmResult:
@@ -93,7 +94,7 @@ def test_client_sessions_joined_in_memory_give_the_in_process_run_bit_for_bit(al
     local = clean_run(run)
     assert result.z_sha256 == local.z_sha256
     assert result.traffic["algorithm"]["rounds"] == local.traffic["algorithm"]["rounds"] > 0
-    assert federation.protocol.phase is Phase.IDLE and federation.protocol.next_deadline() is None
+    assert isinstance(federation.protocol.state, Idle) and federation.protocol.next_deadline() is None
 
 
 def test_a_hello_out_of_index_order_may_be_answered_in_its_order_and_no_other() -> None:
@@ -263,7 +264,7 @@ def test_an_answer_padded_with_other_fields_keeps_no_more_than_its_payload_while
         early = answer_to(federation, second, federation.take(second)).SerializeToString()
         padding = bytes([0xFA, 0x06]) + wire.varint(1 << 20) + bytes(1 << 20)  # field 111, unknown
         federation.send(second, bytes([0x1A]) + wire.varint(len(early) + len(padding)) + early + padding)
-        round_ = federation.protocol._round
+        round_ = federation.protocol.collecting
         assert round_ is not None and (round_.fold is not None) == fold
         (held,) = round_.fold._blocks.values() if round_.fold is not None else round_.answers.values()
         kept.append((_kept(held.vectors), held.vectors.nbytes))
@@ -399,12 +400,12 @@ def test_garbled_messages_before_each_answer_never_change_the_run_or_break_the_c
         (pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=[0] * 10**6)).SerializeToString(),
          INVALID, "1000000 client indices given; the federation has 2"),
         (pb.ClientMessage(hello=pb.Hello(protocol_version=2, client_indices=[1])).SerializeToString(),
-         grpc.StatusCode.ALREADY_EXISTS, "client indices [1] are already connected"),
+         Status.ALREADY_EXISTS, "client indices [1] are already connected"),
         (pb.ClientMessage(hello=pb.Hello(protocol_version=1, client_indices=[0])).SerializeToString(), INVALID,
          "protocol version 1 is not supported"),
     ],
 )  # fmt: skip
-def test_bad_first_messages_are_refused_and_change_nothing(first: bytes, code: grpc.StatusCode, message: str) -> None:
+def test_bad_first_messages_are_refused_and_change_nothing(first: bytes, code: Status, message: str) -> None:
     federation = Federation(2)
     holder = federation.join((1,))
     stream = federation.connect()
@@ -439,7 +440,7 @@ def test_a_stream_without_a_hello_is_ended_at_its_deadline_and_not_before() -> N
     assert silent not in federation.ended
     federation.advance(0.01)
     end = federation.ended[silent]
-    assert end.code == grpc.StatusCode.DEADLINE_EXCEEDED and end.details == "no Hello within 10 s"
+    assert end.code == Status.DEADLINE_EXCEEDED and end.details == "no Hello within 10 s"
     assert early not in federation.ended and federation.protocol.next_deadline() == 11.0
     federation.send(early, federation_hello((0,)))
     assert early not in federation.ended and federation.protocol.next_deadline() is None
@@ -610,7 +611,7 @@ def test_a_round_waits_for_a_client_gone_between_rounds_without_polling() -> Non
     request_rejoin: list[int] = []
 
     def meanwhile() -> None:  # the round is not open yet: it waits for the client, until its deadline
-        assert federation.protocol.phase is Phase.PRESENT
+        assert isinstance(federation.protocol.state, Presence)
         assert federation.protocol.next_deadline() == federation.now + 10.0
         federation.advance(4.0)
         request_rejoin.append(federation.join((0,)))  # RunSpec, Ready: the round opens and is answered
@@ -642,7 +643,7 @@ def test_a_session_dropped_for_not_reading_fails_the_round_naming_it() -> None:
     with pytest.raises(ClientLost, match=r"client 0 .* was dropped: .* stopped reading its stream \(134217728 bytes"):
         pool.gradients(np.ones(6))
     end = federation.ended[slow]
-    assert end.code == grpc.StatusCode.RESOURCE_EXHAUSTED and end.at_once
+    assert end.code == Status.RESOURCE_EXHAUSTED and end.at_once
 
 
 def test_the_round_result_counts_the_bytes_each_way() -> None:

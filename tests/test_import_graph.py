@@ -62,6 +62,31 @@ def _imported(module: str, path: Path, known: Mapping[str, Path]) -> Iterator[st
                     yield source
 
 
+def outside_imports(path: Path) -> set[str]:
+    """The top-level names of the packages outside the project that a module may import when it runs."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    hidden = _type_checking_only(tree)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.partition(".")[0])
+    return names - {"fedsaddle"}
+
+
+def reachable(graph: Mapping[str, set[str]], start: str) -> set[str]:
+    """`start` and every module it imports, directly or through others."""
+    seen, todo = {start}, [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     known = modules(root)
     return {module: set(_imported(module, path, known)) - {module} for module, path in known.items()}
@@ -129,6 +154,18 @@ def test_the_top_level_folders_import_one_another_without_cycles() -> None:
     assert {"fedsaddle", "server", "client", "common", "proto"} <= set(graph)
     found = cycle(graph)
     assert found is None, "folder cycle: " + " -> ".join(found or [])
+
+
+def test_the_coordinators_protocol_object_and_what_it_imports_never_import_grpc() -> None:
+    # Coordination (server/transport/protocol.py) does no I/O and speaks the transport's own statuses
+    # (refusal.Status); the servicer alone maps them to gRPC's. Imports inside functions count here too.
+    known = modules()
+    closure = reachable(import_graph(), "fedsaddle.server.transport.protocol")
+    parts = {"actions", "checks", "identity", "key_epochs", "refusal", "rounds", "sessions", "states"}
+    assert {f"fedsaddle.server.transport.{part}" for part in parts} <= closure
+    on_grpc = sorted(m for m in closure if any(n.startswith("grpc") for n in outside_imports(known[m])))
+    assert on_grpc == []
+    assert "grpc" in outside_imports(known["fedsaddle.server.transport.servicer"])  # (the rule can fail)
 
 
 def test_a_run_without_a_pytorch_problem_never_imports_torch(tmp_path: Path) -> None:

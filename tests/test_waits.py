@@ -86,7 +86,7 @@ def test_a_duplicate_index_is_refused_at_once_naming_the_session_that_holds_it()
 def test_clients_missing_because_their_session_was_refused_are_named_with_the_refusal() -> None:
     # A process claims clients 0 and 1 while 0 is held: it is refused, and 1 stays missing. The coordinator's
     # wait for the federation says why, instead of only "clients [1] did not join".
-    from fedsaddle.server.transport.events import MissingClients
+    from fedsaddle.server.transport.actions import MissingClients
 
     with GrpcPool(2, "127.0.0.1:0") as pool:
         processes = [client(pool.address, "0", connect_timeout=60)]
@@ -113,7 +113,7 @@ def test_clients_missing_because_their_hello_was_refused_are_named_with_the_reas
 
     from fedsaddle.proto import fedsaddle_pb2 as pb
     from fedsaddle.proto import fedsaddle_pb2_grpc as pb_grpc
-    from fedsaddle.server.transport.events import MissingClients
+    from fedsaddle.server.transport.actions import MissingClients
 
     hello = pb.ClientMessage(hello=pb.Hello(protocol_version=1, client_indices=[1, 0], client_name="old"))
     with GrpcPool(2, "127.0.0.1:0") as pool, grpc.insecure_channel(pool.address) as channel:

@@ -16,7 +16,7 @@ from fedsaddle.common import wire
 from fedsaddle.common.numeric import all_finite
 from fedsaddle.common.tasks import Answer, ComputeTask, EvaluateTask, GradientTask, LocalStepsTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
-from fedsaddle.server.transport import events
+from fedsaddle.server.transport import actions
 
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
 
@@ -703,7 +703,7 @@ def test_bytes_protobuf_refuses_are_refused_naming_the_first_fault(message: byte
     with pytest.raises(DecodeError):
         pb.ClientMessage.FromString(message)
     assert wire.wire_fault(message, pb.ClientMessage) == fault
-    received = events.parse(message)
+    received = actions.parse(message)
     assert (received.message, received.chunk, received.fault) == (None, None, fault)
 
 

@@ -21,17 +21,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedsaddle.common.indices import parse_indices, some
+from fedsaddle.common.indices import parse_indices
 from fedsaddle.common.text import printable
 from fedsaddle.server.config import ConfigError, TlsSpec, describe_errors
-from fedsaddle.server.transport.refusal import Refusal
+from fedsaddle.server.transport.identity import Identity as Identity  # (what a call proves)
+from fedsaddle.server.transport.refusal import Refusal, Status
 
 
 def token_hash(token: str) -> str:
@@ -54,12 +54,6 @@ class CredentialsFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     identities: dict[str, IdentitySpec] = Field(min_length=1)
-
-
-@dataclass(frozen=True)
-class Identity:
-    name: str
-    indices: frozenset[int]
 
 
 class Authenticator:
@@ -89,24 +83,15 @@ class Authenticator:
             for known, name in self._by_token.items():
                 if hmac.compare_digest(known, digest):
                     return self._identities[name]
-            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, "unknown token")
+            raise Refusal(Status.UNAUTHENTICATED, "unknown token")
         for common_name in peer_common_names:
             identity = self._identities.get(common_name.decode(errors="replace"))
             if identity is not None:
                 return identity
         names = [printable(n, 64) for n in peer_common_names]
         if names:
-            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"client certificate {names[:3]} names no known identity")
-        raise Refusal(grpc.StatusCode.UNAUTHENTICATED, "no credentials: send a token or a client certificate")
-
-    @staticmethod
-    def check_indices(identity: Identity, indices: Iterable[int]) -> None:
-        foreign = sorted(set(indices) - identity.indices)
-        if foreign:
-            raise Refusal(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"identity {identity.name!r} may not speak for clients {some(foreign)}",
-            )
+            raise Refusal(Status.UNAUTHENTICATED, f"client certificate {names[:3]} names no known identity")
+        raise Refusal(Status.UNAUTHENTICATED, "no credentials: send a token or a client certificate")
 
 
 def server_credentials(tls: TlsSpec, client_certificates: bool = True) -> grpc.ServerCredentials:

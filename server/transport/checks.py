@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import grpc
 import numpy as np
 
 from fedsaddle.common import wire
@@ -16,9 +15,9 @@ from fedsaddle.common.indices import some
 from fedsaddle.common.secagg import graph, messages
 from fedsaddle.common.tasks import Answer
 from fedsaddle.proto import fedsaddle_pb2 as pb
-from fedsaddle.server.transport.refusal import Refusal
+from fedsaddle.server.transport.refusal import Refusal, Status
 
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
+INVALID = Status.INVALID_ARGUMENT
 
 
 def hello_indices(hello: pb.Hello, num_clients: int) -> tuple[int, ...]:
@@ -82,24 +81,24 @@ def answer_header(
     if expected is None or claimed != expected.indices:
         foreign = sorted(set(claimed) - set(session_indices))
         if foreign:
-            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"this session may not answer for clients {some(foreign)}")
+            raise Refusal(Status.PERMISSION_DENIED, f"this session may not answer for clients {some(foreign)}")
     if expected is None:
         raise Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION,
+            Status.FAILED_PRECONDITION,
             f"answer to round {header.round_id} of run {header.run_id[:64]!r}, but no round is open",
         )
     if header.run_id != expected.run_id:
         raise Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION,
+            Status.FAILED_PRECONDITION,
             f"answer for run {header.run_id[:64]!r}, but the open round belongs to run {expected.run_id!r}",
         )
     if header.round_id != expected.round_id:
         raise Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION,
+            Status.FAILED_PRECONDITION,
             f"stale answer for round {header.round_id}; the coordinator is waiting on round {expected.round_id}",
         )
     if answered:
-        raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"this session already answered round {expected.round_id}")
+        raise Refusal(Status.ALREADY_EXISTS, f"this session already answered round {expected.round_id}")
     if claimed != expected.indices:
         raise Refusal(
             INVALID,

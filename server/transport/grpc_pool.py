@@ -41,8 +41,7 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import Category, ClientPool, ClientView, PoolError, RunInfo
 from fedsaddle.server.settlement import RoundTally
-from fedsaddle.server.transport.auth import Authenticator
-from fedsaddle.server.transport.events import (
+from fedsaddle.server.transport.actions import (
     Action,
     MissingClients,
     RoundResult,
@@ -50,6 +49,7 @@ from fedsaddle.server.transport.events import (
     round_request,
     run_spec,
 )
+from fedsaddle.server.transport.auth import Authenticator
 from fedsaddle.server.transport.gate import ConnectionGate, GatedHealth
 from fedsaddle.server.transport.loop import LoopRunner
 from fedsaddle.server.transport.protocol import (
@@ -361,7 +361,7 @@ class GrpcPool(ClientPool):
     # -- secure aggregation --------------------------------------------------------------------
 
     def _public_keys(self) -> dict[int, bytes]:
-        return dict(self.protocol.public_keys)
+        return dict(self.protocol.keys.public_keys)
 
     def _send_directory(self, epoch: int, keys: dict[int, bytes]) -> None:
         assert self.run is not None
@@ -397,10 +397,9 @@ class GrpcPool(ClientPool):
         privacy = self.traffic.get("privacy")
         if privacy is None or self.run is None:
             return
-        for clients, size in self.protocol.rekeys:
+        for clients, size in self.protocol.keys.take_rekeys():
             privacy.add(RoundTally(self.run.num_clients, 0, 0, None, clients))
             privacy.bytes_down += size
-        self.protocol.rekeys = []
 
     def _unmask(self, requests: dict[int, UnmaskRequest]) -> dict[int, UnmaskReply]:
         assert self.run is not None

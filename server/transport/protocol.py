@@ -5,7 +5,7 @@
 every Ready checked), each round (the task to the participants, their answers
 checked and kept), rejoins and their deadlines, refusal counting, and the goodbye.
 It is told the time with every call and never reads a clock, opens a socket or
-awaits. It answers with actions (plain values, in events.py) the shell (servicer.py,
+awaits. It answers with actions (plain values, in actions.py) the shell (servicer.py,
 grpc_pool.py) carries out:
 
 - `Send(session, data)`: queue these serialized Instructions on the session's stream;
@@ -22,31 +22,31 @@ when to call `tick` if nothing else happens first: a stream's Hello deadline, a 
 client's rejoin deadline, a barrier's timeout, the straggler deadline. There is one
 set of deadlines and no polling.
 
-States (`Phase`): IDLE between operations; JOINING until every index is held;
-PRESENT before a run's start or a round while lost clients may still rejoin (or
-load the run); STARTING until every session is Ready; COLLECTING until the round's
-answers are in; UNMASKING until secure aggregation's unmask replies are in;
-CLOSED after the goodbye. Each session has its own `State`
-(sessions.py): greeting, joined, closing, ended.
+Its state is one value (states.py): Idle between operations; Joining until every
+index is held; Presence before a run's start or a round while lost clients may still
+rejoin (or load the run); Starting until every session is Ready; RoundOpen until the
+round's answers are in; Unmask until secure aggregation's unmask replies are in;
+Closed once the coordinator stops. Which messages a joined session may send in each
+is one table (`ACCEPTS`, at the end of this file): a message of a kind its state does
+not list is refused from that lookup. Each session has its own `State` (sessions.py):
+greeting, joined, closing, ended.
 
 Secure aggregation lives here as more of the same: its key agreement rides on the
-run's start (each Ready carries public keys, kept in `public_keys`; `broadcast`
-sends the key directory), a masked round is a COLLECTING round whose answers are
-masked rows (RoundRequest.masked), and the unmask sub-exchange is the UNMASKING
-phase (`unmask`: small requests out, each client's reply or refusal back; a lost
-or silent session fails nothing). A further exchange (a separate key-agreement
-round, say) would be one more phase and barrier here; the shell would not change.
+run's start (each Ready carries public keys, kept with their epochs in `keys`,
+key_epochs.py; `broadcast` sends the key directory), a masked round is a RoundOpen
+round whose answers are masked rows (RoundRequest.masked), and the unmask
+sub-exchange is the Unmask state (`unmask`: small requests out, each client's reply
+or refusal back; a lost or silent session fails nothing). A further exchange (a
+separate key-agreement round, say) would be one more state and barrier here, and
+one more row of the table; the shell would not change.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import grpc
+from collections.abc import Callable, Mapping
+from typing import assert_never, cast
 
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
@@ -59,8 +59,7 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import ClientLost, PoolError, RunInfo
 from fedsaddle.server.transport import checks
-from fedsaddle.server.transport.auth import Authenticator, Identity
-from fedsaddle.server.transport.events import (
+from fedsaddle.server.transport.actions import (
     Action,
     End,
     Failed,
@@ -74,9 +73,21 @@ from fedsaddle.server.transport.events import (
     Settled,
     UnmaskResult,
 )
-from fedsaddle.server.transport.refusal import Refusal
+from fedsaddle.server.transport.identity import Identity
+from fedsaddle.server.transport.key_epochs import KeyEpochs
+from fedsaddle.server.transport.refusal import Refusal, Status
 from fedsaddle.server.transport.rounds import Barrier, Collecting, RunStart, Unmasking
 from fedsaddle.server.transport.sessions import Incoming, Limits, Registry, Session, State
+from fedsaddle.server.transport.states import (
+    Closed,
+    Idle,
+    Joining,
+    Operation,
+    Presence,
+    RoundOpen,
+    Starting,
+    Unmask,
+)
 
 log = logging.getLogger("fedsaddle.coordinator")
 
@@ -88,26 +99,6 @@ MAX_REFUSED_IN_A_ROUND = 32
 # A client's reason for refusing a run is kept whole up to this many characters (4 KiB): a plug-in's
 # import error or a data file's fault, with its path, fits; a hostile megabyte does not reach the log.
 REFUSAL_CHARACTERS = 4096
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"
-    JOINING = "joining"
-    PRESENT = "present"
-    STARTING = "starting"
-    COLLECTING = "collecting"
-    UNMASKING = "unmasking"
-    CLOSED = "closed"
-
-
-@dataclass
-class Presence:
-    """Waiting, before a run's start or a round, for lost clients to rejoin (and load run `run_id`)."""
-
-    when: str  # "before round 7"
-    run_id: str | None
-    deadline: float
-    then: Callable[[float], list[Action]]  # what to do once everyone is present
 
 
 def _drop_incoming(session: Session) -> None:
@@ -142,8 +133,7 @@ class Coordination:
         self.sessions: dict[int, Session] = {}
         self._next_key = 0
         self._greeting: OrderedDict[int, float] = OrderedDict()  # key -> Hello deadline (in deadline order)
-        self.phase = Phase.IDLE
-        self.shutting_down = False
+        self.state: Operation = Idle()  # the operation under way (one at a time)
         self.refusals = RefusalLog(log)
         # What clients said in their own words (a Failure's reason, a Ready's error), by client index: the run's
         # failure quotes it to the operator, but the Goodbye to the other clients says instead that the client
@@ -153,21 +143,10 @@ class Coordination:
         self.run: RunInfo | None = None
         self._spec: bytes | None = None
         self._counts: list[int] | None = None
-        self.public_keys: dict[int, bytes] = {}  # secure aggregation: each client's key in this run
-        # Secure aggregation and rejoins: the epoch of the last key directory sent, the clients that came
-        # back with new keys since (everyone agrees anew before the next round), the directories sent so.
-        self.key_epoch = 0
-        self._rekeyed: set[int] = set()
-        self.rekeys: list[tuple[tuple[int, ...], int]] = []  # (clients with new keys, bytes sent) per re-agreement
+        self.keys = KeyEpochs()  # secure aggregation: each client's key in this run, and the re-agreements
         self._stacks: dict[int, str] = {}  # client index -> the numeric stack its process reported in Ready
         self._warned_stacks: dict[str, list[int]] = {}  # the differing stacks last warned about
         self._resent = [0, 0, 0]  # messages, float64 entries and bytes sent again to rejoining sessions
-        # The operation under way (one at a time).
-        self._joining_until: tuple[float, float] | None = None  # (deadline, timeout) of await_federation
-        self._presence: Presence | None = None
-        self._starting: RunStart | None = None
-        self._round: Collecting | None = None
-        self._unmasking: Unmasking | None = None
 
     # -- streams ----------------------------------------------------------------------------
 
@@ -206,8 +185,8 @@ class Coordination:
                 actions.append(End(key, None))
             else:
                 self._end(session, Refusal(checks.INVALID, "the stream ended before a Hello"), now, actions)
-        elif gone and self.shutting_down and session.state is not State.CLOSING:
-            self._end(session, Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down"), now, actions)
+        elif gone and isinstance(self.state, Closed) and session.state is not State.CLOSING:
+            self._end(session, Refusal(Status.UNAVAILABLE, "the coordinator is shutting down"), now, actions)
         else:
             why = "ended its session" if session.state is State.CLOSING else "disconnected"
             self._close(session, why, now)
@@ -222,14 +201,14 @@ class Coordination:
         reason = f"{session.describe()} stopped reading its stream ({undelivered} bytes undelivered)"
         self._close(session, f"was dropped: {reason}", now)
         log.warning("ended the session of %s: %s", session.describe(), reason)
-        actions: list[Action] = [End(key, grpc.StatusCode.RESOURCE_EXHAUSTED, reason, at_once=True)]
+        actions: list[Action] = [End(key, Status.RESOURCE_EXHAUSTED, reason, at_once=True)]
         return self._settle(now, actions)
 
     def may_read(self, key: int) -> bool:
         """Whether the shell may read the session's next message now. False only in a folded round whose
         reorder buffer is full, for a session whose turn has not come: the shell asks again after the
         next event."""
-        round_ = self._round
+        round_ = self.collecting
         if round_ is None:
             return True
         session = self.sessions.get(key)
@@ -270,45 +249,43 @@ class Coordination:
             if deadline > now:
                 break
             timeout = f"no Hello within {self.limits.hello_timeout_s:g} s"
-            self._end(self.sessions[key], Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, timeout), now, actions)
+            self._end(self.sessions[key], Refusal(Status.DEADLINE_EXCEEDED, timeout), now, actions)
         return self._settle(now, actions)
 
     def next_deadline(self) -> float | None:
         """When to call `tick` if nothing happens before."""
-        barrier = self._barrier()
-        soonest = None if barrier is None else barrier.deadline()
-        if self._greeting or self._joining_until is not None or self._presence is not None:
-            deadlines = [] if soonest is None else [soonest]
-            if self._greeting:
-                deadlines.append(next(iter(self._greeting.values())))
-            if self._joining_until is not None:
-                deadlines.append(self._joining_until[0])
-            if self._presence is not None:
-                deadlines.append(self._presence.deadline)
-            soonest = min(deadlines)
+        state = self.state
+        match state:  # (class patterns without arguments: asked after every message, they cost least)
+            case RoundOpen() | Starting() | Unmask():
+                soonest: float | None = state.barrier.deadline()
+            case Joining() | Presence():
+                soonest = state.deadline
+            case _:
+                soonest = None
+        if self._greeting:
+            hello = next(iter(self._greeting.values()))
+            soonest = hello if soonest is None else min(soonest, hello)
         return soonest
 
     # -- the pool's operations --------------------------------------------------------------
 
     def await_federation(self, timeout: float, now: float) -> list[Action]:
         """Settles when every client index is held; Failed(MissingClients) after `timeout` seconds."""
-        self.phase = Phase.JOINING
-        self._joining_until = (now + timeout, timeout)
+        self.state = Joining(now + timeout, timeout)
         return self._settle(now, [])
 
     def start_run(self, run: RunInfo, spec: bytes, now: float) -> list[Action]:
         """Send the RunSpec to every session and wait until all are Ready. Settles with the clients'
         sample counts by index when the run asked for them (else None); Failed naming any that is not."""
-        self.run, self._spec, self._counts, self.public_keys = run, spec, None, {}
-        self.key_epoch, self._rekeyed, self.rekeys = 0, set(), []
+        self.run, self._spec, self._counts, self.keys = run, spec, None, KeyEpochs()
 
         def send_spec(now: float) -> list[Action]:
             sessions = self.registry.live()
             what = f"the start of run {run.run_id}"
-            self._starting = RunStart(
+            barrier = RunStart(
                 list(sessions), what, now, self.round_timeout_s, self.rejoin_timeout_s, run_id=run.run_id
             )
-            self.phase = Phase.STARTING
+            self.state = Starting(barrier)
             return [Send(s.key, spec) for s in sessions]
 
         return self._await_presence(f"before run {run.run_id}", None, send_spec, now)
@@ -377,10 +354,12 @@ class Coordination:
                 hold_bytes=hold,
                 inline_bytes=self.chunk_bytes,
             )
-            self._round, self.phase = round_, Phase.COLLECTING
+            self.state = RoundOpen(round_)
             # max(64 MiB by default, 3 rounds' tasks) may wait undelivered: more means a session stopped reading.
             bound = max(self.limits.max_undelivered_bytes, 3 * sum(len(p) for p in request.pieces))
-            actions: list[Action] = self._agree_anew(run) if self._rekeyed else []
+            actions: list[Action] = []
+            if self.keys.due:  # clients came back with new keys: the directory of the next epoch goes first
+                actions, _ = self.broadcast(self.keys.agree_anew(run.run_id, len(self.registry.live())))
             for session, _ in taking_part:
                 for piece in round_.task_for(session):
                     actions.append(Send(session.key, piece, bound))
@@ -406,7 +385,7 @@ class Coordination:
             round_id=round_id,
             expected={s.key: set(clients) for s, clients in asked},
         )
-        self._unmasking, self.phase = barrier, Phase.UNMASKING
+        self.state = Unmask(barrier)
         actions: list[Action] = []
         serialized = messages.unmask_requests(run.run_id, requests)
         for session, clients in asked:
@@ -416,37 +395,20 @@ class Coordination:
                 barrier.bytes_down += len(data)
         return self._settle(now, actions)
 
-    def _agree_anew(self, run: RunInfo) -> list[Action]:
-        """Clients came back with new keys (restarted processes): every session gets the key directory of
-        the next epoch before the round's task, and every client agrees anew (the stream keeps the order)."""
-        self.key_epoch += 1
-        directory = messages.key_directory(run.run_id, self.key_epoch, dict(self.public_keys))
-        actions, size = self.broadcast(directory)
-        self.rekeys.append((tuple(sorted(self._rekeyed)), size))
-        log.info(
-            "run %s: clients %s rejoined with new keys; key directory of epoch %d sent to every client",
-            run.run_id,
-            some(sorted(self._rekeyed)),
-            self.key_epoch,
-        )
-        self._rekeyed = set()
-        return actions
-
     def broadcast(self, data: bytes) -> tuple[list[Action], int]:
         """Send an instruction to every live session (secure aggregation's key directory): the bytes sent."""
         sessions = self.registry.live()
         return [Send(s.key, data) for s in sessions], len(data) * len(sessions)
 
     def abandon(self) -> None:
-        """The pool stopped waiting (interrupted): no operation is under way any more."""
-        self._joining_until = self._presence = self._starting = self._round = self._unmasking = None
-        if self.phase is not Phase.CLOSED:
-            self.phase = Phase.IDLE
+        """The pool stopped waiting (interrupted by a signal): no operation is under way any more. A round
+        or an unmasking abandoned so means the coordinator stops: the answers already on their way cross
+        its goodbye, and are refused quietly, as after it."""
+        self.state = Closed() if isinstance(self.state, RoundOpen | Unmask | Closed) else Idle()
 
     def goodbye(self, reason: str, outcome: pb.Outcome) -> list[Action]:
         """Say goodbye to every live session; each may then close its side."""
-        self.abandon()
-        self.phase, self.shutting_down = Phase.CLOSED, True
+        self.state = Closed()
         # Longest first: a client's words may begin another's (a hostile client's "cannot" inside an honest
         # one's "cannot read /data/..."), and replacing the shorter first would leave the rest in the open.
         said = sorted(set(self._said.values()), key=lambda pair: -len(pair[0])) if outcome == pb.FAILED else []
@@ -462,7 +424,8 @@ class Coordination:
     @property
     def collecting(self) -> Collecting | None:
         """The round in flight, if one is (what it expects and what came)."""
-        return self._round
+        state = self.state
+        return state.barrier if type(state) is RoundOpen else None
 
     def take_resent(self) -> Resent:
         """What was sent again to rejoining sessions since the last call (retransmission traffic)."""
@@ -484,39 +447,48 @@ class Coordination:
     # -- settling the operation under way ---------------------------------------------------
 
     def _barrier(self) -> Barrier | None:
-        if self._starting is not None:
-            return self._starting
-        return self._round if self._round is not None else self._unmasking
+        state = self.state
+        match state:
+            case RoundOpen() | Starting() | Unmask():
+                return state.barrier
+        return None
 
     def _settle(self, now: float, actions: list[Action]) -> list[Action]:
         """Append Settled or Failed if the operation under way is over at `now` (after any event)."""
-        if self._joining_until is not None:
-            deadline, timeout = self._joining_until
-            if self.registry.complete:
-                self._finish(actions, Settled(None))
-                log.info("all %d clients connected", self.registry.num_clients)
-            elif now >= deadline:
-                missing = MissingClients(self.registry.missing(), timeout, self.registry.why_missing())
-                self._finish(actions, Failed(missing))
-        elif self._presence is not None:
-            self._check_presence(now, actions)
-        elif self._starting is not None:
-            settled, error = self._starting.verdict(now)
-            if settled:
-                self._finish(actions, self._run_started(self._starting) if error is None else Failed(error))
-        elif self._round is not None:
-            settled, error = self._round.verdict(now)
-            if settled:
-                round_ = self._round
-                self._cut_streams(round_, actions)
-                result = RoundResult(round_.in_order(), round_.bytes_down, round_.bytes_up, round_.fold)
-                self._finish(actions, Settled(result) if error is None else Failed(error))
-        elif self._unmasking is not None:
-            settled, error = self._unmasking.verdict(now)
-            if settled:
-                unmasking = self._unmasking
-                unmasked = UnmaskResult(unmasking.replies, unmasking.refusals, unmasking.bytes_down, unmasking.bytes_up)
-                self._finish(actions, Settled(unmasked) if error is None else Failed(error))
+        state = self.state
+        match state:  # (a round's first: every answer settles against it)
+            case RoundOpen():
+                round_ = state.barrier
+                settled, error = round_.verdict(now)
+                if settled:
+                    self._cut_streams(round_, actions)
+                    result = RoundResult(round_.in_order(), round_.bytes_down, round_.bytes_up, round_.fold)
+                    self._finish(actions, Settled(result) if error is None else Failed(error))
+            case Joining():
+                if self.registry.complete:
+                    self._finish(actions, Settled(None))
+                    log.info("all %d clients connected", self.registry.num_clients)
+                elif now >= state.deadline:
+                    missing = MissingClients(self.registry.missing(), state.timeout, self.registry.why_missing())
+                    self._finish(actions, Failed(missing))
+            case Presence():
+                self._check_presence(state, now, actions)
+            case Starting():
+                settled, error = state.barrier.verdict(now)
+                if settled:
+                    self._finish(actions, self._run_started(state.barrier) if error is None else Failed(error))
+            case Unmask():
+                unmasking = state.barrier
+                settled, error = unmasking.verdict(now)
+                if settled:
+                    unmasked = UnmaskResult(
+                        unmasking.replies, unmasking.refusals, unmasking.bytes_down, unmasking.bytes_up
+                    )
+                    self._finish(actions, Settled(unmasked) if error is None else Failed(error))
+            case Idle() | Closed():
+                pass
+            case _:
+                assert_never(state)
         return actions
 
     def _cut_streams(self, round_: Collecting, actions: list[Action]) -> None:
@@ -532,11 +504,11 @@ class Coordination:
             details = f"round {pending.header.round_id} closed while this answer was being read (it is stale)"
             # (not counted against the session: the round closing is no fault of its answer, and a Refusal
             # raised here, as the round settles, would leave it unsettled with no deadline armed)
-            code = grpc.StatusCode.FAILED_PRECONDITION
+            code = Status.FAILED_PRECONDITION
             self._reject(session, pending.header.round_id, code, details, actions, counted=False)
 
     def _finish(self, actions: list[Action], outcome: Settled | Failed) -> None:
-        self.abandon()
+        self.state = Idle()
         actions.append(outcome)
 
     def _await_presence(
@@ -545,8 +517,7 @@ class Coordination:
         """Do `then` once every client is connected (and loaded for `run_id`, if given). With rejoins
         allowed, waits up to the rejoin timeout for missing clients to come back; ClientLost naming them
         if they do not."""
-        self.phase = Phase.PRESENT
-        self._presence = Presence(when, run_id, now + self.rejoin_timeout_s, then)
+        self.state = Presence(when, run_id, now + self.rejoin_timeout_s, then)
         return self._settle(now, [])
 
     def _present(self, run_id: str | None) -> bool:
@@ -554,12 +525,10 @@ class Coordination:
             return False
         return run_id is None or all(s.ready_run == run_id for s in self.registry.live())
 
-    def _check_presence(self, now: float, actions: list[Action]) -> None:
-        presence = self._presence
-        assert presence is not None
+    def _check_presence(self, presence: Presence, now: float, actions: list[Action]) -> None:
         if not self._present(presence.run_id) and self.rejoin_timeout_s > 0 and now < presence.deadline:
             return
-        self._presence = None
+        self.state = Idle()  # (until `then` opens what waited)
         try:
             sessions = self.registry.require_all(presence.when)
         except ClientLost as lost:
@@ -587,8 +556,7 @@ class Coordination:
             session.ready_run = run.run_id
             for index, count in zip(session.hello_order, ready.sample_counts, strict=False):
                 counts[index] = count
-            for index, public_key in zip(session.hello_order, ready.public_keys, strict=False):
-                self.public_keys[index] = public_key
+            self.keys.keep(session.hello_order, ready.public_keys)
             self._note_stack(session, ready)
         self._counts = counts if run.weighting == "samples" and run.secure is None else None
         self._warn_if_stacks_differ(run.run_id)
@@ -619,23 +587,8 @@ class Coordination:
                 "cannot serve them; update it, or run with precision: float64"
             )
         if run.secure is not None:
-            if len(ready.public_keys) != len(session.indices):
-                return (
-                    f"{session.describe()} sent {len(ready.public_keys)} public keys for {len(session.indices)} "
-                    f"clients; run {run.run_id} uses secure aggregation"
-                )
-            if self.public_keys and any(self.public_keys.get(i) for i in session.indices):
-                # A process that restarted has new keys: every client agrees anew before the next round.
-                if self.rejoin_timeout_s <= 0:
-                    return (
-                        f"{session.describe()} rejoined run {run.run_id} with new keys, and the run takes no "
-                        "rejoins (transport.rejoin_timeout_s)"
-                    )
-                if len(set(ready.public_keys)) != len(ready.public_keys) or any(
-                    key in self.public_keys.values() for key in ready.public_keys
-                ):
-                    return f"{session.describe()} rejoined run {run.run_id} with public keys already in use"
-            return None
+            rejoins = self.rejoin_timeout_s > 0
+            return self.keys.problem_with(session.describe(), session.indices, ready.public_keys, run.run_id, rejoins)
         reported = list(ready.sample_counts)
         if run.weighting == "samples" and len(reported) != len(session.indices):
             return f"{session.describe()} reported {len(reported)} sample counts for {len(session.indices)} clients"
@@ -683,7 +636,7 @@ class Coordination:
                 raise session.identity
             indices = checks.hello_indices(hello, self.registry.num_clients)
             if session.identity is not None:
-                Authenticator.check_indices(session.identity, indices)
+                session.identity.check_indices(indices)
             ordered = tuple(sorted(indices))
             session.indices, session.name = ordered, printable(hello.client_name, 256)
             session.listed = indices if indices != ordered else None
@@ -707,15 +660,18 @@ class Coordination:
         """A session joined while a run is under way: it can only be a client coming back."""
         if self._spec is None:
             return
-        starting = self._starting
+        state = self.state
         # The run's start now waits on it, or (rejoins allowed) its Ready comes to _ready.
-        if (starting is not None and starting.replace(session, now) is not None) or self.rejoin_timeout_s > 0:
+        if (
+            isinstance(state, Starting) and state.barrier.replace(session, now) is not None
+        ) or self.rejoin_timeout_s > 0:
             self._resend(session, [self._spec], actions)
             run_id = self.run.run_id if self.run else "?"
             log.info("%s rejoined; sent it run %s", session.describe(), run_id)
 
     def _resend(self, session: Session, pieces: list[bytes], actions: list[Action], clients: int = 0) -> None:
-        floats = self._round.floats_per_client * clients if self._round is not None else 0
+        round_ = self.collecting
+        floats = round_.floats_per_client * clients if round_ is not None else 0
         for piece in pieces:
             actions.append(Send(session.key, piece))
             self._resent[2] += len(piece)
@@ -753,103 +709,146 @@ class Coordination:
     # -- what a joined session sends --------------------------------------------------------
 
     def _dispatch(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """Hand a joined session's message to the method its state's row of ACCEPTS names for its kind; a kind
+        the row does not list is refused as REFUSED says for that kind."""
         if received.chunk is not None:  # the usual large message, read by hand
-            self._piece(session, received.chunk, received.size, actions)
-            return
-        message = received.message
-        kind = message.WhichOneof("body") if message is not None else None
-        if kind == "answer" and message is not None:  # (the usual message first)
-            if session.incoming is not None:
-                pending = session.incoming
-                if not pending.refused:
-                    before = "a new Answer before the chunks"
-                    self._reject(session, pending.header.round_id, checks.INVALID, before, actions)
-                _drop_incoming(session)
-            self._answer(session, message.answer, received.size, actions, received.payload)
-            return
-        if message is None or kind is None or kind == "hello":
-            if message is None:
-                what = "bytes that are not a ClientMessage"
-            elif kind == "hello":  # a session's indices are the first Hello's, for as long as it lasts
-                what = "a second Hello"
-            else:  # empty, or of a kind added after this coordinator was built
-                what = "a ClientMessage of no kind this coordinator knows"
-            fault = f": {received.fault}" if message is None else ""
-            raise Refusal(checks.INVALID, f"{what} ({received.size} bytes){fault}")
-        if kind == "ready":
-            self._ready(session, message.ready, now, actions)
-        elif kind == "failure":  # the client cannot go on: the round fails with its reason, at once
-            failed = f"failed: {printable(message.failure.reason, 1024) or 'no reason given'}"
-            for index in session.indices:
-                self._said[index] = (f" {failed}", " failed (it told the coordinator why)")
-            self._close(session, failed, now, final=True)
-            actions.append(End(session.key, None))
-        elif kind == "unmasked":
-            unmasking = self._unmasking
-            if unmasking is None or not unmasking.accept(session, message.unmasked, received.size):
-                self._count_refusal(session, f"an unmasking for round {message.unmasked.round_id}, not asked")
+            kind: str | None = "chunk"
         else:
-            self._piece(session, message.chunk, received.size, actions)
+            message = received.message
+            kind = message.WhichOneof("body") if message is not None else None
+        handler = ACCEPTS[type(self.state)].get(kind) or REFUSED.get(kind, Coordination._unreadable)
+        handler(self, session, received, now, actions)
 
-    def _ready(self, session: Session, ready: pb.Ready, now: float, actions: list[Action]) -> None:
-        run_id = ready.run_id
-        if run_id and run_id == session.ready_run:  # a Ready answers a RunSpec, once
-            raise Refusal(checks.INVALID, f"a second Ready for run {printable(run_id, 64)!r}")
-        starting = self._starting
-        if starting is not None and starting.accept(session, ready):
-            return
-        if not self._rejoin_ready(session, ready, now, actions):  # (a late one: a RunSpec resent as a run ended)
-            self._count_refusal(session, f"a Ready for run {printable(run_id, 64)!r}, not under way")
+    def _unreadable(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """What no state accepts from a joined session: bytes that are not a ClientMessage, one of no kind this
+        coordinator knows, or a second Hello. The session is ended."""
+        message = received.message
+        if message is None:
+            what = "bytes that are not a ClientMessage"
+        elif (
+            message.WhichOneof("body") == "hello"
+        ):  # a session's indices are the first Hello's, for as long as it lasts
+            what = "a second Hello"
+        else:  # empty, or of a kind added after this coordinator was built
+            what = "a ClientMessage of no kind this coordinator knows"
+        fault = f": {received.fault}" if message is None else ""
+        raise Refusal(checks.INVALID, f"{what} ({received.size} bytes){fault}")
 
-    def _rejoin_ready(self, session: Session, ready: pb.Ready, now: float, actions: list[Action]) -> bool:
+    def _chunk(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """A Chunk: the next piece of the session's answer being read (accepted in every state: the round it
+        answers may have closed while it came, which the complete answer's check then says)."""
+        if received.chunk is not None:
+            self._piece(session, received.chunk, received.size, actions)
+        else:
+            assert received.message is not None
+            self._piece(session, received.message.chunk, received.size, actions)
+
+    def _failure(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """The client cannot go on: the operation waiting on it fails with its reason, at once."""
+        assert received.message is not None
+        failed = f"failed: {printable(received.message.failure.reason, 1024) or 'no reason given'}"
+        for index in session.indices:
+            self._said[index] = (f" {failed}", " failed (it told the coordinator why)")
+        self._close(session, failed, now, final=True)
+        actions.append(End(session.key, None))
+
+    def _unmasked(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """A client's unmask reply, in the unmasking (counted against the session if it was not asked for)."""
+        state = self.state
+        assert isinstance(state, Unmask) and received.message is not None
+        if not state.barrier.accept(session, received.message.unmasked, received.size):
+            self._unmasked_refused(session, received, now, actions)
+
+    def _unmasked_refused(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        assert received.message is not None
+        self._count_refusal(session, f"an unmasking for round {received.message.unmasked.round_id}, not asked")
+
+    def _first_ready(self, session: Session, received: Received) -> pb.Ready:
+        """The Ready a message carries; Refusal if the session said Ready for that run already."""
+        assert received.message is not None
+        ready = received.message.ready
+        if ready.run_id and ready.run_id == session.ready_run:  # a Ready answers a RunSpec, once
+            raise Refusal(checks.INVALID, f"a second Ready for run {printable(ready.run_id, 64)!r}")
+        return ready
+
+    def _ready_to_start(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """A Ready as the run starts: the start's, or a rejoining session's."""
+        state = self.state
+        assert isinstance(state, Starting)
+        ready = self._first_ready(session, received)
+        if not state.barrier.accept(session, ready):
+            self._rejoin_ready(session, ready, now, actions)
+
+    def _ready_to_rejoin(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """A Ready while a run may be under way: a rejoining session's (or a late one: a RunSpec resent as a
+        run ended)."""
+        self._rejoin_ready(session, self._first_ready(session, received), now, actions)
+
+    def _ready_refused(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        self._not_under_way(session, self._first_ready(session, received))
+
+    def _not_under_way(self, session: Session, ready: pb.Ready) -> None:
+        self._count_refusal(session, f"a Ready for run {printable(ready.run_id, 64)!r}, not under way")
+
+    def _rejoin_ready(self, session: Session, ready: pb.Ready, now: float, actions: list[Action]) -> None:
         """A rejoining session is loaded: it takes its place in the open round, and is sent the task
-        again. False if the Ready is not for the run under way."""
+        again. Counted against the session if the Ready is not for the run under way."""
         run = self.run
         if run is None or ready.run_id != run.run_id:
-            return False
+            self._not_under_way(session, ready)
+            return
         problem = self._problem_with(session, ready, run)
-        round_ = self._round
+        round_ = self.collecting
         if problem is not None:
             if round_ is not None:
                 round_.fail(PoolError(problem))
             log.error("%s", problem)
-            return True
+            return
         session.ready_run = run.run_id
         self._note_stack(session, ready)  # it may have come back on another machine, or another build
         self._warn_if_stacks_differ(run.run_id)
         if run.secure is not None:
-            for index, public_key in zip(session.hello_order, ready.public_keys, strict=False):
-                self.public_keys[index] = public_key
-            self._rekeyed.update(session.indices)
+            self.keys.rejoined(session.hello_order, ready.public_keys)
             if round_ is not None:
                 # Its new keys do not fit the masks the others sent in this round: it sits the round out (one
                 # of the clients that dropped), and takes part again after the key agreement of the next.
                 round_.sit_out(session)
-            return True
+            return
         if round_ is not None and round_.replace(session, now) is not None:
             self._resend(session, round_.task_for(session), actions, len(round_.expected[session.key].indices))
-        return True
 
-    def _answer(
-        self, session: Session, header: pb.Answer, size: int, actions: list[Action], inline: memoryview | None
-    ) -> None:
-        """An Answer; `inline`: its payload, when it was read by hand (then the header's own is empty)."""
-        round_ = self._round
+    def _new_answer(self, session: Session, received: Received, actions: list[Action]) -> pb.Answer:
+        """The Answer a message carries; an answer still being read from the session before it is dropped
+        (and refused, unless it was already)."""
+        assert received.message is not None
+        pending = session.incoming
+        if pending is not None:
+            if not pending.refused:
+                before = "a new Answer before the chunks"
+                self._reject(session, pending.header.round_id, checks.INVALID, before, actions)
+            _drop_incoming(session)
+        return received.message.answer
+
+    def _answer_refused(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """An Answer while no round is open: refused as checks.answer_header words it (FAILED_PRECONDITION, or
+        PERMISSION_DENIED for clients not the session's own)."""
+        header = self._new_answer(session, received, actions)
+        try:
+            checks.answer_header(header, session.indices, None, answered=False)
+        except Refusal as refusal:
+            self._refused_answer(session, header, refusal, received, actions)
+
+    def _answer(self, session: Session, received: Received, now: float, actions: list[Action]) -> None:
+        """An Answer in a round; `received.payload`: its payload, when it was read by hand (then the header's
+        own is empty)."""
+        header, size, inline = self._new_answer(session, received, actions), received.size, received.payload
+        round_ = self.collecting
         expected = round_.expectation(session) if round_ is not None else None
         try:
             answered = round_ is not None and session.key in round_.answers
             length = checks.answer_header(header, session.indices, expected, answered)
         except Refusal as refusal:
-            self._reject(session, header.round_id, refusal.code, refusal.details, actions)
-            run = self.run
-            # (a masked row holds two more entries: the objective and the weight)
-            most = len(session.indices) * (run.dimension + (2 if run.secure is not None else 0) if run else 0)
-            if inline is not None or header.payload or not 0 < header.payload_length <= most:
-                return  # (chunks that follow are refused one by one)
-            # Its chunks may be on their way (a late answer, say): read them, but refuse only once.
-            entry_bytes = 8 if run is None or run.secure is not None else run.element.itemsize
-            skipped = wire.Assembler(entry_bytes * header.payload_length, min_piece=self.min_piece, keep=False)
-            session.incoming = Incoming(header, skipped, size, refused=True)
+            self._refused_answer(session, header, refusal, received, actions)
             return
         payload = header.payload if inline is None else inline  # (each read of a bytes field is a copy)
         if length and not payload:  # chunks follow
@@ -867,6 +866,21 @@ class Coordination:
             return
         assert round_ is not None and expected is not None
         self._accept(session, round_, expected, header, payload, size, actions)
+
+    def _refused_answer(
+        self, session: Session, header: pb.Answer, refusal: Refusal, received: Received, actions: list[Action]
+    ) -> None:
+        """Tell the session its Answer was refused; chunks that may follow it are read, and not refused again."""
+        self._reject(session, header.round_id, refusal.code, refusal.details, actions)
+        run = self.run
+        # (a masked row holds two more entries: the objective and the weight)
+        most = len(session.indices) * (run.dimension + (2 if run.secure is not None else 0) if run else 0)
+        if received.payload is not None or header.payload or not 0 < header.payload_length <= most:
+            return  # (chunks that follow are refused one by one)
+        # Its chunks may be on their way (a late answer, say): read them, but refuse only once.
+        entry_bytes = 8 if run is None or run.secure is not None else run.element.itemsize
+        skipped = wire.Assembler(entry_bytes * header.payload_length, min_piece=self.min_piece, keep=False)
+        session.incoming = Incoming(header, skipped, received.size, refused=True)
 
     def _piece(self, session: Session, chunk: pb.Chunk | wire.RawChunk, size: int, actions: list[Action]) -> None:
         """A Chunk of the answer being assembled; the answer is offered when complete."""
@@ -902,7 +916,7 @@ class Coordination:
         self, session: Session, header: pb.Answer, payload: bytes | memoryview, size: int, actions: list[Action]
     ) -> None:
         """A chunked answer is complete: checked again, as the round may have moved on while the chunks came."""
-        round_ = self._round
+        round_ = self.collecting
         expected = round_.expectation(session) if round_ is not None else None
         try:
             answered = round_ is not None and session.key in round_.answers
@@ -918,7 +932,7 @@ class Coordination:
     ) -> None:
         """An answer added to the sum chunk by chunk is complete: checked again as `_offer` checks (then
         its objective too); if refused, the sum is put back as it was before it."""
-        round_ = self._round
+        round_ = self.collecting
         expected = round_.expectation(session) if round_ is not None else None
         try:
             answered = round_ is not None and session.key in round_.answers
@@ -965,7 +979,7 @@ class Coordination:
         self,
         session: Session,
         round_id: int,
-        code: grpc.StatusCode,
+        code: Status,
         details: str,
         actions: list[Action],
         counted: bool = True,
@@ -975,16 +989,17 @@ class Coordination:
         coordinator's own doing, not the session's, counts for nothing)."""
         if counted:
             self._count_refusal(session, details)
-        if self.shutting_down:  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
+        if isinstance(self.state, Closed):  # an answer that crossed the goodbye (Ctrl-C, SIGTERM): expected, not news
             log.debug("refused an answer from %s as the coordinator stops: %s", session.describe(), details)
             return  # (nor for the client: its goodbye comes)
         self.refusals.warn("refused an answer from %s: %s", session.describe(), details)
-        rejected = pb.Rejected(round_id=round_id, code=code.value[0], details=details)
+        rejected = pb.Rejected(round_id=round_id, code=cast(pb.RejectCode, code.value), details=details)
         actions.append(Send(session.key, pb.Instruction(rejected=rejected).SerializeToString()))
 
     def _count_refusal(self, session: Session, details: str) -> None:
         """Count a message refused or ignored; Refusal once the session has had too many in this round."""
-        in_round = self._round.what if self._round is not None else ""
+        round_ = self.collecting
+        in_round = round_.what if round_ is not None else ""
         counted = session.refusals
         if counted.round != in_round:
             counted.count, counted.round = 0, in_round
@@ -994,3 +1009,39 @@ class Coordination:
         if counted.count >= MAX_REFUSED_IN_A_ROUND:
             where = f"in {in_round}" if in_round else "while no round was open"
             raise Refusal(checks.INVALID, f"{counted.count} messages refused {where}; the first: {counted.first}")
+
+
+Handler = Callable[[Coordination, Session, Received, float, list[Action]], None]
+
+# The messages a joined session may send in each state, by kind, and the method that takes each. A Chunk
+# continues the answer the session is sending (the round may close while it comes) and a Failure ends the
+# session, in any state; a Ready comes while a run is under way (its start, or a rejoin); an Answer only while
+# a round is open; an unmask reply only in the unmasking.
+ACCEPTS: Mapping[type[Operation], Mapping[str | None, Handler]] = {
+    Idle: {"chunk": Coordination._chunk, "failure": Coordination._failure, "ready": Coordination._ready_to_rejoin},
+    Joining: {"chunk": Coordination._chunk, "failure": Coordination._failure},
+    Presence: {"chunk": Coordination._chunk, "failure": Coordination._failure, "ready": Coordination._ready_to_rejoin},
+    Starting: {"chunk": Coordination._chunk, "failure": Coordination._failure, "ready": Coordination._ready_to_start},
+    RoundOpen: {
+        "chunk": Coordination._chunk,
+        "failure": Coordination._failure,
+        "ready": Coordination._ready_to_rejoin,
+        "answer": Coordination._answer,
+    },
+    Unmask: {
+        "chunk": Coordination._chunk,
+        "failure": Coordination._failure,
+        "ready": Coordination._ready_to_rejoin,
+        "unmasked": Coordination._unmasked,
+    },
+    Closed: {"chunk": Coordination._chunk, "failure": Coordination._failure},
+}
+
+# How a message of a kind its state does not accept is refused. An Answer: a Rejected with the status saying
+# why (no round is open), the session kept. A Ready or an unmask reply: counted against the session, which is
+# ended after MAX_REFUSED_IN_A_ROUND. Any other kind (a second Hello, bytes of no kind): the session is ended.
+REFUSED: Mapping[str | None, Handler] = {
+    "answer": Coordination._answer_refused,
+    "ready": Coordination._ready_refused,
+    "unmasked": Coordination._unmasked_refused,
+}

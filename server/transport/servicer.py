@@ -24,8 +24,7 @@ import grpc
 import numpy as np
 
 from fedsaddle.common import wire
-from fedsaddle.server.transport.auth import Authenticator, Identity
-from fedsaddle.server.transport.events import (
+from fedsaddle.server.transport.actions import (
     Action,
     End,
     Failed,
@@ -35,17 +34,17 @@ from fedsaddle.server.transport.events import (
     Settled,
     parse,
 )
+from fedsaddle.server.transport.auth import Authenticator, Identity
 from fedsaddle.server.transport.gate import ConnectionGate
-from fedsaddle.server.transport.protocol import (
-    Coordination,
-    Phase,
-)
-from fedsaddle.server.transport.refusal import Refusal
+from fedsaddle.server.transport.protocol import Coordination
+from fedsaddle.server.transport.refusal import Refusal, Status
 from fedsaddle.server.transport.sessions import Admission, Limits
 
 log = logging.getLogger("fedsaddle.coordinator")
 
 SERVICE = wire.SERVICE
+# The protocol's statuses as gRPC's (the same names and numbers): the one place the two meet.
+GRPC_STATUS = {status: grpc.StatusCode[status.name] for status in Status}
 
 
 class Outbox:
@@ -98,7 +97,7 @@ async def _end(context: grpc.aio.ServicerContext[Any, Any], refusal: Refusal) ->
     that exception must not drag along (through a traceback) the frames that held
     what the peer sent, or every refused message would stay in memory.
     """
-    code, details = refusal.code, refusal.details
+    code, details = GRPC_STATUS[refusal.code], refusal.details
     refusal.__traceback__ = refusal.__context__ = refusal.__cause__ = None
     del refusal
     await context.abort(code, details)
@@ -143,11 +142,7 @@ class SessionService:
             return await waiter
         finally:
             self._waiter = None
-            if not waiter.done():  # interrupted: the protocol is not to settle it any more
-                # Abandoned by a signal (loop.py) mid-round: the coordinator stops, and the answers already
-                # on their way cross the goodbye; they are refused quietly, as after it.
-                if self.protocol.phase in (Phase.COLLECTING, Phase.UNMASKING):
-                    self.protocol.shutting_down = True
+            if not waiter.done():  # interrupted (a signal, loop.py): the protocol is not to settle it any more
                 self.protocol.abandon()
                 self._rearm()
 
@@ -200,7 +195,7 @@ class SessionService:
         if ending is not None and (ending.code is not None or end.code is None):
             return  # the first status given is the one the stream ends with
         stream.ending = end
-        if end.code is not None and end.code is not grpc.StatusCode.OK:
+        if end.code is not None:
             self.ended_with[end.code.name] = self.ended_with.get(end.code.name, 0) + 1
         stream.outbox.put(None)
         if end.at_once and stream.writer is not None:
@@ -259,7 +254,7 @@ class SessionService:
             # A flood's streams come here by the thousand (docs/operations.md): refused with the status
             # set and no exception raised, as cheaply as a call served in Python can be.
             self.protocol.refusals.warn("refused a stream from %s: %s", peer, refusal.details)
-            context.set_code(refusal.code)
+            context.set_code(GRPC_STATUS[refusal.code])
             context.set_details(refusal.details)
             if self.gate is not None:
                 self.gate.refused()
@@ -335,7 +330,7 @@ class SessionService:
             # would later blame on its client as a timeout
             log.exception("internal error on a message from %s; ending its stream", stream.peer)
             details = f"internal error in the coordinator ({type(exc).__name__}); see its log"
-            self.act([End(stream.key, grpc.StatusCode.INTERNAL, details, at_once=True)])
+            self.act([End(stream.key, Status.INTERNAL, details, at_once=True)])
         finally:
             self._paused.pop(stream.key, None)
 

@@ -15,16 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-import grpc
-
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.text import printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.config import Limits as Limits  # what one coordinator grants its peers: one model, the config's
 from fedsaddle.server.pool import ClientLost
-from fedsaddle.server.transport.auth import Identity
-from fedsaddle.server.transport.refusal import Refusal
+from fedsaddle.server.transport.identity import Identity
+from fedsaddle.server.transport.refusal import Refusal, Status
 
 if TYPE_CHECKING:
     from fedsaddle.common.secagg.aggregator import MaskedRound
@@ -46,12 +44,12 @@ class Admission:
 
     def enter(self, host: str) -> None:
         if self.pending >= self.max_pending:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.pending} streams are waiting for a Hello already")
+            raise Refusal(Status.RESOURCE_EXHAUSTED, f"{self.pending} streams are waiting for a Hello already")
         if self.per_peer.get(host, 0) >= self.max_per_peer:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_per_peer} streams from {host} already")
+            raise Refusal(Status.RESOURCE_EXHAUSTED, f"{self.max_per_peer} streams from {host} already")
         if self.pending_per_peer.get(host, 0) >= self.max_pending_per_peer:
             raise Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.RESOURCE_EXHAUSTED,
                 f"{self.max_pending_per_peer} streams from {host} are waiting for a Hello already",
             )
         self.per_peer[host] = self.per_peer.get(host, 0) + 1
@@ -165,7 +163,7 @@ class Registry:
         if taken:
             holder = self.owner[taken[0]]
             raise Refusal(
-                grpc.StatusCode.ALREADY_EXISTS,
+                Status.ALREADY_EXISTS,
                 f"client indices {some(taken)} are already connected: {holder.describe()} holds "
                 f"{'them' if len(taken) > 1 else 'it'}",
             )

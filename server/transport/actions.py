@@ -1,9 +1,10 @@
-"""What goes in and out of the coordinator's protocol object (protocol.py), as plain values.
+"""The actions the coordinator's protocol object (protocol.py) answers with, and the other plain values
+that go in and out of it.
 
-In: a stream's message as it came off the wire (`Received`, made by `parse`), and the pool's
-requests: a run's RunSpec (`run_spec`) and a round serialized once (`round_request`). Out: the
-actions the shell carries out (`Send`, `End`, `Greeted`, `Settled`, `Failed`) and the results an
-operation settles with (`RoundResult`, `UnmaskResult`, `Resent`, or `MissingClients`).
+Out: the actions the shell carries out (`Send`, `End`, `Greeted`, `Settled`, `Failed`) and the results
+an operation settles with (`RoundResult`, `UnmaskResult`, `Resent`, or `MissingClients`). In: a
+stream's message as it came off the wire (`Received`, made by `parse`), and the pool's requests: a
+run's RunSpec (`run_spec`) and a round serialized once (`round_request`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from fedsaddle.common import wire
@@ -26,6 +26,7 @@ from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import PoolError, RunInfo
 from fedsaddle.server.settlement import round_traffic
+from fedsaddle.server.transport.refusal import Status
 
 
 class MissingClients(PoolError):
@@ -80,7 +81,7 @@ class End(NamedTuple):
     `at_once`: drop what is queued (it stopped reading); `linger_s`: let the client close its side first."""
 
     session: int
-    code: grpc.StatusCode | None
+    code: Status | None
     details: str = ""
     at_once: bool = False
     linger_s: float = 0.0
