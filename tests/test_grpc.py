@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -240,6 +241,9 @@ def test_a_fault_of_the_coordinator_at_a_deadline_fails_the_waiting_operation_by
     pool = GrpcPool(2, "127.0.0.1:0")
     processes = start_clients(pool.address, ["0"])  # client 1 never comes: the wait ends at its deadline
     try:
+        deadline = time.monotonic() + 60
+        while pool.missing() != [1] and time.monotonic() < deadline:  # client 0 in, however loaded the machine
+            time.sleep(0.05)
         tick = pool.protocol.tick
 
         def faulty(now: float) -> Any:
