@@ -26,8 +26,8 @@ from typing import Any
 
 from fedsaddle.launch import reap, start_clients
 from fedsaddle.server.config import MonitorSpec, parse_config
-from fedsaddle.server.coordinator import run_config
 from fedsaddle.server.monitor import Monitor
+from fedsaddle.server.runs import run_config
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 

@@ -38,7 +38,6 @@ from secagg import graph_name, run_info
 from fedsaddle.common import wire
 from fedsaddle.common.memory import tune_malloc
 from fedsaddle.common.secagg import SecAggSettings, crypto, graph, messages, shamir
-from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import Party, self_mask_key
 from fedsaddle.common.secagg.rows import MaskedAnswer, read_sum, row_pieces
 from fedsaddle.common.secagg.settings import default_bound, round_threshold
@@ -46,6 +45,7 @@ from fedsaddle.common.tasks import GradientTask
 from fedsaddle.launch import reap, start_clients
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server import secure
+from fedsaddle.server.secure import MaskedRound
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 
 CHUNK_BYTES = wire.DEFAULT_CHUNK_BYTES

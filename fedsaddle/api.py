@@ -29,8 +29,8 @@ from fedsaddle.common import blas
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import data_paths
 from fedsaddle.server.config import RunConfig, load_config, parse_config
-from fedsaddle.server.coordinator import Outcome, run_config
 from fedsaddle.server.driver import AlgorithmResult
+from fedsaddle.server.runs import Outcome, run_config
 from fedsaddle.server.transport.local_pool import reference_solution
 
 __all__ = ["Report", "load", "reference_solution", "run"]

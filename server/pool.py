@@ -36,7 +36,6 @@ from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.numeric import Array, Precision, element_type, ordered_sum
 from fedsaddle.common.problems import Problem, ProblemSpec, make_problem
 from fedsaddle.common.secagg import SecAggError, SecAggSettings
-from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, ComputeTask, GradientTask, Task
@@ -44,7 +43,7 @@ from fedsaddle.server.aggregation import Rule, round_rule
 from fedsaddle.server.algorithms.base import RoundAnswers
 from fedsaddle.server.config import Weighting
 from fedsaddle.server.fold import OrderedFold
-from fedsaddle.server.secure import SecureRounds
+from fedsaddle.server.secure import MaskedRound, SecureRounds
 from fedsaddle.server.settlement import RoundTally, round_traffic, settle
 
 # algorithm: the algorithm's own exchanges (the documented formulas); evaluation: held-out metrics;

@@ -23,7 +23,6 @@ from fedsaddle.client.session import ClientSession
 from fedsaddle.common import wire
 from fedsaddle.common.attacks import Attack
 from fedsaddle.common.secagg import messages
-from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, Task
@@ -31,6 +30,7 @@ from fedsaddle.common.worker import ShardCache
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import Category, ClientPool, RunInfo
+from fedsaddle.server.secure import MaskedRound
 from fedsaddle.server.transport.actions import (
     Action,
     End,

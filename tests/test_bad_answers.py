@@ -280,7 +280,7 @@ def test_the_other_clients_are_told_a_client_failed_but_not_in_its_own_words() -
             first.send(pb.ClientMessage(failure=pb.Failure(run_id=task.run_id, round_id=task.round_id, reason=said)))
             rounds.join(timeout=30)
             assert not rounds.is_alive()
-            pool.failure = str(failed["error"])  # as the coordinator does (server/coordinator.py)
+            pool.failure = str(failed["error"])  # as the coordinator does (server/runs.py)
         finally:
             pool.close()
         while not (instruction := second.next()).HasField("goodbye"):  # (its answer may come after the failure:

@@ -30,8 +30,8 @@ from fedsaddle.common.monitoring import Exposure, MonitorError, MonitorServer, R
 from fedsaddle.launch import CLIENT_ENV, reap, start_clients
 from fedsaddle.server.checkpoint import config_digest
 from fedsaddle.server.config import MonitorSpec
-from fedsaddle.server.coordinator import run_config
 from fedsaddle.server.monitor import Monitor
+from fedsaddle.server.runs import run_config
 from fedsaddle.server.transport.grpc_pool import GrpcPool
 from fedsaddle.server.transport.local_pool import LocalPool
 

@@ -13,13 +13,13 @@ from fedsaddle import api
 from fedsaddle.common import dp, seeding
 from fedsaddle.common.dp import DpSettings
 from fedsaddle.common.secagg import fixedpoint
-from fedsaddle.common.secagg.aggregator import KeyDirectory, MaskedRound
 from fedsaddle.common.secagg.party import Party
 from fedsaddle.common.secagg.rows import mask_answer
 from fedsaddle.common.secagg.settings import SecAggSettings, round_threshold
 from fedsaddle.common.tasks import Answer, GradientTask
 from fedsaddle.server.config import ConfigError, RunConfig, parse_config
 from fedsaddle.server.driver import run_algorithm
+from fedsaddle.server.secure import KeyDirectory, MaskedRound
 from fedsaddle.server.transport.local_pool import LocalPool
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -20,7 +20,7 @@ from conftest import stop_processes
 from fedsaddle import api
 from fedsaddle.common.problems import make_problem, parse_spec, read_client_data
 from fedsaddle.common.secagg import fixedpoint
-from fedsaddle.common.secagg.aggregator import SEALED_SHARE_BYTES
+from fedsaddle.common.secagg.messages import SEALED_SHARE_BYTES
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, GradientTask, Task
 from fedsaddle.experiments.datasets import split

@@ -20,9 +20,9 @@ from fedsaddle.common.secagg.party import UnmaskRequest
 from fedsaddle.common.tasks import GradientTask
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.pool import RunInfo
+from fedsaddle.server.secure import KeyEpochs
 from fedsaddle.server.transport import states
 from fedsaddle.server.transport.actions import round_request, run_spec
-from fedsaddle.server.transport.key_epochs import KeyEpochs
 from fedsaddle.server.transport.protocol import ACCEPTS, REFUSED
 from fedsaddle.server.transport.refusal import Status
 from fedsaddle.server.transport.servicer import GRPC_STATUS

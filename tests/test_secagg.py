@@ -10,8 +10,8 @@ import pytest
 
 from fedsaddle.common import wire
 from fedsaddle.common.secagg import crypto, fixedpoint, graph, messages, shamir
-from fedsaddle.common.secagg.aggregator import SEALED_SHARE_BYTES, KeyDirectory, MaskedRound
 from fedsaddle.common.secagg.fixedpoint import FixedPointOverflow
+from fedsaddle.common.secagg.messages import SEALED_SHARE_BYTES
 from fedsaddle.common.secagg.party import MaskedRow, Party, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.secagg.settings import (
@@ -24,6 +24,7 @@ from fedsaddle.common.secagg.settings import (
     round_threshold,
 )
 from fedsaddle.proto import fedsaddle_pb2 as pb
+from fedsaddle.server.secure import KeyDirectory, MaskedRound
 
 RUN = "run-secagg"
 

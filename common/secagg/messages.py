@@ -13,7 +13,6 @@ import numpy as np
 
 from fedsaddle.common import wire
 from fedsaddle.common.secagg import crypto, graph, shamir
-from fedsaddle.common.secagg.aggregator import SEALED_SHARE_BYTES
 from fedsaddle.common.secagg.party import MaskedRow, UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.secagg.settings import SecAggSettings
@@ -21,6 +20,7 @@ from fedsaddle.common.tasks import Answer
 from fedsaddle.proto import fedsaddle_pb2 as pb
 
 WireError = wire.WireError
+SEALED_SHARE_BYTES = crypto.NONCE_BYTES + shamir.SHARE_BYTES + crypto.TAG_BYTES  # a share, sealed for its holder
 
 
 def settings_message(settings: SecAggSettings, weigh_by_samples: bool) -> pb.SecureAggregation:

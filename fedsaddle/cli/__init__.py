@@ -1,7 +1,7 @@
 """fedsaddle: federated minimax (saddle-point) optimization over gRPC.
 
 The command line is thin: it parses and checks arguments, then calls
-fedsaddle.launch (processes), fedsaddle.server.coordinator (runs) and
+fedsaddle.launch (processes), fedsaddle.server.runs (runs) and
 fedsaddle.experiments (the paper's sweeps), and maps how they ended to an exit
 code: 0 done, 1 the run failed, 2 bad usage or config, 130 interrupted.
 Heavy modules are imported inside the commands, so `--help` stays fast.

@@ -49,9 +49,9 @@ from fedsaddle.common.indices import parse_indices
 if TYPE_CHECKING:
     from fedsaddle.launch import CommandLine
     from fedsaddle.server.config import RunConfig
-    from fedsaddle.server.coordinator import Outcome
     from fedsaddle.server.driver import AlgorithmResult
     from fedsaddle.server.pool import ClientPool
+    from fedsaddle.server.runs import Outcome
 
 _LOADED = time.perf_counter()
 
@@ -231,7 +231,7 @@ def _resume(
     makes, with the transport description the summary records."""
     from fedsaddle.progress import Progress
     from fedsaddle.server.checkpoint import CheckpointError
-    from fedsaddle.server.coordinator import resume_run
+    from fedsaddle.server.runs import resume_run
 
     if args.config:
         raise UsageError("--resume takes the config from the run directory; leave out --config")
@@ -418,7 +418,7 @@ def _run(
     """Run a config; `timed`: say how long after the command the first round was done; `accuracy`:
     the reference's (distances finer than it are shown as below it); `watch`: its monitor."""
     from fedsaddle.progress import Progress
-    from fedsaddle.server.coordinator import run_config
+    from fedsaddle.server.runs import run_config
 
     progress = Progress(floor=accuracy)
     first: list[float] = []

@@ -13,7 +13,7 @@ from fedsaddle.cli.shared import UsageError, config_with_monitor
 
 if TYPE_CHECKING:
     from fedsaddle.server.config import RunConfig
-    from fedsaddle.server.coordinator import Outcome
+    from fedsaddle.server.runs import Outcome
 
 
 class Watch:

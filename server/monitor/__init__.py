@@ -21,9 +21,9 @@ from fedsaddle.server.monitor.state import CURVE_FIELDS, LiveState
 
 if TYPE_CHECKING:
     from fedsaddle.server.config import MonitorSpec, RunConfig
-    from fedsaddle.server.coordinator import Outcome
     from fedsaddle.server.driver import Run, StepDone
     from fedsaddle.server.pool import Category, ClientPool
+    from fedsaddle.server.runs import Outcome
 
 __all__ = ["Monitor", "MonitorError"]
 

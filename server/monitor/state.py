@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fedsaddle.server.config import RunConfig
-    from fedsaddle.server.coordinator import Outcome
     from fedsaddle.server.driver import Run, StepDone
     from fedsaddle.server.pool import ClientPool
+    from fedsaddle.server.runs import Outcome
 
 SYNC_S = 0.2  # the traffic counts are copied at most this often (and at every algorithm's end)
 MAX_POINTS = 2000  # an algorithm's curve keeps about this many points (evenly spaced steps, and its last)

@@ -18,13 +18,13 @@ from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.secagg import messages
-from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply
 from fedsaddle.common.secagg.rows import row_length
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import PoolError, RunInfo
+from fedsaddle.server.secure import MaskedRound
 from fedsaddle.server.settlement import round_traffic
 from fedsaddle.server.transport.refusal import Status
 

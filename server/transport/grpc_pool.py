@@ -33,13 +33,13 @@ from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.memory import return_freed_memory, tune_malloc
 from fedsaddle.common.secagg import messages
-from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import Category, ClientPool, ClientView, PoolError, RunInfo
+from fedsaddle.server.secure import MaskedRound
 from fedsaddle.server.settlement import RoundTally
 from fedsaddle.server.transport.actions import (
     Action,

@@ -11,13 +11,13 @@ from fedsaddle.common import blas
 from fedsaddle.common.attacks import label_flipped
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import DataProblem, make_problem
-from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import Party, UnmaskReply, UnmaskRequest
 from fedsaddle.common.secagg.rows import MaskedAnswer, mask_answer
 from fedsaddle.common.tasks import Answer, Task
 from fedsaddle.common.worker import ShardCache, Worker
 from fedsaddle.server.config import RunConfig
 from fedsaddle.server.pool import Category, ClientPool, RunInfo
+from fedsaddle.server.secure import MaskedRound
 
 
 class LocalPool(ClientPool):

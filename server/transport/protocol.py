@@ -33,7 +33,7 @@ greeting, joined, closing, ended.
 
 Secure aggregation lives here as more of the same: its key agreement rides on the
 run's start (each Ready carries public keys, kept with their epochs in `keys`,
-key_epochs.py; `broadcast` sends the key directory), a masked round is a RoundOpen
+server/secure.py; `broadcast` sends the key directory), a masked round is a RoundOpen
 round whose answers are masked rows (RoundRequest.masked), and the unmask
 sub-exchange is the Unmask state (`unmask`: small requests out, each client's reply
 or refusal back; a lost or silent session fails nothing). A further exchange (a
@@ -51,13 +51,13 @@ from typing import assert_never, cast
 from fedsaddle.common import wire
 from fedsaddle.common.indices import some
 from fedsaddle.common.secagg import messages
-from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskRequest
 from fedsaddle.common.secagg.settings import SecAggError
 from fedsaddle.common.text import RefusalLog, printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import ClientLost, PoolError, RunInfo
+from fedsaddle.server.secure import KeyEpochs, MaskedRound
 from fedsaddle.server.transport import checks
 from fedsaddle.server.transport.actions import (
     Action,
@@ -74,7 +74,6 @@ from fedsaddle.server.transport.actions import (
     UnmaskResult,
 )
 from fedsaddle.server.transport.identity import Identity
-from fedsaddle.server.transport.key_epochs import KeyEpochs
 from fedsaddle.server.transport.refusal import Refusal, Status
 from fedsaddle.server.transport.rounds import Barrier, Collecting, RunStart, Unmasking
 from fedsaddle.server.transport.sessions import Incoming, Limits, Registry, Session, State

@@ -18,7 +18,6 @@ import numpy as np
 
 from fedsaddle.common import wire
 from fedsaddle.common.secagg import messages
-from fedsaddle.common.secagg.aggregator import MaskedRound
 from fedsaddle.common.secagg.party import UnmaskReply
 from fedsaddle.common.secagg.settings import SecAggError
 from fedsaddle.common.tasks import Answer
@@ -26,6 +25,7 @@ from fedsaddle.common.text import printable
 from fedsaddle.proto import fedsaddle_pb2 as pb
 from fedsaddle.server.fold import OrderedFold
 from fedsaddle.server.pool import ClientLost, PoolError
+from fedsaddle.server.secure import MaskedRound
 from fedsaddle.server.transport.checks import Expectation
 from fedsaddle.server.transport.sessions import Session
 

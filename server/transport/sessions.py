@@ -25,8 +25,8 @@ from fedsaddle.server.transport.identity import Identity
 from fedsaddle.server.transport.refusal import Refusal, Status
 
 if TYPE_CHECKING:
-    from fedsaddle.common.secagg.aggregator import MaskedRound
     from fedsaddle.server.fold import OrderedFold
+    from fedsaddle.server.secure import MaskedRound
 
 
 class Admission:

@@ -1,4 +1,4 @@
-"""The coordinator's job: run every algorithm of a config on a pool, keep its outputs, say how it ended.
+"""A config's runs: every algorithm of it on a pool, its run directory kept as it goes, and how it ended.
 
 The run directory is written as the run goes: config.json first, a line of
 metrics.jsonl per step (flushed), checkpoint.npz every `output.checkpoint_every`
