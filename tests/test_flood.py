@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import client_process, config, fedsaddle, stop_processes
+from conftest import CLIENT_ENV, client_process, config, fedsaddle, stop_processes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_failures import Coordinator, write_config
 
@@ -190,26 +190,30 @@ def test_ten_clients_join_and_the_run_is_unchanged_while_one_address_holds_2000_
 
 
 def test_a_client_killed_during_a_flood_rejoins_and_the_run_is_unchanged(tmp_path: Path) -> None:
+    # A short run that cannot end before the kill: a checkpoint every 100 rounds, and a pause of 1 s at each.
     fields = {
         "problem": {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 2.0},
         "algorithms": [{"name": "minibatch_md", "gamma": 0.01}],
-        "rounds": 3001,
-        "output": {"plot": False},
+        "rounds": 301,
+        "output": {"plot": False, "checkpoint_every": 100},
         "transport": {"rejoin_timeout_s": 60},
     }
-    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **fields), tmp_path / "runs")
+    paused = {**CLIENT_ENV, "FEDSADDLE_TEST_CHECKPOINT_PAUSE": "1"}
+    coordinator = Coordinator(write_config(tmp_path / "run.yaml", **fields), tmp_path / "runs", env=paused)
     address = coordinator.wait_for(r"listening on (\S+);", 60).group(1)
 
-    clients = [client_process(address, i, "--connect-timeout", "60") for i in range(3)]
     flood = subprocess.Popen(
         [sys.executable, str(FLOODER), address, "--connections", "2000", "--seconds", "240"],
         stdout=subprocess.PIPE,
         text=True,
     )
+    clients: list[subprocess.Popen[bytes]] = []
     try:
         assert flood.stdout is not None
         assert int(flood.stdout.readline().split()[1]) > 32  # over the cap, before it was held off
-        coordinator.wait_for(r"round\s+\d+/3001", 120)
+        # The clients join once the flood is on, so that the run (a few seconds) is all within it.
+        clients += [client_process(address, i, "--connect-timeout", "60") for i in range(3)]
+        coordinator.wait_for(r"round\s+\d+/301", 120)
         clients[1].send_signal(signal.SIGKILL)
         clients[1].wait()
         coordinator.wait_for(r"client 1 \(.*\) disconnected", 60)

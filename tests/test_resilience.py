@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import client_process, config, fedsaddle, stop_processes, summary_of
+from conftest import CLIENT_ENV, client_process, config, fedsaddle, stop_processes, summary_of
 from formulas import expected_traffic
 from test_failures import Coordinator, write_config
 
@@ -19,6 +19,13 @@ from fedsaddle.server.driver import run_algorithm
 from fedsaddle.server.transport.local_pool import LocalPool
 
 PROBLEM = {"name": "paper_regression", "num_clients": 3, "dim": 10, "s": 2.0}
+
+# A kill must land while the run is still going. Rather than a long run, a short one that cannot end
+# early: its coordinator writes a checkpoint every 100 rounds and pauses 1 s at each, so ROUNDS take
+# at least 3 s however fast the machine, while a test kills at its first progress lines (round 3 or so).
+ROUNDS = 301
+CHECKPOINTS = {"plot": False, "checkpoint_every": 100}
+PAUSED = {**CLIENT_ENV, "FEDSADDLE_TEST_CHECKPOINT_PAUSE": "1"}
 
 
 def client(address: str, indices: int | str) -> subprocess.Popen[str]:
@@ -36,13 +43,13 @@ def client(address: str, indices: int | str) -> subprocess.Popen[str]:
 def test_a_killed_client_that_restarts_rejoins_and_the_run_ends_bit_identical(
     tmp_path: Path, algorithm: dict[str, Any]
 ) -> None:
-    fields: dict[str, Any] = dict(problem=PROBLEM, algorithms=[algorithm], rounds=3001, gradient_noise=0.1)
-    path = write_config(tmp_path / "run.yaml", transport={"rejoin_timeout_s": 30}, output={"plot": False}, **fields)
-    coordinator = Coordinator(path, tmp_path / "runs")
+    fields: dict[str, Any] = dict(problem=PROBLEM, algorithms=[algorithm], rounds=ROUNDS, gradient_noise=0.1)
+    path = write_config(tmp_path / "run.yaml", transport={"rejoin_timeout_s": 30}, output=CHECKPOINTS, **fields)
+    coordinator = Coordinator(path, tmp_path / "runs", env=PAUSED)
     address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
     clients = [client(address, i) for i in range(3)]
     try:
-        coordinator.wait_for(r"round\s+\d+/3001", 60)
+        coordinator.wait_for(rf"round\s+\d+/{ROUNDS}", 60)
         clients[1].send_signal(signal.SIGKILL)
         clients[1].wait()
         coordinator.wait_for(r"client 1 \(.*\) disconnected", 30)
@@ -74,18 +81,18 @@ def test_a_process_killed_again_and_again_in_a_sampled_noisy_run_changes_no_bit_
     fields: dict[str, Any] = dict(
         problem={**PROBLEM, "num_clients": 4},
         algorithms=[{"name": "scaffold_s", "gamma_local": 0.02}],
-        rounds=3001,
+        rounds=ROUNDS,
         gradient_noise=0.1,
         sync={"kind": "random", "p": 0.2},
         participation={"fraction": 0.5},
     )
-    path = write_config(tmp_path / "run.yaml", transport={"rejoin_timeout_s": 30}, output={"plot": False}, **fields)
-    coordinator = Coordinator(path, tmp_path / "runs")
+    path = write_config(tmp_path / "run.yaml", transport={"rejoin_timeout_s": 30}, output=CHECKPOINTS, **fields)
+    coordinator = Coordinator(path, tmp_path / "runs", env=PAUSED)
     address = coordinator.wait_for(r"listening on (\S+);", 30).group(1)
     clients = [client(address, 0), client(address, 1), client(address, "2,3")]
     try:
         for _ in range(3):
-            coordinator.wait_for(r"round\s+\d+/3001", 60)
+            coordinator.wait_for(rf"round\s+\d+/{ROUNDS}", 60)
             clients[-1].send_signal(signal.SIGKILL)
             clients[-1].wait()
             coordinator.wait_for(r"clients \[2, 3\] \(.*\) disconnected", 30)

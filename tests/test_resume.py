@@ -266,12 +266,14 @@ def private_run(tmp_path: Path, **fields: Any) -> tuple[dict[str, Any], str]:
 
 
 def test_simulate_resumes_a_stopped_private_data_run_once_given_the_data(tmp_path: Path) -> None:
-    config, pattern = private_run(tmp_path, evaluate_every=100, rounds=4001)
+    config, pattern = private_run(tmp_path, evaluate_every=100, rounds=401)
     path = write_config(tmp_path / "run.yaml", **config)
     whole = fedsaddle("simulate", "--config", str(path), "--data", pattern, "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     (expected,) = (tmp_path / "whole").iterdir()
-    run_dir, log = simulate_stopped_at_a_checkpoint(tmp_path, "--config", str(path), "--data", pattern)
+    # Stopped while writing its second checkpoint (round 50; each write pauses then), so a short run does not
+    # end first: it resumes from the first (round 25).
+    run_dir, log = simulate_stopped_at_a_checkpoint(tmp_path, "--config", str(path), "--data", pattern, past_round=25)
     assert "stopped by SIGTERM; outputs written\n" in log  # (no clients to tell)
     assert json.loads((run_dir / "summary.json").read_text())["transport"]["failure"] == "stopped by SIGTERM"
     before = digest(run_dir)
@@ -327,7 +329,7 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_and_nothing_changes(tmp_p
         coordinator.process.send_signal(signal.SIGKILL)
         coordinator.finish(timeout=30)
     finally:
-        stop_processes(clients)
+        stop_processes(clients, grace=0)  # (they would wait for a coordinator again: only the run directory counts)
     (run_dir,) = (tmp_path / "runs").iterdir()
 
     def refused(expected: str) -> None:
