@@ -47,7 +47,7 @@ from fedsaddle.server.algorithms.base import aggregate
 from fedsaddle.server.config import AlgorithmSpec, RunConfig
 from fedsaddle.server.driver import AlgorithmResult, Run, StepDone, distances, make_run, robustness
 from fedsaddle.server.pool import fresh_traffic, sample_clients
-from fedsaddle.server.settlement import RoundTally, settle
+from fedsaddle.server.settlement import RoundTally, settle, settle_everyone
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,15 @@ class _Member:
         "event",
         "faulty",
         "faulty_rounds",
+        "plain",
         "rounds",
         "rule",
         "run",
+        "tally",
+        "tally_rounds",
         "traffic",
         "weights",
+        "weights_key",
         "z_star",
     )
 
@@ -95,6 +99,28 @@ class _Member:
         self.attack = member.config.attack.attack() if member.config.attack is not None else None
         self.faulty: Counter[int] = Counter()
         self.faulty_rounds = 0
+        # Every client takes part in every round, with no rule and no attack: the rounds `settle_everyone`
+        # settles for a whole group at once.
+        self.plain = self.rule is None and self.attack is None and member.config.participation.fraction >= 1
+        # The latest rounds' tally and how many rounds in a row had it (added to `traffic` when it changes).
+        self.tally: RoundTally | None = None
+        self.tally_rounds = 0
+        self.weights_key: bytes | None = None  # `weights` as the key of a group of exchanges
+
+    def count(self, tally: RoundTally) -> None:
+        """One more round of this cost."""
+        if tally != self.tally:
+            if self.tally is not None:
+                self.traffic[self.tally] += self.tally_rounds
+            self.tally, self.tally_rounds = tally, 0
+        self.tally_rounds += 1
+
+    def counted(self) -> Counter[RoundTally]:
+        """Every round's tally, counted."""
+        if self.tally is not None:
+            self.traffic[self.tally] += self.tally_rounds
+            self.tally, self.tally_rounds = None, 0
+        return self.traffic
 
 
 def _per_run_params(name: str) -> frozenset[str]:
@@ -173,6 +199,7 @@ class _Workers:
             if member.config.weighting == "samples":
                 # The same rule as ClientPool.start_run: aggregation weighted by the clients' sample counts.
                 member.weights = np.asarray(shard.sample_counts(), dtype=np.float64)  # type: ignore[attr-defined]
+                member.weights_key = member.weights.tobytes()
         self.all = Worker(stack_shards(shards), [c.seed for c in configs], noise.pop())
         self._some: dict[tuple[int, ...], Worker] = {}
 
@@ -203,13 +230,14 @@ def run_batch(
     runs = [_Member(m) for m in members]
     workers = _Workers(runs, cache or ShardCache(size=len(members)))
     dim_x, _ = make_problem(members[0].config.problem).dims()
+    z_stars = np.stack([m.z_star for m in runs])
     started = time.perf_counter()
     for member in runs:
         member.event = member.run.advance(None)
     finished = 0
     per_run = functools.cache(_per_run_params)  # (looked up once per computation and batch)
     while True:
-        _record_boundaries(runs, dim_x)
+        _record_boundaries(runs, z_stars, dim_x)
         waiting = [b for b, m in enumerate(runs) if m.event is not None]
         done_now = len(runs) - len(waiting)
         if progress is not None and done_now != finished:
@@ -221,8 +249,7 @@ def run_batch(
         for b in waiting:
             task = runs[b].event
             assert isinstance(task, GradientTask | LocalStepsTask | ComputeTask)
-            weights = runs[b].weights
-            key = (*_signature(task, runs[b].rounds + 1, per_run), None if weights is None else weights.tobytes())
+            key = (*_signature(task, runs[b].rounds + 1, per_run), runs[b].weights_key)
             groups.setdefault(key, []).append(b)
         for rows in groups.values():
             _exchange(runs, tuple(rows), workers, per_run)
@@ -233,21 +260,25 @@ def run_batch(
     return results
 
 
-def _record_boundaries(runs: list[_Member], dim_x: int) -> None:
-    """Record every run that stands at a step boundary, then advance it, until none does."""
+def _record_boundaries(runs: list[_Member], z_stars: Array, dim_x: int) -> None:
+    """Record every run that stands at a step boundary, then advance it, until none does.
+
+    z_stars: every run's z*, one row each, in the order of `runs`."""
     while True:
-        at_boundary = [m for m in runs if isinstance(m.event, StepDone)]
+        at_boundary = [b for b, m in enumerate(runs) if type(m.event) is StepDone]
         if not at_boundary:
             return
-        iterates = np.stack([m.run.algorithm.iterate(m.event.state) for m in at_boundary])  # type: ignore[union-attr]
-        z_star = np.stack([m.z_star for m in at_boundary])
+        members = [runs[b] for b in at_boundary]
+        states = [m.run.algorithm.iterate(m.event.state) for m in members]  # type: ignore[union-attr]
+        iterates = np.stack(states)
+        z_star = z_stars if len(at_boundary) == len(runs) else z_stars[at_boundary]
         dist_x, dist_z = distances(iterates, z_star, dim_x)
         finite = list(map(bool, np.isfinite(iterates).all(axis=1).ravel()))
         xs, zs = dist_x.tolist(), dist_z.tolist()
         now = time.perf_counter()
-        for i, m in enumerate(at_boundary):
+        for i, m in enumerate(members):
             done: StepDone = m.event  # type: ignore[assignment]
-            going = m.run.record(done, m.rounds, xs[i], zs[i], finite[i], now)
+            going = m.run.record(done, m.rounds, xs[i], zs[i], finite[i], now, states[i])
             m.event = m.run.advance(None) if going else None
 
 
@@ -265,12 +296,31 @@ def _exchange(
         finite &= np.isfinite(objective).all(axis=1)
     bad = [not v for v in map(bool, finite.ravel())]
     n, dimension = vectors.shape[1], vectors.shape[2]
-    everyone = tuple(range(n))
     with np.errstate(over="ignore", invalid="ignore"):
         # Every run's aggregate at once, by the rule RoundAnswers.mean() applies to a run alone.
         weights = first.weights  # one for the whole group (the groups are made so)
         means = aggregate(vectors, weights)
         objective_means = None if objective is None else aggregate(objective[:, :, None], weights)[:, 0].tolist()
+        if all(runs[b].plain for b in rows):
+            # The common round: every client of every run took part, no rule, no attack. One settlement
+            # for the group gives each run what `settle` gives it alone.
+            tally, settled = settle_everyone(
+                tasks[0], n, dimension, vectors, objective, weights, means, objective_means, bad
+            )
+            for b, answers in zip(rows, settled, strict=True):
+                member = runs[b]
+                member.rounds += 1
+                if member.tally == tally:  # (`count`, inlined: a run's rounds mostly cost what its last did)
+                    member.tally_rounds += 1
+                else:
+                    member.count(tally)
+                if answers is None:
+                    member.run.stop("diverged", f"round {member.rounds}: non-finite values from the clients")
+                    member.event = None
+                else:
+                    member.event = member.run.advance(answers)
+            return
+        everyone = tuple(range(n))
         for i, b in enumerate(rows):
             member = runs[b]
             member.rounds += 1
@@ -293,7 +343,7 @@ def _exchange(
             elif member.attack is not None:
                 aggregated = None
             settlement = settle(tasks[i], n, dimension, sampled, replies, weights, aggregated, rule=rule)
-            member.traffic[settlement.tally] += 1
+            member.count(settlement.tally)
             if settlement.faulty:
                 member.faulty.update(settlement.faulty)
                 member.faulty_rounds += 1
@@ -307,7 +357,7 @@ def _exchange(
 
 def _traffic_dict(member: _Member) -> dict[str, dict[str, object]]:
     counts = fresh_traffic(member.config.problem.num_clients)
-    for traffic, times in member.traffic.items():
+    for traffic, times in member.counted().items():
         counts["algorithm"].add(traffic, times)
     return {category: c.as_dict() for category, c in counts.items()}
 

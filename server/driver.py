@@ -83,12 +83,21 @@ def run_loop(
         steps = 0
     else:
         steps, state, (exchanges, paper_rounds) = start
+    # `fits`, one step at a time: a convention counts a step's rounds as the sum of its fields, so the rounds
+    # spent so far and the step's add up (run once per run and step of a sweep, this saves a StepCost a step).
+    spent = convention.rounds_of(StepCost(exchanges, paper_rounds))
     while True:
         cost = algorithm.step_cost(state)
-        if not fits(StepCost(exchanges, paper_rounds), cost, budget, convention):
+        spent_after = spent + convention.rounds_of(cost)
+        if spent_after > budget:
             return
         state = yield from algorithm.step(state)
-        exchanges, paper_rounds, steps = exchanges + cost.exchanges, paper_rounds + cost.paper, steps + 1
+        exchanges, paper_rounds, steps, spent = (
+            exchanges + cost.exchanges,
+            paper_rounds + cost.paper,
+            steps + 1,
+            spent_after,
+        )
         yield StepDone(steps, state, StepCost(exchanges, paper_rounds))
 
 
@@ -262,22 +271,28 @@ class Run:
         dist_z: float | None,
         finite: bool | None = None,
         now: float | None = None,
+        iterate: Array | None = None,
     ) -> bool:
         """Record a step boundary; False if the iterate is no longer finite (the run diverged).
 
-        `finite` and `now` may be passed in by a driver that handles many runs at once.
+        `finite`, `now` and the state's `iterate` may be passed in by a driver that handles many runs at once.
         """
-        entry: dict[str, float | int] = {
-            "step": done.steps,
-            "rounds": rounds,
-            "paper_rounds": done.spent.paper,
-            "time_s": (time.perf_counter() if now is None else now) - self.started,
-        }
+        time_s = (time.perf_counter() if now is None else now) - self.started
+        entry: dict[str, float | int]
         if dist_x is not None and dist_z is not None:
-            entry["dist_x"], entry["dist_z"] = dist_x, dist_z
+            entry = {
+                "step": done.steps,
+                "rounds": rounds,
+                "paper_rounds": done.spent.paper,
+                "time_s": time_s,
+                "dist_x": dist_x,
+                "dist_z": dist_z,
+            }
+        else:
+            entry = {"step": done.steps, "rounds": rounds, "paper_rounds": done.spent.paper, "time_s": time_s}
         self.records.append(entry)
         self.state = done.state
-        self.final_z = self.algorithm.iterate(done.state)
+        self.final_z = self.algorithm.iterate(done.state) if iterate is None else iterate
         if finite is None:
             finite = bool(np.isfinite(self.final_z).all())
         if done.steps > 0 and not finite:

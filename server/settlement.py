@@ -148,6 +148,37 @@ def settle(
     return Settlement(tally, answers)
 
 
+def settle_everyone(
+    task: Task,
+    num_clients: int,
+    dimension: int,
+    vectors: Array,
+    objective: Array | None,
+    weights: Array | None,
+    means: Array,
+    objective_means: Sequence[float] | None,
+    diverged: Sequence[bool],
+) -> tuple[RoundTally, list[RoundAnswers | None]]:
+    """Settle the same round of several runs at once, as `settle` settles each alone.
+
+    For runs whose every client was asked and answered, without a robust rule, whose tasks cost the
+    same (one batched worker call: equal kinds and payload shapes) and whose rows the caller aggregated:
+    vectors (R, n, D), objective (R, n) or None, means (R, D) and objective_means (R,) by `aggregate`'s
+    rule, diverged: each run's rows not all finite. One tally serves every run (a round's cost depends
+    on none of its numbers); a run that diverged gets None, as `settle` gives it.
+    """
+    tally = round_traffic(task, num_clients, dimension)
+    answers: list[RoundAnswers | None] = []
+    for i, bad in enumerate(diverged):
+        if bad:
+            answers.append(None)
+            continue
+        mean_objective = None if objective_means is None else objective_means[i]
+        rows = None if objective is None else objective[i]
+        answers.append(RoundAnswers(vectors[i], rows, weights, None, (means[i], mean_objective)))
+    return tally, answers
+
+
 def _rows(indices: tuple[int, ...], position: dict[int, int] | None) -> slice | Sequence[int]:
     """Where a reply's clients go among the round's rows (a slice when they are consecutive).
 

@@ -94,6 +94,33 @@ def test_a_batch_may_mix_algorithms_schedules_budgets_and_seeds() -> None:
         assert same(result, run_algorithm(member.spec, member.config, LocalPool()))
 
 
+def test_runs_that_share_a_round_with_sampled_attacked_or_ruled_runs_equal_the_runs_alone() -> None:
+    # Rounds in which every client of every run took part are settled for the whole group at once; a group
+    # that holds a run with sampled clients, an attack or a robust rule settles run by run. Either way, and
+    # with runs that diverge partway, each run gets the bits and counts of the run alone.
+    unusual: list[dict[str, Any]] = [
+        {},
+        {"participation": {"fraction": 0.5}},
+        {"attack": {"kind": "scale", "clients": [1], "factor": 3.0}},
+        {"aggregation": {"rule": "median"}},
+    ]
+    for together in (unusual[:1], unusual):
+        members = []
+        for fields in together:
+            for algorithm in (ALGORITHMS[0], ALGORITHMS[3]):  # gradient rounds; local-steps and gradient rounds
+                for scale in (1.0, 30.0):  # 30 times the step diverges partway
+                    step = {k: v * scale if k.startswith("gamma") else v for k, v in algorithm.items()}
+                    problem = {"name": "paper_regression", "s": 2.0}
+                    run = config(seed=2, problem=problem, rounds=30, algorithms=[step], **fields)
+                    members.append(BatchRun(run, run.algorithms[0]))
+        statuses = []
+        for member, result in zip(members, run_batch(members), strict=True):
+            alone = run_algorithm(member.spec, member.config, LocalPool())
+            assert same(result, alone), (member.spec, member.config.participation, member.config.attack)
+            statuses.append(result.status)
+        assert "ok" in statuses and "diverged" in statuses
+
+
 def test_batches_over_worker_processes_equal_one_process() -> None:
     batches = [
         [BatchRun(c, c.algorithms[0]) for c in (config(seed=seed, algorithms=[a], rounds=25) for seed in range(5))]
