@@ -16,12 +16,14 @@ equal (one call per step size), as every computation did before. Only those two
 algorithms run in that layout; its summary takes the others' figures from
 `declared`.
 
-`numpy` is an independent reproduction of four of the algorithms (Minibatch MD,
-FedAvg-S with the constant step, Local Extragradient, Local SGDA+ with a snapshot
-every sync): plain numpy over arrays (runs, clients, d), all runs of an algorithm
-at once, with the same data and ||x - x*|| recorded at every sync; its final
-iterates are compared with fedsaddle's (the largest relative difference over
-the runs that did not diverge is printed: 0 means the same bits).
+`numpy` is an independent reproduction of six of the algorithms (Minibatch MD,
+Minibatch Mirror-prox, FedAvg-S with the constant step, SCAFFOLD-S, Local
+Extragradient, Local SGDA+ with a snapshot every sync): plain numpy over arrays
+(runs, clients, d), all runs of an algorithm at once, with the same data and
+||x - x*|| recorded at every sync. Its final iterates are compared with
+fedsaddle's (the largest relative difference over the runs that did not
+diverge is printed: 0 means the same bits). The cost of those six together,
+weighted by their runs, is also given against numpy's.
 
     python bench/sweep_cost.py [--s 0,2,4,6,8,10,12,14] [--repeats 3] [--layouts declared,undeclared,numpy]
 """
@@ -121,6 +123,38 @@ def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarra
             x = x - gamma * gx.mean(axis=1, keepdims=True)
             y = y - gamma * gy.mean(axis=1, keepdims=True)
             distances.append(np.linalg.norm(x, axis=2))
+    elif algorithm == "mirror_prox":
+        gamma = steps_of(runs, "gamma")
+        for _ in range(budget // 2):  # two exchanges a step
+            gx, gy = grad(x, y)
+            x_half = x - gamma * gx.mean(axis=1, keepdims=True)
+            y_half = y - gamma * gy.mean(axis=1, keepdims=True)
+            gx, gy = grad(x_half, y_half)
+            x = x - gamma * gx.mean(axis=1, keepdims=True)
+            y = y - gamma * gy.mean(axis=1, keepdims=True)
+            distances.append(np.linalg.norm(x, axis=2))
+    elif algorithm == "scaffold_s":
+        gamma = steps_of(runs, "gamma_local")
+        gamma_global = np.array(
+            [run.spec.gamma_local if run.spec.gamma_global is None else run.spec.gamma_global for run in runs]
+        )[:, None, None]
+        gx, gy = grad(x, y)  # init: the control G(z0), one exchange
+        cx, cy = gx.mean(axis=1, keepdims=True), gy.mean(axis=1, keepdims=True)
+        for _ in range((budget - 1) // 2):  # a sync: the local steps, then G at the new z~
+            start_x, start_y = grad(x, y)  # G_i(z~), each client's
+            xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
+            sx, sy = np.zeros_like(xi), np.zeros_like(yi)
+            for _ in range(tau):
+                gx, gy = grad(xi, yi)
+                gx, gy = gx - start_x + cx, gy - start_y + cy  # G_i(z_i) - G_i(z~) + c
+                sx += gx
+                sy += gy
+                xi, yi = xi - gamma * gx, yi - gamma * gy
+            x = x - gamma_global * sx.mean(axis=1, keepdims=True)
+            y = y - gamma_global * sy.mean(axis=1, keepdims=True)
+            gx, gy = grad(x, y)
+            cx, cy = gx.mean(axis=1, keepdims=True), gy.mean(axis=1, keepdims=True)
+            distances.append(np.linalg.norm(x, axis=2))
     elif algorithm == "fedavg_s_constant":
         gamma = steps_of(runs, "gamma_local")
         for _ in range(budget):
@@ -168,7 +202,14 @@ def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarra
     return np.concatenate([x[:, 0], y[:, 0]], axis=1)
 
 
-REPRODUCED = ("minibatch_md", "fedavg_s_constant", "local_extragradient", "local_sgda_plus")
+REPRODUCED = (
+    "minibatch_md",
+    "mirror_prox",
+    "fedavg_s_constant",
+    "scaffold_s",
+    "local_extragradient",
+    "local_sgda_plus",
+)
 
 
 def numpy_sweep(grid: Grid, work: dict[str, list[list[BatchRun]]]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
@@ -182,16 +223,17 @@ def numpy_sweep(grid: Grid, work: dict[str, list[list[BatchRun]]]) -> tuple[dict
     return per_run, finals
 
 
-def agreement(results: list[Any], reference: np.ndarray) -> float:
+def agreement(results: list[Any], reference: np.ndarray) -> tuple[float, int]:
     """The largest relative difference between fedsaddle's final z and the reproduction's, over runs that
-    neither diverged."""
-    worst = 0.0
+    neither diverged, and how many runs those are."""
+    worst, compared = 0.0, 0
     for result, z in zip(results, reference, strict=True):
         if result.status != "ok" or not np.isfinite(z).all():
             continue
         ours = np.asarray(result.final_z)
         worst = max(worst, float(np.max(np.abs(ours - z)) / max(np.max(np.abs(z)), 1e-300)))
-    return worst
+        compared += 1
+    return worst, compared
 
 
 def main() -> None:
@@ -211,7 +253,7 @@ def main() -> None:
     work = batches(grid)
     sizes = {a: sum(len(p) for p in pieces) for a, pieces in work.items()}
     timings: dict[str, dict[str, list[float]]] = {layout: defaultdict(list) for layout in layouts}
-    checks: dict[str, float] = {}
+    checks: dict[str, tuple[float, int]] = {}
     runners: dict[str, Callable[[], tuple[dict[str, float], Any]]] = {
         "declared": lambda: fedsaddle_sweep(work),
         "numpy": lambda: numpy_sweep(grid, work),
@@ -252,8 +294,16 @@ def main() -> None:
                 f"{NAMES[a]} {m[a] / medians['numpy'][a]:.2f}" for a in REPRODUCED if a in m and a in medians["numpy"]
             )
             print(f"  {layout} / numpy per run: {ratios}")
-    for algorithm, worst in checks.items():
-        print(f"  {NAMES[algorithm]}: largest relative difference of the final z from the reproduction's {worst:.1e}")
+            both = [a for a in REPRODUCED if a in m and a in medians["numpy"]]
+            if both:
+                ours = sum(m[a] * sizes[a] for a in both)
+                theirs = sum(medians["numpy"][a] * sizes[a] for a in both)
+                print(f"  {layout} / numpy over the {len(both)} reproduced algorithms' runs: {ours / theirs:.2f}")
+    for algorithm, (worst, compared) in checks.items():
+        print(
+            f"  {NAMES[algorithm]}: largest relative difference of the final z from the reproduction's {worst:.1e}"
+            f" ({compared} of {sizes[algorithm]} runs, those that did not diverge)"
+        )
 
 
 if __name__ == "__main__":
