@@ -7,7 +7,8 @@ import pytest
 
 from fedsaddle.common.numeric import SUMMED_BY_LOOP_ABOVE
 from fedsaddle.common.tasks import Answer, EvaluateTask, GradientTask, LocalStepsTask
-from fedsaddle.server.settlement import RoundTally, settle
+from fedsaddle.server.algorithms.base import RoundAnswers, aggregate
+from fedsaddle.server.settlement import RoundTally, settle, settle_everyone
 
 ROWS = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
 
@@ -71,6 +72,34 @@ def test_an_aggregate_passed_in_is_what_the_algorithm_receives() -> None:
     settled = settle(task, 4, 2, None, [Answer((0, 1, 2, 3), ROWS)], aggregated=(mean, None))
     assert settled.answers is not None
     assert settled.answers.mean() is mean
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_rounds_of_several_runs_settle_at_once_as_each_alone(weighted: bool) -> None:
+    task = GradientTask(np.zeros(2), want_objective=True)
+    vectors = np.stack([ROWS, 2 * ROWS, ROWS + 0.5])  # three runs of four clients
+    vectors[1, 2, 0] = np.inf  # the second run's round diverged
+    objective = np.array([[1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0, 3.0], [5.0, 6.0, 7.0, 8.0]])
+    weights = np.array([1.0, 2.0, 3.0, 4.0]) if weighted else None
+    with np.errstate(invalid="ignore"):
+        means = aggregate(vectors, weights)
+    objective_means = aggregate(objective[:, :, None], weights)[:, 0].tolist()
+    diverged = [not bool(np.isfinite(v).all()) for v in vectors]
+    tally, together = settle_everyone(task, 4, 2, vectors, objective, weights, means, objective_means, diverged)
+    for i, answers in enumerate(together):
+        reply = Answer((0, 1, 2, 3), vectors[i], objective[i], diverged[i])
+        alone = settle(task, 4, 2, None, [reply], weights, (means[i], objective_means[i]))
+        assert alone.tally == tally == RoundTally(4, 2, 3, None, None)
+        if alone.answers is None:
+            assert answers is None and i == 1
+            continue
+        assert answers is not None and answers.indices is None and answers.weights is weights
+        assert np.array_equal(answers.vectors, vectors[i])  # type: ignore[arg-type]
+        assert answers.mean().tobytes() == alone.answers.mean().tobytes()
+        # (the group's means are what each run's rows give alone, unaggregated)
+        assert answers.mean().tobytes() == RoundAnswers(vectors[i], objective[i], weights).mean().tobytes()
+        assert answers.mean_objective() == alone.answers.mean_objective() == objective_means[i]
+    assert [a is None for a in together] == [False, True, False]
 
 
 @pytest.mark.parametrize("weighted", [False, True])
