@@ -16,14 +16,13 @@ equal (one call per step size), as every computation did before. Only those two
 algorithms run in that layout; its summary takes the others' figures from
 `declared`.
 
-`numpy` is an independent reproduction of six of the algorithms (Minibatch MD,
-Minibatch Mirror-prox, FedAvg-S with the constant step, SCAFFOLD-S, Local
-Extragradient, Local SGDA+ with a snapshot every sync): plain numpy over arrays
-(runs, clients, d), all runs of an algorithm at once, with the same data and
-||x - x*|| recorded at every sync. Its final iterates are compared with
+`numpy` is an independent reproduction of eight of the algorithms, all but
+the two Catalysts (Local SGDA+ with a snapshot every sync): plain numpy over
+arrays (runs, clients, d), all runs of an algorithm at once, with the same data
+and ||x - x*|| recorded at every sync. Its final iterates are compared with
 fedsaddle's (the largest relative difference over the runs that did not
-diverge is printed: 0 means the same bits). The cost of those six together,
-weighted by their runs, is also given against numpy's.
+diverge is printed: 0 means the same bits). The cost of the reproduced
+algorithms together, weighted by their runs, is also given against numpy's.
 
     python bench/sweep_cost.py [--s 0,2,4,6,8,10,12,14] [--repeats 3] [--layouts declared,undeclared,numpy]
 """
@@ -155,6 +154,36 @@ def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarra
             gx, gy = grad(x, y)
             cx, cy = gx.mean(axis=1, keepdims=True), gy.mean(axis=1, keepdims=True)
             distances.append(np.linalg.norm(x, axis=2))
+    elif algorithm == "fedavg_s":  # the paper's decaying step: local step k weighs 1 / (sqrt(k) + 1)
+        gamma = steps_of(runs, "gamma_local")  # gamma_global = gamma_local
+        for sync in range(budget):
+            xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
+            sx, sy = np.zeros_like(xi), np.zeros_like(yi)
+            for step in range(tau):
+                w = 1.0 / (float(np.sqrt(sync * tau + step)) + 1.0)
+                gx, gy = grad(xi, yi)
+                sx += w * gx
+                sy += w * gy
+                xi, yi = xi - (gamma * w) * gx, yi - (gamma * w) * gy
+            x = x - gamma * sx.mean(axis=1, keepdims=True)
+            y = y - gamma * sy.mean(axis=1, keepdims=True)
+            distances.append(np.linalg.norm(x, axis=2))
+    elif algorithm == "fedgda_gt":
+        eta = steps_of(runs, "eta")
+        for _ in range(budget // 2):  # G(z), then the local steps corrected by it
+            start_x, start_y = grad(x, y)
+            cx, cy = start_x.mean(axis=1, keepdims=True), start_y.mean(axis=1, keepdims=True)
+            xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
+            sx, sy = np.zeros_like(xi), np.zeros_like(yi)
+            for _ in range(tau):
+                gx, gy = grad(xi, yi)
+                gx, gy = gx - start_x + cx, gy - start_y + cy
+                sx += gx
+                sy += gy
+                xi, yi = xi - eta * gx, yi - eta * gy
+            x = x - eta * sx.mean(axis=1, keepdims=True)
+            y = y - eta * sy.mean(axis=1, keepdims=True)
+            distances.append(np.linalg.norm(x, axis=2))
     elif algorithm == "fedavg_s_constant":
         gamma = steps_of(runs, "gamma_local")
         for _ in range(budget):
@@ -205,8 +234,10 @@ def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarra
 REPRODUCED = (
     "minibatch_md",
     "mirror_prox",
+    "fedavg_s",
     "fedavg_s_constant",
     "scaffold_s",
+    "fedgda_gt",
     "local_extragradient",
     "local_sgda_plus",
 )
