@@ -38,6 +38,7 @@ from fedsaddle.server.batch import BatchRun, run_batches
 from fedsaddle.server.config import ConfigError, parse_config
 from fedsaddle.server.transport.local_pool import reference_solution
 
+from . import robust
 from .datasets import split
 from .grid import NAMES, quartiles
 
@@ -50,30 +51,13 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "minibatch_md": {"name": "minibatch_md", "gamma": 0.1},  # 0.2 diverges without an attacker
     "scaffold_s": {"name": "scaffold_s", "gamma_local": 0.04},
 }
-RULES: dict[str, dict[str, Any]] = {
-    "mean": {"rule": "mean"},
-    "median": {"rule": "median"},
-    "trimmed_mean": {"rule": "trimmed_mean", "beta": 0.3},
-    "krum": {"rule": "krum", "f": 3},
-    "geometric_median": {"rule": "geometric_median"},
-    "centered_clipping": {"rule": "centered_clipping", "tau": 1.0, "iterations": 3},
-    "median_bucketing": {"rule": "median", "bucketing": 2},
-}
-RULE_NAMES = {
-    "mean": "mean",
-    "median": "median",
-    "trimmed_mean": "trimmed mean (beta 0.3)",
-    "krum": "Krum (f 3)",
-    "geometric_median": "geometric median",
-    "centered_clipping": "centered clipping (tau 1, 3 it.)",
-    "median_bucketing": "median, bucketing s=2",
-}
+# The paper-problem experiment's rules and attacks (experiments/robust.py), less the bucketed geometric median
+# and the Gaussian attack, and with label flipping, which needs data files.
+RULES = {name: rule for name, rule in robust.RULES.items() if name != "geometric_median_bucketing"}
+RULE_NAMES = robust.RULE_NAMES
 ATTACKS: dict[str, dict[str, Any]] = {
     "label_flip": {"kind": "label_flip"},
-    "sign_flip": {"kind": "sign_flip"},
-    "alie": {"kind": "alie", "omniscient": True},
-    "ipm": {"kind": "ipm", "epsilon": 0.1, "omniscient": True},
-    "false_diverged": {"kind": "false_diverged"},
+    **{name: attack for name, attack in robust.ATTACKS.items() if name != "gaussian"},
 }
 NONE = "none"
 
