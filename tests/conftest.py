@@ -28,6 +28,12 @@ from fedsaddle.launch import CLIENT_ENV  # noqa: E402
 from fedsaddle.server.config import RunConfig, parse_config  # noqa: E402
 from fedsaddle.server.transport.grpc_pool import GrpcPool  # noqa: E402
 
+# The tests that press Ctrl-C send SIGINT to the processes they start. A suite started in the background of a
+# shell (`nohup`, `cmd &`) inherits SIGINT ignored, and so would every process it starts, which would then never
+# see it: give this process a handler, so that its children start with SIGINT's default disposition.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def strict_json(text: str) -> Any:
     """JSON as every reader takes it: NaN and Infinity, which Python alone accepts, fail the test."""
