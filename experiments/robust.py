@@ -288,6 +288,18 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def every_tenth() -> Callable[[int, int], None]:
+    """A progress hook that prints "done/total runs" at each tenth of the way."""
+    shown = [-1]
+
+    def progress(done: int, total: int) -> None:
+        if 10 * done // total != shown[0]:
+            shown[0] = 10 * done // total
+            print(f"{done}/{total} runs", flush=True)
+
+    return progress
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedsaddle.experiments.robust", description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 (default 10)")
@@ -303,15 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.seeds < 1 or args.rounds < 1:
         parser.error("--seeds and --rounds must be at least 1")
-    shown = [-1]
-
-    def progress(done: int, total: int) -> None:
-        percent = 100 * done // total
-        if percent // 10 != shown[0]:
-            shown[0] = percent // 10
-            print(f"{done}/{total} runs", flush=True)
-
-    table = run_robust(range(args.seeds), args.rounds, Path(args.out), args.workers, progress)
+    table = run_robust(range(args.seeds), args.rounds, Path(args.out), args.workers, every_tenth())
     print(f"wrote {table}")
     return 0
 

@@ -230,15 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.rounds < 1:
         parser.error("--seeds and --rounds must be at least 1")
-    shown = [-1]
-
-    def progress(done: int, total: int) -> None:
-        percent = 100 * done // total
-        if percent // 10 != shown[0]:
-            shown[0] = percent // 10
-            print(f"{done}/{total} runs", flush=True)
-
-    table = run_robust_data(range(args.seeds), args.rounds, Path(args.out), args.workers, progress)
+    table = run_robust_data(range(args.seeds), args.rounds, Path(args.out), args.workers, robust.every_tenth())
     print(f"wrote {table}")
     return 0
 
