@@ -347,20 +347,20 @@ def loopback_federation(
     """
     groups = index_groups(config.problem.num_clients, per_process)
     # The operator runs both sides here, so the clients trust the config's plugin problem.
-    trust = ["--problem", config.problem.plugin] if config.problem.plugin else []
+    extra = ["--problem", config.problem.plugin] if config.problem.plugin else []
     flipped = label_flipped(config.attack.attack() if config.attack is not None else None)
     if flipped:  # a simulated label_flip is made where those clients' data loads: in their processes
-        trust += ["--label-flipped", ",".join(map(str, flipped))]
+        extra += ["--label-flipped", ",".join(map(str, flipped))]
     if data:
         # Every client's file is at hand here: compare the spec's statistics with all of them at once,
         # exactly, rather than each client process with its own share.
         check_statistics(config, data)
-        trust.append("--statistics-checked")
+        extra.append("--statistics-checked")
     children: list[ClientProcess] = []
     pool: GrpcPool | None = None
     try:
         if fork:
-            forked = fork_clients(groups, fork, quiet=quiet_clients, data=data, extra=trust)
+            forked = fork_clients(groups, fork, quiet=quiet_clients, data=data, extra=extra)
             children = list(forked)
             pool = coordinator_pool(config, "127.0.0.1:0")
             for child in forked:
@@ -368,7 +368,7 @@ def loopback_federation(
         else:
             pool = coordinator_pool(config, "127.0.0.1:0")
             children = list(
-                start_clients(pool.address, groups, quiet=quiet_clients, capture=capture, data=data, extra=trust)
+                start_clients(pool.address, groups, quiet=quiet_clients, capture=capture, data=data, extra=extra)
             )
         print(
             f"coordinator on {pool.address}; started {len(children)} client processes "

@@ -210,7 +210,10 @@ def _aggregation_is_sound(config: RunConfig, problem_invalid: bool) -> list[Faul
             faults.append((("attack", "clients"), why))
     flips = attack is not None and attack.kind == "label_flip" and not problem_invalid
     if flips and not isinstance(make_problem(config.problem), DataProblem):
-        why = f"label_flip swaps the labels of clients' data files, and problem {config.problem.name} has none"
+        why = (
+            f"label_flip swaps the labels of clients' data files, and problem {config.problem.name} has none: "
+            "use a problem on data files with binary labels (auc, fair_logistic, agnostic or a plug-in's)"
+        )
         faults.append((("attack", "kind"), why))
     if (rule is not None or attack is not None) and not problem_invalid:
         held = n * make_problem(config.problem).dimension * 8 / 2**20
