@@ -1,6 +1,6 @@
 """Byzantine clients on the paper's problem: every algorithm under every aggregation rule and attack.
 
-    python -m fedsaddle.experiments.robust [--seeds 10] [--rounds 500] [--out DIR] [--workers N]
+    python -m fedsaddle.experiments.robust [--seeds 10] [--rounds 200] [--out DIR] [--workers N]
 
 The paper's problem (n = 10, d = 10, lambda = 1e-5, tau = 20, sigma = 0, x0 = y0 = 1) at
 s = 0, 1, 10; f = 1, 2, 3 of the 10 clients Byzantine (clients 0..f-1), or none; each
@@ -303,13 +303,15 @@ def every_tenth() -> Callable[[int, int], None]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedsaddle.experiments.robust", description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 (default 10)")
-    parser.add_argument("--rounds", type=int, default=500, help="the budget, every exchange counted (default 500)")
+    parser.add_argument("--rounds", type=int, default=200, help="the budget, every exchange counted (default 200)")
     parser.add_argument("--out", default="runs/experiment-robust", help="report folder")
     parser.add_argument("--workers", type=int, help="worker processes (default: one per core)")
     parser.add_argument("--summary-only", action="store_true", help="rewrite summary.md from OUT/runs.csv")
     args = parser.parse_args(argv)
     if args.summary_only:
         out = Path(args.out)
+        if not (out / "runs.csv").is_file():
+            parser.error(f"--summary-only: {out / 'runs.csv'} does not exist (run the grid into --out first)")
         (out / "summary.md").write_text(summary(read_runs(out / "runs.csv")))
         print(f"wrote {out / 'summary.md'}")
         return 0
