@@ -50,10 +50,15 @@ class LocalStepsTask(NamedTuple):
 
 
 class EvaluateTask(NamedTuple):
-    """Compute the problem's evaluation metrics at z on each client's held-out rows."""
+    """Compute the problem's evaluation metrics at z on each client's held-out rows (or training rows, for
+    the metrics its problem declares so: common/problems/shards.py's `metric_rows`)."""
 
     z: Array
     metric_names: tuple[str, ...]
+    # The answers carry one row count per client and metric, not one per client: the problem's metrics are
+    # on different rows. Known to the coordinator from the problem (the wire does not carry it); it counts
+    # the floats of the answers (server/settlement.py's round_traffic).
+    counts_per_metric: bool = False
 
     def payload(self) -> list[Array]:
         return [self.z]
@@ -107,7 +112,7 @@ class Answer(NamedTuple):
     vectors: Array  # shape (len(indices), dimension); for evaluation (len(indices), metrics)
     objective: Array | None = None  # shape (len(indices),), when asked for
     diverged: bool = False
-    counts: Array | None = None  # evaluation: held-out rows per client (the weights of its metrics)
+    counts: Array | None = None  # evaluation: each client's rows its metrics are on (k,), or per metric (k, m)
     # Secure aggregation (over gRPC): vectors are masked rows (uint64), and these each row's sealed shares.
     shares: tuple[dict[int, bytes], ...] | None = None
     reason: str = ""  # why the clients diverged, when they say (a value outside the fixed-point bound)

@@ -207,9 +207,11 @@ class Worker:
         if self.element is not None:
             with np.errstate(over="ignore"):
                 values = values.astype(self.element)
-        defined = np.isfinite(values).all(axis=1)
-        metrics = np.where(defined[:, None], values, values.dtype.type(0))
-        return Answer(self.indices, metrics, counts=np.where(defined, counts, 0.0))
+        # Metrics on different rows (counts (k, m)) are each a client's own: one it cannot take weighs nothing.
+        defined = np.isfinite(values) & (counts > 0) if counts.ndim == 2 else np.isfinite(values).all(axis=1)[:, None]
+        metrics = np.where(defined, values, values.dtype.type(0))
+        counts = np.where(defined, counts, 0.0) if counts.ndim == 2 else np.where(defined[:, 0], counts, 0.0)
+        return Answer(self.indices, metrics, counts=counts)
 
     # -- oracles ---------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fedsaddle.common.problems import DataProblem, Problem, make_problem
 from fedsaddle.common.problems.domains import DomainError, problem_domain
+from fedsaddle.common.problems.shards import ProblemError, counts_per_metric, metric_rows
 from fedsaddle.common.secagg.graph import check_neighbours
 from fedsaddle.common.secagg.settings import check_bound, check_threshold, round_threshold
 from fedsaddle.server.aggregation import PluginNotFound, rule_check, rule_tolerates
@@ -54,6 +55,21 @@ def _what_the_problem_offers(config: RunConfig, problem_invalid: bool) -> list[F
             "(output.gradient_norm: true evaluates ||G(z)|| on any problem)"
         )
         faults.append((("evaluate_every",), why))
+    if config.evaluate_every and problem.metric_names:
+        try:
+            mixed = counts_per_metric(problem)
+        except ProblemError as exc:
+            faults.append((("problem",), str(exc)))
+        else:
+            if mixed and config.privacy.secure_aggregation:
+                kinds = zip(problem.metric_names, metric_rows(problem), strict=True)
+                why = (
+                    f"problem {config.problem.name}'s metrics are on different rows "
+                    f"({', '.join(f'{name}: {kind}' for name, kind in kinds)}), "
+                    "so each is weighted by its own row counts, while a masked evaluation row carries one weight per "
+                    "client; evaluate with secure aggregation off, or declare one kind of rows for every metric"
+                )
+                faults.append((("privacy", "secure_aggregation"), why))
     if config.init == "problem" and type(problem).initial_point is Problem.initial_point:
         faults.append((("init",), f"problem {config.problem.name} has no starting point of its own"))
     if config.weighting == "samples" and problem.synthetic:

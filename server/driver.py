@@ -26,6 +26,7 @@ from fedsaddle.common.dp import epsilon
 from fedsaddle.common.numeric import Array, element_type, norm, row_norms, sha256
 from fedsaddle.common.problems import Problem, make_problem, solution
 from fedsaddle.common.problems.domains import Domain, DomainError, problem_domain
+from fedsaddle.common.problems.shards import counts_per_metric
 from fedsaddle.common.stop import Stopped
 from fedsaddle.common.tasks import EvaluateTask, GradientTask, Task
 from fedsaddle.server.algorithms import Algorithm, RoundAnswers, StepCost, build
@@ -435,7 +436,8 @@ def evaluate(config: RunConfig, problem: Problem, pool: ClientPool, z: Array, do
     clients: dict[str, Any] = {}
     n = config.problem.num_clients
     if problem.metric_names:
-        evaluated = pool.exchange(EvaluateTask(z, problem.metric_names), "evaluation")
+        metrics = EvaluateTask(z, problem.metric_names, counts_per_metric(problem))
+        evaluated = pool.exchange(metrics, "evaluation")
         found.update(zip(problem.metric_names, evaluated.mean().tolist(), strict=True))
         if config.output.per_client:
             clients.update(metrics_by_client(evaluated, problem.metric_names, problem.higher_is_better, n))

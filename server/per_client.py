@@ -63,13 +63,15 @@ def by_client(answers: RoundAnswers, column: np.ndarray, num_clients: int, defin
 def metrics_by_client(
     evaluated: RoundAnswers, names: Sequence[str], higher_is_better: Sequence[str], num_clients: int
 ) -> dict[str, dict[str, Any]]:
-    """Each metric's per-client entry from an evaluation round (a client with no held-out weight gave none)."""
+    """Each metric's per-client entry from an evaluation round (a client with no rows to weigh it gave none)."""
     assert evaluated.vectors is not None  # (evaluation rounds are never summed on arrival)
     weights = evaluated.weights if evaluated.weights is not None else np.ones(len(evaluated.vectors))
     defined = np.asarray(weights) > 0
+    if defined.ndim == 1:  # one count per client, for every metric
+        defined = np.repeat(defined[:, None], len(names), axis=1)
     return {
-        name: spread(by_client(evaluated, evaluated.vectors[:, k], num_clients, defined), name in higher_is_better)
-        for k, name in enumerate(names)
+        name: spread(by_client(evaluated, column, num_clients, defined[:, k]), name in higher_is_better)
+        for k, (name, column) in enumerate(zip(names, evaluated.vectors.T, strict=True))
     }
 
 

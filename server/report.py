@@ -15,6 +15,7 @@ import numpy as np
 
 from fedsaddle.common.numeric import Array
 from fedsaddle.common.problems import make_problem
+from fedsaddle.common.problems.shards import metric_rows
 from fedsaddle.server.config import ConfigError, RunConfig
 from fedsaddle.server.driver import AlgorithmResult
 from fedsaddle.server.per_client import OBJECTIVE, clients_of
@@ -209,6 +210,8 @@ def plot_metrics(path: Path, config: RunConfig, results: Sequence[AlgorithmResul
     # clients' training objectives f_i(z).
     per_client = [OBJECTIVE] if any(clients_of(r) is not None for x in results for r in x.records) else []
     panels = names + per_client
+    problem = make_problem(config.problem)
+    rows_of = dict(zip(problem.metric_names, metric_rows(problem), strict=True))  # each metric's rows
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), dpi=120, squeeze=False)
     for ax, name in zip(axes[0], panels, strict=True):
         for result in results:
@@ -232,7 +235,7 @@ def plot_metrics(path: Path, config: RunConfig, results: Sequence[AlgorithmResul
         ax.set_ylabel(
             "f_i(z), each client's training objective"
             if name == OBJECTIVE
-            else f"{name} (on the clients' {make_problem(config.problem).metrics_on} rows)"
+            else f"{name} (on the clients' {rows_of.get(name, 'held-out')} rows)"
         )
         ax.grid(True, alpha=0.3)
         if ax.get_lines():

@@ -51,7 +51,8 @@ def round_traffic(
     for vector in task.payload():  # a loop, not sum(): this runs once per run and round of a sweep
         down += vector.shape[-1]
     if isinstance(task, EvaluateTask):
-        return RoundTally(num_clients, down, len(task.metric_names) + 1, sent, answered)  # metrics, held-out rows
+        metrics = len(task.metric_names)  # the metrics, and the counts of the rows they are on
+        return RoundTally(num_clients, down, metrics + (metrics if task.counts_per_metric else 1), sent, answered)
     up = dimension + (1 if isinstance(task, GradientTask) and task.want_objective else 0)
     return RoundTally(num_clients, down, up, sent, answered)
 
@@ -93,7 +94,8 @@ def settle(
 
     The answering clients are the ones the replies speak for: fewer than were asked
     when a straggler deadline closed the round. Evaluation rounds weigh each client's
-    metrics by its held-out rows (the replies' `counts`), whatever the run's weights.
+    metrics by the rows they are on (the replies' `counts`, one per client or one per client
+    and metric), whatever the run's weights.
     """
     evaluation = isinstance(task, EvaluateTask)
     if rule is not None and not evaluation:
@@ -130,7 +132,9 @@ def settle(
     position = None if everyone else {index: row for row, index in enumerate(answered)}
     vectors = np.empty((len(answered), len(task.metric_names) if isinstance(task, EvaluateTask) else dimension))
     objective = np.empty(len(answered)) if want_objective else None
-    counts = np.zeros(len(answered)) if evaluation else None
+    counts = None
+    if isinstance(task, EvaluateTask):
+        counts = np.zeros((len(answered), len(task.metric_names)) if task.counts_per_metric else len(answered))
     diverged: list[int] = []
     for reply in replies:
         if reply.diverged:
@@ -144,7 +148,7 @@ def settle(
             counts[rows] = reply.counts
     if diverged:  # the round happened (it is counted), but nothing of it reaches the algorithm
         return Settlement(tally, None, tuple(sorted(diverged)))
-    answers = RoundAnswers(vectors, objective, counts if evaluation else run_weights, indices, aggregated)
+    answers = RoundAnswers(vectors, objective, counts if counts is not None else run_weights, indices, aggregated)
     return Settlement(tally, answers)
 
 

@@ -174,3 +174,101 @@ def test_a_metric_on_the_training_rows_is_weighted_by_them_in_process_and_over_g
     expected = float(np.dot(rows, values) / sum(rows))
     assert entries[0]["metrics"]["train_spread"] == pytest.approx(expected, rel=1e-12)
     assert entries[0]["metrics"]["train_spread"] != pytest.approx(float(np.mean(values)), rel=1e-6)
+
+
+MIXED_METRICS = TRAINING_METRIC.replace(
+    'metric_names = ("train_spread",)\n    metrics_on = "training"',
+    'metric_names = ("train_spread", "test_spread")\n    metrics_on = ("training", "held-out")',
+).replace(
+    "return (float(np.mean(np.sum((data.X - z[:2]) ** 2, axis=1))),)",
+    "spread = lambda X: float(np.mean(np.sum((X - z[:2]) ** 2, axis=1))) if len(X) else float('nan')\n"
+    "        return (spread(data.X), spread(data.X_test))",
+)
+
+
+def test_metrics_on_different_rows_are_each_weighted_by_their_own_in_process_and_over_grpc(tmp_path: Path) -> None:
+    import os
+
+    from conftest import CLIENT_ENV
+
+    (tmp_path / "mixed_problem.py").write_text(MIXED_METRICS)
+    rng = np.random.default_rng(5)
+    train, held = (3, 5, 9), (0, 4, 2)  # client 0 holds out none: it has a training value, no held-out one
+    for i, (m, h) in enumerate(zip(train, held, strict=True)):
+        np.savez(tmp_path / f"c{i}.npz", X=rng.normal(i, 1.0, (m, 2)), y=np.zeros(m),
+                 X_test=rng.normal(-i, 2.0, (h, 2)), y_test=np.zeros(h))  # fmt: skip
+    config = {
+        "name": "mixed",
+        "problem": {"name": "centre", "plugin": "mixed_problem:Centre", "num_clients": 3},
+        "rounds": 20,
+        "evaluate_every": 10,
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.3}],
+        "output": {"per_client": True, "plot": False},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), CLIENT_ENV.get("PYTHONPATH", "")])}
+    entries = []
+    for command in ("simulate", "local"):
+        done = fedsaddle(command, "--config", str(tmp_path / "run.yaml"), "--data", str(tmp_path / "c{i}.npz"),
+                         "--out", str(tmp_path / command), env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        run_dir = Path(done.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+        entries.append(strict_json((run_dir / "summary.json").read_text())["algorithms"][0])
+    simulated, federated = entries
+    assert simulated["metrics"] == federated["metrics"] and simulated["per_client"] == federated["per_client"]
+    for kind in ("algorithm", "evaluation"):
+        counted = ("rounds", "messages_up", "floats_up")
+        assert [simulated["traffic"][kind][k] for k in counted] == [federated["traffic"][kind][k] for k in counted]
+    clients = simulated["per_client"]
+    trained, tested = clients["train_spread"]["values"], clients["test_spread"]["values"]
+    assert None not in trained and tested[0] is None and None not in tested[1:]
+    assert simulated["metrics"]["train_spread"] == pytest.approx(float(np.dot(train, trained) / sum(train)), rel=1e-12)
+    expected = float(np.dot(held[1:], tested[1:]) / sum(held[1:]))
+    assert simulated["metrics"]["test_spread"] == pytest.approx(expected, rel=1e-12)
+    # Each client answers 2 metrics and 2 row counts: 4 floats up per client and evaluation round.
+    evaluation = simulated["traffic"]["evaluation"]
+    rounds = evaluation["rounds"] // 2  # (with per_client, each evaluated step also asks for f_i(z))
+    assert evaluation["floats_up"] == rounds * 3 * 4 + rounds * 3 * (3 + 1)
+
+
+def test_metrics_on_different_rows_are_refused_under_secure_aggregation_and_a_bad_declaration_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mixed_problem.py").write_text(MIXED_METRICS)
+    (tmp_path / "wrong_problem.py").write_text(MIXED_METRICS.replace('("training", "held-out")', '("training",)'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {
+        "name": "mixed",
+        "problem": {"name": "centre", "plugin": "mixed_problem:Centre", "num_clients": 3},
+        "rounds": 20,
+        "evaluate_every": 10,
+        "algorithms": [{"name": "minibatch_md", "gamma": 0.3}],
+    }
+    parse_config(config)  # without secure aggregation: accepted
+    with pytest.raises(ConfigError) as refused:
+        parse_config({**config, "privacy": {"secure_aggregation": True}})
+    assert (
+        "privacy.secure_aggregation: problem centre's metrics are on different rows "
+        "(train_spread: training, test_spread: held-out)"
+    ) in str(refused.value)
+    wrong = {**config, "problem": {**config["problem"], "plugin": "wrong_problem:Centre"}}
+    with pytest.raises(ConfigError) as named:
+        parse_config(wrong)
+    assert (
+        "problem 'centre' declares metrics_on = ('training',); it must be 'held-out' or 'training', or a tuple of "
+        "those with one entry per metric name ['train_spread', 'test_spread']"
+    ) in str(named.value)
+
+
+def test_an_answer_with_row_counts_per_metric_is_read_as_such_and_a_wrong_number_is_refused() -> None:
+    from fedsaddle.common import wire
+    from fedsaddle.proto import fedsaddle_pb2 as pb
+
+    values = np.array([[1.0, 2.0], [3.0, 4.0]])
+    header = pb.Answer(client_indices=[0, 1], payload_length=4, sample_counts=[5, 0, 7, 2])
+    answer = wire.decode_answer(header, values.tobytes(), 2, False, want_counts=2)
+    assert answer.counts is not None and answer.counts.tolist() == [[5.0, 0.0], [7.0, 2.0]]
+    with pytest.raises(wire.WireError, match=r"^4 row counts for 2 clients$"):
+        wire.decode_answer(header, values.tobytes(), 2, False, want_counts=1)
+    with pytest.raises(wire.WireError, match=r"^3 row counts for 2 clients x 2 metrics$"):
+        wire.decode_answer(pb.Answer(client_indices=[0, 1], sample_counts=[5, 0, 7]), values.tobytes(), 2, False, 2)

@@ -114,6 +114,9 @@ class ProblemSpec(BaseModel):
     )
 
 
+MetricRows = Literal["held-out", "training"]  # the rows a metric is computed on
+
+
 class Problem(abc.ABC):
     """A federated minimax problem, as the coordinator and the clients see it."""
 
@@ -123,10 +126,11 @@ class Problem(abc.ABC):
     # The metrics of metric_names for which a higher value is better (an AUC, an accuracy); the others are
     # losses. Per-client results (output.per_client) name each metric's worst and best client by it.
     higher_is_better: ClassVar[tuple[str, ...]] = ()
-    # The rows `metrics` computes on: each client's held-out rows (the default), or its training rows. A
-    # client's values are weighted by the count of those rows when the coordinator averages them (one
-    # weight per client travels with its metrics, so all of a problem's metrics are of one kind).
-    metrics_on: ClassVar[Literal["held-out", "training"]] = "held-out"
+    # The rows `metrics` computes on: each client's held-out rows (the default), or its training rows; one
+    # kind for every metric, or a tuple of kinds, one per name of metric_names (a training loss beside a
+    # held-out accuracy). The coordinator weighs each client's value of a metric by the count of the rows
+    # that metric is on (common/problems/shards.py's `metric_rows` reads and checks this declaration).
+    metrics_on: ClassVar[MetricRows | tuple[MetricRows, ...]] = "held-out"
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec

@@ -48,6 +48,34 @@ class ProblemError(ValueError):
     problem, the method and the client."""
 
 
+METRIC_ROWS = ("held-out", "training")
+
+
+def metric_rows(problem: Any) -> tuple[str, ...]:
+    """The rows each of `problem`'s metrics is computed on, in the order of its metric_names: its
+    `metrics_on`, one kind for all of them or one per metric. ProblemError names a declaration that is
+    neither."""
+    names, declared = tuple(problem.metric_names), problem.metrics_on
+    if isinstance(declared, str) and declared in METRIC_ROWS:
+        return (declared,) * len(names)
+    if (
+        isinstance(declared, tuple)
+        and len(declared) == len(names)
+        and all(isinstance(kind, str) and kind in METRIC_ROWS for kind in declared)
+    ):
+        return declared
+    raise ProblemError(
+        f"problem {problem.spec.name!r} declares metrics_on = {declared!r}; it must be 'held-out' or 'training', "
+        f"or a tuple of those with one entry per metric name {list(names)}"
+    )
+
+
+def counts_per_metric(problem: Any) -> bool:
+    """Whether `problem`'s metrics are on different rows, so that each client sends one row count per metric
+    (EVALUATE's sample_counts, docs/reference/client-arithmetic.md) rather than one for all of them."""
+    return len(set(metric_rows(problem))) > 1
+
+
 def minibatch_rows(seed: int, client: int, round_id: int, call: int, rows: int, batch_size: int) -> NDArray[np.int64]:
     """The training rows of client `client`'s stochastic oracle call number `call` (from 0) in round `round_id`:
     the first `batch_size` entries of a permutation of range(rows) drawn from the stream (seed, 9, client,
@@ -240,15 +268,18 @@ class ProblemShards:
         return values
 
     def evaluate(self, z: Array) -> tuple[Array, Array]:
-        """The problem's metrics at z on each client's held-out rows (or its training rows, for a problem whose
-        `metrics_on` says so), (k, metrics), and the counts of those rows (k,): the clients' weights."""
+        """The problem's metrics at z on each client's held-out rows, or its training rows for the metrics its
+        `metrics_on` puts there, (k, metrics), and the counts of those rows: the clients' weights, (k,) when
+        every metric is on the same rows, else (k, metrics). A client without those rows gives no metrics; with
+        metrics on different rows, a client with some of them gives them all (those it lacks the rows of weigh
+        0, whatever their value)."""
         names = self.problem.metric_names
+        kinds = metric_rows(self.problem)
         values = np.zeros((len(self.datas), len(names)))
-        counts = np.zeros(len(self.datas))
-        training = self.problem.metrics_on == "training"
+        counts = np.zeros((len(self.datas), len(names)) if len(set(kinds)) > 1 else len(self.datas))
         for j, data in enumerate(self.datas):
-            rows = data.samples if training else data.heldout
-            if rows:
+            rows = [data.samples if kind == "training" else data.heldout for kind in kinds]
+            if all(rows) if counts.ndim == 1 else any(rows):
                 found = self._call("metrics", j, np.ascontiguousarray(z))
                 if np.shape(found) != (len(names),):
                     raise ProblemError(
@@ -257,7 +288,7 @@ class ProblemShards:
                     )
                 self._require_numbers("metrics", j, found)
                 values[j] = found
-                counts[j] = rows
+                counts[j] = rows if counts.ndim == 2 else rows[0]
         return values, counts
 
     def sample_counts(self) -> list[int]:

@@ -282,7 +282,7 @@ class AnswerWriter:
             header.objective = to_bytes([answer.objective], dtype)
         if answer.counts is not None:
             del header.sample_counts[:]
-            header.sample_counts.extend(int(c) for c in answer.counts)
+            header.sample_counts.extend(int(c) for c in answer.counts.ravel())  # (per metric: client by client)
         size = dtype.itemsize * vectors.size
         if size > self.chunk_bytes:
             pieces = payload_pieces(vectors, self.chunk_bytes, dtype)
@@ -313,14 +313,15 @@ def decode_answer(
     payload: bytes | memoryview,
     dimension: int,
     want_objective: bool,
-    want_counts: bool = False,
+    want_counts: int = 0,
     indices: tuple[int, ...] | None = None,
     dtype: Element = FLOAT64,
 ) -> Answer:
     """Check an answer's vectors (length, finiteness) and return them; WireError if bad.
 
     `dimension` is the entries per client (the metrics' count for an evaluation answer,
-    which must also carry one held-out row count per client: `want_counts`). `indices`:
+    which must also carry `want_counts` row counts per client: 1, or one per metric for a
+    problem whose metrics are on different rows; counts (k,) or (k, metrics)). `indices`:
     the header's client indices, when the caller has read and checked them already.
     """
     if indices is None:
@@ -344,9 +345,12 @@ def decode_answer(
         raise WireError("objective values sent but not asked for")
     counts = None
     if want_counts:
-        if len(header.sample_counts) != clients:
-            raise WireError(f"{len(header.sample_counts)} held-out row counts for {clients} clients")
+        if len(header.sample_counts) != clients * want_counts:
+            each = "" if want_counts == 1 else f" x {want_counts} metrics"
+            raise WireError(f"{len(header.sample_counts)} row counts for {clients} clients{each}")
         counts = np.array(header.sample_counts, dtype=np.float64)
+        if want_counts > 1:
+            counts = counts.reshape(clients, want_counts)
     elif header.sample_counts:
         raise WireError("row counts sent but not asked for")
     return Answer(indices, flat.reshape(clients, dimension), objective, False, counts)

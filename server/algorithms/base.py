@@ -65,7 +65,7 @@ class RoundAnswers:
         self.rule = rule  # the round's robust rule (rows, weights) -> vector; None: the mean
         self.vectors = vectors  # (m, D); None when the pool passed the mean in (large D)
         self.objective = objective  # (m,) f_i(z), when the task asked for it
-        self.weights = weights  # (m,) sample counts, or None for uniform weights
+        self.weights = weights  # (m,) sample counts, or None for uniform weights; (m, D): an evaluation's per metric
         self.indices = indices  # the answering clients; None: all n, in order
         self._mean, self._mean_objective = aggregated if aggregated is not None else (None, None)
         # A run of precision float32 (set by the pool): the mean, summed in float64, is rounded to it once.
@@ -98,10 +98,18 @@ class RoundAnswers:
 
 
 def aggregate(rows: Array, weights: Array | None = None) -> Array:
-    """The aggregation rule over axis 1 of (runs, clients, D): (runs, D), clients added in index order."""
+    """The aggregation rule over axis 1 of (runs, clients, D): (runs, D), clients added in index order.
+    `weights`: one per client (clients,), or one per client and entry (clients, D), as an evaluation of
+    metrics on different rows gives (an entry no client weighs in on is NaN)."""
     if weights is None:
         result: Array = ordered_sum(rows.swapaxes(0, 1)) / rows.shape[1]
         return result
+    if weights.ndim == 2:
+        totals = ordered_sum(weights)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            by_entry: Array = ordered_sum((weights[None] * rows).swapaxes(0, 1)) / totals
+        by_entry[:, totals == 0] = np.nan
+        return by_entry
     column = weights[None, :, None]
     total = weight_total(weights)
     if total == 0:  # nobody had anything to weigh in (e.g. no client has held-out rows)

@@ -117,7 +117,7 @@ class RoundRequest(NamedTuple):
     pieces: list[bytes]  # the serialized task, for sessions whose clients all take part
     entries: int  # float64 entries per client in an answer
     want_objective: bool
-    evaluation: bool
+    counts: int  # an evaluation's row counts per client in an answer: 1, or one per metric; 0: none
     floats: int  # float64 entries the task carries per client
     subset: frozenset[int] | None  # the clients taking part (None: all)
     pieces_for: Callable[[tuple[int, ...]], list[bytes]]  # the task for a session with only some of them
@@ -183,22 +183,22 @@ def round_request(
         return wire.encode_task(run.run_id, round_id, task, chunk_bytes, indices, clients, run.element)
 
     if masked:
-        entries, want_objective, evaluation = row_length(task, run.dimension), False, False
+        entries, want_objective, counts = row_length(task, run.dimension), False, 0
     else:
         entries = len(task.metric_names) if isinstance(task, EvaluateTask) else run.dimension
         want_objective = isinstance(task, GradientTask) and task.want_objective
-        evaluation = isinstance(task, EvaluateTask)
+        counts = 0 if not isinstance(task, EvaluateTask) else len(task.metric_names) if task.counts_per_metric else 1
     return RoundRequest(
         round_id,
         wire.encode_task(run.run_id, round_id, task, chunk_bytes, round_clients=clients, dtype=run.element),
         entries=entries,
         want_objective=want_objective,
-        evaluation=evaluation,
+        counts=counts,
         floats=round_traffic(task, run.num_clients, run.dimension).floats_down,
         subset=None if participants is None else frozenset(participants),
         pieces_for=pieces_for,
         masked=masked,
-        fold=fold and not masked and not evaluation,
+        fold=fold and not masked and not isinstance(task, EvaluateTask),
         weights=weights,
         masked_sum=masked_sum if masked else None,
     )

@@ -54,7 +54,7 @@ class Expectation(NamedTuple):
     indices: tuple[int, ...]  # the session's clients taking part, in index order
     entries: int  # entries per client in the payload (float64, or the run's element type)
     want_objective: bool
-    want_counts: bool = False  # an evaluation answer: held-out row counts per client
+    want_counts: int = 0  # an evaluation answer: its row counts per client (1, or one per metric); 0: none
     # The session's clients in the order its Hello listed them, when that is not index order and
     # the task names none of them (all take part): an answer may list them so, too.
     listed: tuple[int, ...] | None = None

@@ -310,7 +310,7 @@ class Coordination:
                     mine,
                     request.entries,
                     request.want_objective,
-                    request.evaluation,
+                    request.counts,
                     s.listed_for(mine),
                     request.masked,
                     round_clients,
