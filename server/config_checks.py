@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fedsaddle.common.problems import DataProblem, Problem, make_problem
 from fedsaddle.common.problems.domains import DomainError, problem_domain
+from fedsaddle.common.problems.pytorch import TorchProblem
 from fedsaddle.common.problems.shards import ProblemError, counts_per_metric, metric_rows
 from fedsaddle.common.secagg.graph import check_neighbours
 from fedsaddle.common.secagg.settings import check_bound, check_threshold, round_threshold
@@ -61,6 +62,12 @@ def _what_the_problem_offers(config: RunConfig, problem_invalid: bool) -> list[F
         except ProblemError as exc:
             faults.append((("problem",), str(exc)))
         else:
+            if isinstance(problem, TorchProblem) and set(metric_rows(problem)) != {"held-out"}:
+                why = (
+                    f"problem {config.problem.name} is written in PyTorch, whose test_metrics are computed on each "
+                    f"client's held-out rows; its metrics_on must be 'held-out', not {problem.metrics_on!r}"
+                )
+                faults.append((("problem",), why))
             if mixed and config.privacy.secure_aggregation:
                 kinds = zip(problem.metric_names, metric_rows(problem), strict=True)
                 why = (

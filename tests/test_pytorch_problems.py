@@ -466,3 +466,18 @@ def test_deep_auc_is_the_aucm_loss_on_imbalanced_label_skewed_digits() -> None:
     with torch.no_grad():
         pooled = model.net(torch.tensor(X).reshape(-1, 1, 8, 8)).numpy()
     assert problem.pooled_test_auc(z) == roc_auc(pooled, test > 0)
+
+
+def test_a_pytorch_problem_whose_metrics_on_is_not_held_out_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fedsaddle.common.problems.deep_auc import DeepAuc
+
+    parse_config(small_config(evaluate_every=4))
+    monkeypatch.setattr(DeepAuc, "metrics_on", "training")
+    with pytest.raises(ConfigError) as refused:
+        parse_config(small_config(evaluate_every=4))
+    assert (
+        "problem deep_auc is written in PyTorch, whose test_metrics are computed on each client's held-out rows; "
+        "its metrics_on must be 'held-out', not 'training'"
+    ) in str(refused.value)
