@@ -16,13 +16,16 @@ equal (one call per step size), as every computation did before. Only those two
 algorithms run in that layout; its summary takes the others' figures from
 `declared`.
 
-`numpy` is an independent reproduction of eight of the algorithms, all but
-the two Catalysts (Local SGDA+ with a snapshot every sync): plain numpy over
-arrays (runs, clients, d), all runs of an algorithm at once, with the same data
-and ||x - x*|| recorded at every sync. Its final iterates are compared with
-fedsaddle's (the largest relative difference over the runs that did not
-diverge is printed: 0 means the same bits). The cost of the reproduced
-algorithms together, weighted by their runs, is also given against numpy's.
+`numpy` is an independent reproduction of all ten (Local SGDA+ with a snapshot
+every sync): plain numpy over arrays (runs, clients, d), all runs of an
+algorithm at once, with the same data and ||x - x*|| recorded at every sync.
+The two Catalysts run SCAFFOLD-S on the regularized clients inside the
+meta-loop, each run's meta-iteration on its own clock: its theta, stop-rule
+yardsticks and secant sums are arrays (runs,), and z_bar moves where a run's
+stop rule holds. Its final iterates are compared with fedsaddle's (the largest
+relative difference over the runs that did not diverge is printed: 0 means the
+same bits). The cost of the reproduced algorithms together, weighted by their
+runs (with all ten, the whole sweep's), is also given against numpy's.
 
     python bench/sweep_cost.py [--s 0,2,4,6,8,10,12,14] [--repeats 3] [--layouts declared,undeclared,numpy]
 """
@@ -197,6 +200,8 @@ def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarra
             x = x - gamma * sx.mean(axis=1, keepdims=True)
             y = y - gamma * sy.mean(axis=1, keepdims=True)
             distances.append(np.linalg.norm(x, axis=2))
+    elif algorithm in CATALYSTS:
+        x, y = catalyst(runs, grad, half_a, half_b, lam, x, y, tau, (budget - 1) // 2, distances)
     elif algorithm == "local_extragradient":
         gamma = steps_of(runs, "gamma")
         for _ in range(budget):
@@ -231,12 +236,119 @@ def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarra
     return np.concatenate([x[:, 0], y[:, 0]], axis=1)
 
 
+def ordered(v: np.ndarray, axis: int) -> np.ndarray:
+    """The sum over one axis, added strictly in index order (fedsaddle's `ordered_sum`)."""
+    return np.cumsum(v, axis=axis)[(slice(None),) * (axis % v.ndim) + (-1,)]
+
+
+def catalyst(
+    runs: Sequence[BatchRun],
+    grad: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    half_a: np.ndarray,
+    half_b: np.ndarray,
+    lam: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
+    tau: int,
+    syncs: int,
+    distances: list[np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """SCAFFOLD-S on f_i^theta = f_i + theta/2 ||x - x_bar||^2 - theta/2 ||y - y_bar||^2 inside the Catalyst
+    meta-loop, every run's meta-iteration on its own clock: z_bar <- z~ where a run's stop rule holds.
+
+    Each run's numbers that fedsaddle keeps as floats (theta, the stop rule's yardsticks, the secant sums)
+    are arrays (R,) here. The stop rule is the objective change (Catalyst (paper)) or the gradient mapping
+    (Catalyst (ours), with theta estimated from the secants); the sweep gives each algorithm one rule."""
+    specs = [run.spec for run in runs]
+    (rule,) = {spec.stop.rule for spec in specs}
+    (theta_rule,) = {spec.theta_rule for spec in specs}
+    n = half_a.shape[1]
+    gamma = steps_of(runs, "gamma_local")
+    gamma_global = np.array([s.gamma_local if s.gamma_global is None else s.gamma_global for s in specs])[:, None, None]
+    rtol = np.array([spec.stop.rtol for spec in specs])
+    max_syncs = np.array([spec.stop.max_inner_syncs for spec in specs])
+    scale = np.array([spec.theta_scale for spec in specs])
+    theta_max = 1.0 / gamma[:, 0, 0]  # (gamma_local > 0 in the sweep)
+    floor = 100.0 * float(np.finfo(np.float64).eps)  # secants within 100 ulps of z~ are round-off
+    a, b, lam_2 = 2.0 * half_a, 2.0 * half_b, lam[:, :, 0]
+
+    def flat(u: np.ndarray, v: np.ndarray) -> np.ndarray:  # (R, 1, d) twice -> z as rows (R, 2d)
+        return np.concatenate([u[:, 0], v[:, 0]], axis=1)
+
+    def dot(u: np.ndarray, v: np.ndarray) -> np.ndarray:  # over the last, contiguous axis: as one vector's
+        return np.sum(u * v, axis=-1)
+
+    def mean_objective(xi: np.ndarray, yi: np.ndarray) -> np.ndarray:  # f(z) = (1/n) sum_i f_i(z), (R,)
+        inner = ordered(yi * yi, 2) - ordered(b * yi, 2) + ordered(yi * a * xi, 2)
+        return ordered(-0.5 * inner + 0.5 * lam_2 * ordered(xi * xi, 2), 1) / n
+
+    def mean_grad(xi: np.ndarray, yi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        gx, gy = grad(xi, yi)
+        return gx.mean(axis=1, keepdims=True), gy.mean(axis=1, keepdims=True)
+
+    # init: G(z_bar^0) and f(z_bar^0), one exchange
+    gx_t, gy_t = mean_grad(x, y)
+    bar_x, bar_y = x, y
+    theta = np.array([spec.theta for spec in specs])
+    inner_syncs = np.zeros(len(runs), dtype=int)
+    anchor_norm = np.sqrt(dot(flat(gx_t, gy_t), flat(gx_t, gy_t)))
+    last = mean_objective(x, y) if rule == "objective" else np.zeros(len(runs))
+    secant_inner, secant_norm = np.zeros(len(runs)), np.zeros(len(runs))
+    for _ in range(syncs):
+        t = theta[:, None, None]
+        cx, cy = gx_t + t * (x - bar_x), gy_t + t * (y - bar_y)  # the control G^theta(z~)
+        start_x, start_y = grad(x, y)
+        xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
+        sx, sy = np.zeros_like(xi), np.zeros_like(yi)
+        for _ in range(tau):
+            gx, gy = grad(xi, yi)
+            gx = gx - start_x + t * (xi - x) + cx  # G_i^theta(z_i) - G_i^theta(z~) + c
+            gy = gy - start_y + t * (yi - y) + cy
+            sx += gx
+            sy += gy
+            xi, yi = xi - gamma * gx, yi - gamma * gy
+        new_x = x - gamma_global * sx.mean(axis=1, keepdims=True)
+        new_y = y - gamma_global * sy.mean(axis=1, keepdims=True)
+        new_gx, new_gy = mean_grad(new_x, new_y)
+        z_new, g_new = flat(new_x, new_y), flat(new_gx, new_gy)
+        dz, dg = z_new - flat(x, y), g_new - flat(gx_t, gy_t)
+        secant_inner, secant_norm = secant_inner + dot(dg, dz), secant_norm + dot(dz, dz)
+        inner_syncs = inner_syncs + 1
+        if rule == "objective":  # |f^theta(z~_k) - f^theta(z~_{k-1})| <= rtol |f^theta(z~_{k-1})|
+            f = mean_objective(new_x, new_y)
+            dx, dy = new_x[:, 0] - bar_x[:, 0], new_y[:, 0] - bar_y[:, 0]
+            objective = f + 0.5 * theta * (dot(dx, dx) - dot(dy, dy))
+            solved = np.abs(objective - last) <= rtol * np.abs(last)
+        else:  # ||G^theta(z~)|| <= rtol ||G(z_bar)||
+            g_theta = g_new + theta[:, None] * (z_new - flat(bar_x, bar_y))
+            solved = np.sqrt(dot(g_theta, g_theta)) <= rtol * anchor_norm
+            objective = f = last
+        done = (inner_syncs >= max_syncs) | solved
+        if theta_rule == "estimated":  # theta = c mu_hat, kept where the secants measure nothing
+            measured = (secant_inner > 0) & (secant_norm > (floor * np.maximum(np.sqrt(dot(z_new, z_new)), 1.0)) ** 2)
+            estimate = scale * (secant_inner / secant_norm)
+            estimate = np.where(theta_max < estimate, theta_max, estimate)  # (Python's min(estimate, theta_max))
+            theta = np.where(done & measured, estimate, theta)
+        last = np.where(done, f, objective)
+        inner_syncs = np.where(done, 0, inner_syncs)
+        anchor_norm = np.where(done, np.sqrt(dot(g_new, g_new)), anchor_norm)
+        secant_inner, secant_norm = np.where(done, 0.0, secant_inner), np.where(done, 0.0, secant_norm)
+        keep = done[:, None, None]
+        bar_x, bar_y = np.where(keep, new_x, bar_x), np.where(keep, new_y, bar_y)
+        x, y, gx_t, gy_t = new_x, new_y, new_gx, new_gy
+        distances.append(np.linalg.norm(x, axis=2))
+    return x, y
+
+
+CATALYSTS = ("scaffold_catalyst_s", "catalyst_ours")
+
 REPRODUCED = (
     "minibatch_md",
     "mirror_prox",
     "fedavg_s",
     "fedavg_s_constant",
     "scaffold_s",
+    *CATALYSTS,
     "fedgda_gt",
     "local_extragradient",
     "local_sgda_plus",
@@ -329,7 +441,14 @@ def main() -> None:
             if both:
                 ours = sum(m[a] * sizes[a] for a in both)
                 theirs = sum(medians["numpy"][a] * sizes[a] for a in both)
-                print(f"  {layout} / numpy over the {len(both)} reproduced algorithms' runs: {ours / theirs:.2f}")
+                if set(both) == set(grid.algorithms):
+                    runs = sum(sizes.values())
+                    print(
+                        f"  {layout} / numpy over the whole sweep, weighted by runs: {ours / theirs:.2f}"
+                        f" ({ours / runs:.2f} against {theirs / runs:.2f} ms per run)"
+                    )
+                else:
+                    print(f"  {layout} / numpy over the {len(both)} reproduced algorithms' runs: {ours / theirs:.2f}")
     for algorithm, (worst, compared) in checks.items():
         print(
             f"  {NAMES[algorithm]}: largest relative difference of the final z from the reproduction's {worst:.1e}"
