@@ -2,7 +2,7 @@
 
     python bench/torch_step.py steps [--params 1e6] [--steps 20] [--pairs 7]
     python bench/torch_step.py rounds [--sizes 1e6,1e7] [--rounds 4]
-    python bench/torch_step.py coordinator [--params 1e6] [--rounds 3]
+    python bench/torch_step.py coordinator [--params 1e6] [--rounds 3] [--clients 10,20,40]
 
 `steps`: one client of the built-in deep_auc problem (the CNN widened to about --params parameters,
 minibatches of --batch rows), running the local steps of a FedAvg-S task as a client process runs them
@@ -20,9 +20,10 @@ client processes' peak resident sets (VmHWM), the time per round and the bytes e
 run's summary.json).
 
 `coordinator`: `fedsaddle coordinator` on 127.0.0.1 for deep_auc widened to --params, with one client process
-hosting the 10 clients, FedAvg-S, --rounds rounds; the coordinator's peak resident set (VmHWM) and whether
-PyTorch's libraries were ever in its memory maps, sampled every 50 ms. A coordinator only folds vectors: it
-should never import torch.
+hosting the n clients (each n of --clients in turn), FedAvg-S, --rounds rounds; the coordinator's peak resident
+set (VmHWM) and whether PyTorch's libraries were ever in its memory maps, sampled every 50 ms. A coordinator
+only folds vectors: it should never import torch, and its memory should not grow with n (it adds each answer
+to the round's sum as it arrives).
 """
 
 from __future__ import annotations
@@ -229,9 +230,14 @@ def bench_rounds(args: argparse.Namespace) -> None:
 
 
 def bench_coordinator(args: argparse.Namespace) -> None:
+    for text in args.clients.split(","):
+        coordinator_alone(args, int(text))
+
+
+def coordinator_alone(args: argparse.Namespace, n: int) -> None:
     config = {
         "name": "torch-coordinator",
-        "problem": problem_entry(args.params, args.batch, 10),
+        "problem": problem_entry(args.params, args.batch, n),
         "init": "problem",
         "algorithms": [{"name": "fedavg_s", "gamma_local": 0.01, "decay": "constant"}],
         "sync": {"kind": "fixed", "tau": 1},
@@ -252,7 +258,7 @@ def bench_coordinator(args: argparse.Namespace) -> None:
             stderr=subprocess.DEVNULL,
         )
         client = subprocess.Popen(
-            [*fedsaddle, "client", "--coordinator", address, "--clients", "0-9", "--quiet"],
+            [*fedsaddle, "client", "--coordinator", address, "--clients", f"0-{n - 1}", "--quiet"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -262,12 +268,12 @@ def bench_coordinator(args: argparse.Namespace) -> None:
                 mapped |= "libtorch" in Path(f"/proc/{coordinator.pid}/maps").read_text()
                 peak = field_mib(f"/proc/{coordinator.pid}/status", "VmHWM") or peak
             time.sleep(0.05)
-        client.wait(timeout=120)
+        client.wait(timeout=600)
     if coordinator.returncode != 0:
         sys.exit(f"fedsaddle coordinator failed ({coordinator.returncode})")
     print(
         f"fedsaddle coordinator, deep_auc widened (channels {config['problem']['channels']}, hidden "
-        f"{config['problem']['hidden']}), 10 clients in one client process, FedAvg-S, {args.rounds} rounds: "
+        f"{config['problem']['hidden']}), {n} clients in one client process, FedAvg-S, {args.rounds} rounds: "
         f"peak RSS {peak} MiB, PyTorch's libraries mapped: {'yes' if mapped else 'no'}"
     )
 
@@ -288,6 +294,7 @@ def main() -> None:
     alone.add_argument("--params", type=float, default=1e6, help="model size: 1e6 or 1e7")
     alone.add_argument("--rounds", type=int, default=3, help="communication rounds")
     alone.add_argument("--batch", type=int, default=16, help="minibatch rows")
+    alone.add_argument("--clients", default="10", help="the numbers of clients n, in turn (e.g. 10,20,40)")
     args = parser.parse_args()
     if args.which == "steps":
         bench_steps(args)
