@@ -1,6 +1,6 @@
 """What a PyTorch problem costs: a client's local step against a plain PyTorch loop, and a federation's rounds.
 
-    python bench/torch_step.py steps [--params 1e6] [--steps 20] [--pairs 7]
+    python bench/torch_step.py steps [--params 1e6] [--steps 20] [--pairs 7] [--control]
     python bench/torch_step.py rounds [--sizes 1e6,1e7] [--rounds 4]
     python bench/torch_step.py coordinator [--params 1e6] [--rounds 3] [--clients 10,20,40]
 
@@ -12,7 +12,9 @@ players (the parameters stepped in place, alpha clamped), against a plain PyTorc
 doing the same steps: the same network, the same rows of the same minibatches, the same loss,
 torch.autograd.grad and an in-place SGD step on the parameters (descent on the network, a and b; ascent on
 alpha, clamped at 0). The three alternate, --pairs times each, in one process with one torch thread; the
-figures are medians of the CPU time per step, and each ratio is of those medians.
+figures are medians of the CPU time per step, and each ratio is of those medians. With --control the tasks are
+SCAFFOLD-S's, with a control variate c, and the plain loop keeps c - G_i(z~) (G_i(z~) on all the client's rows at
+the task's start, timed with the steps) and adds it to each step's gradient.
 
 `rounds`: `fedsaddle local` with 10 client processes (one client each) on deep_auc widened to each size,
 FedAvg-S, tau = 1, --rounds rounds; every process of the tree sampled every 50 ms: the coordinator's and the
@@ -86,6 +88,8 @@ def bench_steps(args: argparse.Namespace) -> None:
     seed, client, gamma = 0, 0, 0.01
     z0 = problem.initial_point(seed)
     task_z = np.empty_like(z0)
+    # --control: SCAFFOLD-S's tasks, with a control variate c (any fixed vector will do for the cost)
+    control = np.random.default_rng(1).standard_normal(z0.size) * 1e-3 if args.control else None
 
     def client_round(iterate: str) -> Callable[[int], float]:
         own = DeepAuc(spec.model_copy(update={"local_iterate": iterate}))
@@ -93,7 +97,7 @@ def bench_steps(args: argparse.Namespace) -> None:
 
         def run(round_id: int) -> float:
             np.copyto(task_z, z0)
-            task = LocalStepsTask(task_z, args.steps, gamma)
+            task = LocalStepsTask(task_z, args.steps, gamma, control=control)
             started = time.process_time()
             worker.execute(task, round_id)
             return (time.process_time() - started) / args.steps
@@ -111,16 +115,34 @@ def bench_steps(args: argparse.Namespace) -> None:
     start = [p.detach().clone() for p in (*x.parameters, *y.parameters)]
     descent, ascent = x.parameters, y.parameters
 
+    everything = (*descent, *ascent)
+    c_pieces = None
+    if control is not None:  # c cut into the parameters' shapes, as a plain SCAFFOLD loop keeps it
+        flat_c = torch.as_tensor(control, dtype=torch.float32)
+        sizes = [int(p.numel()) for p in everything]
+        c_pieces = [piece.view_as(p) for piece, p in zip(torch.split(flat_c, sizes), everything, strict=True)]
+
     def plain_round(round_id: int) -> float:
         with torch.no_grad():
-            for p, p0 in zip((*descent, *ascent), start, strict=True):
+            for p, p0 in zip(everything, start, strict=True):
                 p.copy_(p0)
         started = time.process_time()
+        shifts = None
+        if c_pieces is not None:  # c - G_i(z~): the gradient on all the client's rows at the task's start
+            full = problem.loss(x.value, y.value, Batch(inputs, targets), client=context)
+            g0 = torch.autograd.grad(full, list(everything))
+            shifts = [c - g for c, g in zip(c_pieces[: len(descent)], g0, strict=False)]
+            shifts += [c + g for c, g in zip(c_pieces[len(descent) :], g0[len(descent) :], strict=True)]
         for call in range(args.steps):
             rows = torch.from_numpy(minibatch_rows(seed, client, round_id, call, data.samples, args.batch))
             loss = problem.loss(x.value, y.value, Batch(inputs[rows], targets[rows]), client=context)
-            grads = torch.autograd.grad(loss, [*descent, *ascent])
+            grads = torch.autograd.grad(loss, list(everything))
             with torch.no_grad():
+                if shifts is not None:
+                    grads = tuple(
+                        g.add_(s) if k < len(descent) else g.sub_(s)
+                        for k, (g, s) in enumerate(zip(grads, shifts, strict=True))
+                    )
                 for p, g in zip(descent, grads, strict=False):
                     p.sub_(g, alpha=gamma)
                 for p, g in zip(ascent, grads[len(descent) :], strict=True):
@@ -145,7 +167,8 @@ def bench_steps(args: argparse.Namespace) -> None:
     print("|---|---|---|")
     for iterate, measured in times.items():
         f = statistics.median(measured)
-        print(f"| fedsaddle client, local_iterate: {iterate} (Worker, FedAvg-S task) | {1e3 * f:.2f} | {f / p:.3f} |")
+        kind = "SCAFFOLD-S task, with a control" if control is not None else "FedAvg-S task"
+        print(f"| fedsaddle client, local_iterate: {iterate} (Worker, {kind}) | {1e3 * f:.2f} | {f / p:.3f} |")
     print(f"| plain PyTorch loop | {1e3 * p:.2f} | 1 |")
 
 
@@ -286,6 +309,7 @@ def main() -> None:
     steps.add_argument("--steps", type=int, default=20, help="local steps per task")
     steps.add_argument("--pairs", type=int, default=7, help="alternating (float64, players, plain) rounds")
     steps.add_argument("--batch", type=int, default=16, help="minibatch rows")
+    steps.add_argument("--control", action="store_true", help="SCAFFOLD-S's corrected steps (a control variate)")
     rounds = sub.add_parser("rounds", help="round time, bytes and peak RSS of a 10-client federation")
     rounds.add_argument("--sizes", default="1e6,1e7", help="model sizes (1e6, 1e7)")
     rounds.add_argument("--rounds", type=int, default=5, help="communication rounds (at least 3)")

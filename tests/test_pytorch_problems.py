@@ -209,6 +209,51 @@ def test_local_iterate_players_steps_the_parameters_in_place_as_a_plain_loop_doe
     np.testing.assert_allclose(other.vectors, answer.vectors, rtol=1e-4, atol=1e-5)
 
 
+def test_local_iterate_players_takes_scaffold_s_s_correction_as_a_plain_loop_does() -> None:
+    # SCAFFOLD-S's step by hand in float32 parameters: the direction grad f_i(z) - grad f_i(z~) + c, the
+    # correction c - G_i(z~) taken on all of the client's rows in float64 and rounded once to float32.
+    spec = TinySpec(dtype="float32", batch_size=3, local_iterate="players")
+    datas = [client_data(7, 0), client_data(5, 1)]
+    worker = Worker(TorchShards(Boxed(spec), datas, [4, 9]), seed=11)
+    rng = np.random.default_rng(4)
+    z0, control = rng.standard_normal(6), rng.standard_normal(6)
+    steps, gamma = 4, 0.3
+    answer = worker.execute(LocalStepsTask(z0, steps, gamma, control=control), round_id=2)
+    for row, (i, data) in enumerate(zip((4, 9), datas, strict=True)):
+        x, y = Boxed(spec).build("cpu", 0)
+        (v,) = y.value
+        unflatten(z0, [*x.parameters, v])
+        first = flatten(x.parameters, [v])
+        inputs, targets = torch.tensor(data.X, dtype=torch.float32), torch.tensor(data.y, dtype=torch.float32)
+        full = torch.autograd.grad(
+            Boxed(spec).loss(x.value, [v], Batch(inputs, targets), client=None), [*x.parameters, v]
+        )
+        g_start = np.concatenate([g.detach().double().reshape(-1).numpy() for g in full])
+        g_start[4:] *= -1.0  # G's y block is -grad_y f
+        shift = torch.tensor(control - g_start, dtype=torch.float32)
+        for call in range(steps):
+            rows = torch.from_numpy(minibatch_rows(11, i, 2, call, data.samples, 3))
+            loss = Boxed(spec).loss(x.value, [v], Batch(inputs[rows], targets[rows]), client=None)
+            grads = torch.autograd.grad(loss, [*x.parameters, v])
+            with torch.no_grad():
+                x.parameters[0].sub_(grads[0] + shift[:3].view(1, 3), alpha=gamma)
+                x.parameters[1].sub_(grads[1] + shift[3:4], alpha=gamma)
+                v.add_(grads[2] - shift[4:], alpha=gamma)
+                v.clamp_(min=-0.01)
+        np.testing.assert_array_equal(answer.vectors[row], (first - flatten(x.parameters, [v])) / gamma)
+    # the float64 iterate: the same steps up to float32's rounding
+    float64 = Worker(TorchShards(Boxed(spec.model_copy(update={"local_iterate": "float64"})), datas, [4, 9]), 11)
+    other = float64.execute(LocalStepsTask(z0, steps, gamma, control=control), round_id=2)
+    assert not np.array_equal(other.vectors, answer.vectors)
+    np.testing.assert_allclose(other.vectors, answer.vectors, rtol=1e-4, atol=1e-5)
+    # Catalyst's regularized steps (theta > 0) keep the float64 iterate
+    regularized = LocalStepsTask(z0, steps, gamma, control=control, theta=0.5)
+    np.testing.assert_array_equal(
+        Worker(TorchShards(Boxed(spec), datas, [4, 9]), 11).execute(regularized, round_id=2).vectors,
+        float64.execute(regularized, round_id=2).vectors,
+    )
+
+
 class Declared(Tiny):
     def dims(self) -> tuple[int, int]:
         return 5, 2

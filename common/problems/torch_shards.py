@@ -82,6 +82,14 @@ class Players:
         return Players(tensors, tensors)
 
 
+def _shifted(grad: torch.Tensor | None, shift: torch.Tensor, descending: bool) -> torch.Tensor:
+    """A parameter's step direction with a control variate's shift: grad + shift on the min player, grad - shift
+    on the max player (whose step adds its direction); a parameter the loss does not use moves by the shift alone."""
+    if grad is None:
+        return shift.clone() if descending else -shift
+    return grad.add_(shift) if descending else grad.sub_(shift)
+
+
 def flatten(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor]) -> Array:
     """z = (x's parameters, then y's), each flattened row-major, widened to a float64 numpy vector."""
     parts = [p.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for p in (*x, *y)]
@@ -237,14 +245,21 @@ class TorchShards:
         return out
 
     def local_steps(
-        self, z_start: Array, rates: Sequence[float], gamma_local: float, out: Array | None
+        self,
+        z_start: Array,
+        rates: Sequence[float],
+        gamma_local: float,
+        out: Array | None,
+        correction: Array | None = None,
     ) -> Array | None:
-        """FedAvg-S's local steps with the iterate in the players (`local_iterate: players`), from each hosted
-        client's column of `z_start` (D, k): step l moves the parameters in place, x by -rates[l] grad_x f_i and
-        y by +rates[l] grad_y f_i on the step's minibatch (`sub_`/`add_` with alpha, as a plain loop does), then
+        """Local steps with the iterate in the players (`local_iterate: players`), from each hosted client's
+        column of `z_start` (D, k): step l moves the parameters in place, x by -rates[l] grad_x f_i and y by
+        +rates[l] grad_y f_i on the step's minibatch (`sub_`/`add_` with alpha, as a plain loop does), then
         projects the constrained blocks of the domain; the answer is (z_0 - z_L) / gamma_local in float64, the
-        steps actually taken (z_0: z_start rounded to the players' dtype; z_L: the last iterate). None, for the
-        worker's own arithmetic, when `local_iterate` is float64 or gamma_local is 0 (nothing moves)."""
+        steps actually taken (z_0: z_start rounded to the players' dtype; z_L: the last iterate). With a
+        `correction` (D, k), SCAFFOLD-S's and FedGDA-GT's c - G_i(z_start) in G's signs, rounded once to the
+        players' dtype: it is added to each step's direction (x: grad_x f_i + c_x; y: grad_y f_i - c_y). None,
+        for the worker's own arithmetic, when `local_iterate` is float64 or gamma_local is 0 (nothing moves)."""
         if self.problem.spec.local_iterate != "players" or not gamma_local > 0:
             return None
         out = np.empty(z_start.shape) if out is None else out
@@ -255,11 +270,17 @@ class TorchShards:
         for j, where, column in self._columns(z_start):
             unflatten(column, self.parameters)
             torch.cat([p.detach().view(-1) for p in self.parameters], out=first)
+            shifts = None if correction is None else self._split(correction[(slice(None), *where)])
             for rate in rates:
                 with self.draws.stochastic():
                     batch = self._rows(j)
                 grads = torch.autograd.grad(self._loss(j, batch), self.parameters, allow_unused=True)
                 with torch.no_grad():
+                    if shifts is not None:  # (x: grad + c_x; y: grad - c_y, since G's y block is -grad_y f)
+                        grads = tuple(
+                            _shifted(g, shift, k < len(descent))
+                            for k, (g, shift) in enumerate(zip(grads, shifts, strict=True))
+                        )
                     for p, g in zip(descent, grads, strict=False):
                         if g is not None:
                             p.sub_(g, alpha=rate)
@@ -274,6 +295,12 @@ class TorchShards:
             answer.sub_(last.to("cpu"))
             answer.div_(gamma_local)
         return out
+
+    def _split(self, column: Array) -> list[torch.Tensor]:
+        """A column of z's length rounded to the players' dtype and device, cut into one tensor per parameter."""
+        flat = torch.as_tensor(np.ascontiguousarray(column), dtype=self.dtype, device=self.device)
+        sizes = [int(p.numel()) for p in self.parameters]
+        return [piece.view_as(p) for piece, p in zip(torch.split(flat, sizes), self.parameters, strict=True)]
 
     def _project_players(self) -> None:
         """The players' constrained blocks projected in place: a box entry by entry (clamped to its bounds in the
