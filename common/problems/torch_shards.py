@@ -270,7 +270,8 @@ class TorchShards:
         for j, where, column in self._columns(z_start):
             unflatten(column, self.parameters)
             torch.cat([p.detach().view(-1) for p in self.parameters], out=first)
-            shifts = None if correction is None else self._split(correction[(slice(None), *where)])
+            column_of: tuple[slice | int, ...] = (slice(None), *where)
+            shifts = None if correction is None else self._split(correction[column_of])
             for rate in rates:
                 with self.draws.stochastic():
                     batch = self._rows(j)
