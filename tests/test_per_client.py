@@ -139,23 +139,26 @@ class Centre(DataProblem):
 """
 
 
-def test_a_metric_on_the_training_rows_is_weighted_by_them_in_process_and_over_grpc(tmp_path: Path) -> None:
+def centre_in_simulate_and_local(
+    tmp_path: Path, source: str, rows: tuple[int, ...], held: tuple[int, ...], evaluate_every: int
+) -> list[dict[str, Any]]:
+    """The plug-in problem `source` (class Centre) on 3 clients with `rows` training and `held` held-out rows,
+    20 rounds of Minibatch MD with per-client results, run by `simulate` and by `local`: their summaries'
+    algorithm entries."""
     import os
 
     from conftest import CLIENT_ENV
 
-    (tmp_path / "centre_problem.py").write_text(TRAINING_METRIC)
+    (tmp_path / "centre_problem.py").write_text(source)
     rng = np.random.default_rng(3)
-    rows = (3, 5, 9)  # training rows; client 0 holds out none, so a held-out metric would leave it out
-    for i, m in enumerate(rows):
-        held = 0 if i == 0 else 2
+    for i, (m, h) in enumerate(zip(rows, held, strict=True)):
         np.savez(tmp_path / f"c{i}.npz", X=rng.normal(i, 1.0, (m, 2)), y=np.zeros(m),
-                 X_test=rng.normal(i, 1.0, (held, 2)), y_test=np.zeros(held))  # fmt: skip
+                 X_test=rng.normal(-i, 2.0, (h, 2)), y_test=np.zeros(h))  # fmt: skip
     config = {
         "name": "centre",
         "problem": {"name": "centre", "plugin": "centre_problem:Centre", "num_clients": 3},
         "rounds": 20,
-        "evaluate_every": 5,
+        "evaluate_every": evaluate_every,
         "algorithms": [{"name": "minibatch_md", "gamma": 0.3}],
         "output": {"per_client": True, "plot": False},
     }
@@ -169,6 +172,12 @@ def test_a_metric_on_the_training_rows_is_weighted_by_them_in_process_and_over_g
         run_dir = Path(done.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
         entries.append(strict_json((run_dir / "summary.json").read_text())["algorithms"][0])
     assert entries[0]["metrics"] == entries[1]["metrics"] and entries[0]["per_client"] == entries[1]["per_client"]
+    return entries
+
+
+def test_a_metric_on_the_training_rows_is_weighted_by_them_in_process_and_over_grpc(tmp_path: Path) -> None:
+    rows = (3, 5, 9)  # training rows; client 0 holds out none, so a held-out metric would leave it out
+    entries = centre_in_simulate_and_local(tmp_path, TRAINING_METRIC, rows, (0, 2, 2), evaluate_every=5)
     values = entries[0]["per_client"]["train_spread"]["values"]
     assert None not in values  # client 0, with no held-out rows, has its training value
     expected = float(np.dot(rows, values) / sum(rows))
@@ -187,35 +196,8 @@ MIXED_METRICS = TRAINING_METRIC.replace(
 
 
 def test_metrics_on_different_rows_are_each_weighted_by_their_own_in_process_and_over_grpc(tmp_path: Path) -> None:
-    import os
-
-    from conftest import CLIENT_ENV
-
-    (tmp_path / "mixed_problem.py").write_text(MIXED_METRICS)
-    rng = np.random.default_rng(5)
     train, held = (3, 5, 9), (0, 4, 2)  # client 0 holds out none: it has a training value, no held-out one
-    for i, (m, h) in enumerate(zip(train, held, strict=True)):
-        np.savez(tmp_path / f"c{i}.npz", X=rng.normal(i, 1.0, (m, 2)), y=np.zeros(m),
-                 X_test=rng.normal(-i, 2.0, (h, 2)), y_test=np.zeros(h))  # fmt: skip
-    config = {
-        "name": "mixed",
-        "problem": {"name": "centre", "plugin": "mixed_problem:Centre", "num_clients": 3},
-        "rounds": 20,
-        "evaluate_every": 10,
-        "algorithms": [{"name": "minibatch_md", "gamma": 0.3}],
-        "output": {"per_client": True, "plot": False},
-    }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), CLIENT_ENV.get("PYTHONPATH", "")])}
-    entries = []
-    for command in ("simulate", "local"):
-        done = fedsaddle(command, "--config", str(tmp_path / "run.yaml"), "--data", str(tmp_path / "c{i}.npz"),
-                         "--out", str(tmp_path / command), env=env)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        run_dir = Path(done.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
-        entries.append(strict_json((run_dir / "summary.json").read_text())["algorithms"][0])
-    simulated, federated = entries
-    assert simulated["metrics"] == federated["metrics"] and simulated["per_client"] == federated["per_client"]
+    simulated, federated = centre_in_simulate_and_local(tmp_path, MIXED_METRICS, train, held, evaluate_every=10)
     for kind in ("algorithm", "evaluation"):
         counted = ("rounds", "messages_up", "floats_up")
         assert [simulated["traffic"][kind][k] for k in counted] == [federated["traffic"][kind][k] for k in counted]

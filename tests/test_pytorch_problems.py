@@ -170,6 +170,15 @@ class Boxed(Tiny):
         return [Free(4), Box(2, -0.01)]
 
 
+def by_hand(spec: TinySpec, z0: np.ndarray, data: ClientData) -> tuple[Any, Any, np.ndarray, Any, Any]:
+    """Boxed's players built by hand with z0 in them (x, v), z0 as they hold it, and the client's rows."""
+    x, y = Boxed(spec).build("cpu", 0)
+    (v,) = y.value
+    unflatten(z0, [*x.parameters, v])
+    inputs, targets = torch.tensor(data.X, dtype=torch.float32), torch.tensor(data.y, dtype=torch.float32)
+    return x, v, flatten(x.parameters, [v]), inputs, targets
+
+
 @pytest.mark.parametrize("decay", ["constant", "inverse_sqrt"])
 def test_local_iterate_players_steps_the_parameters_in_place_as_a_plain_loop_does(decay: Any) -> None:
     # The loop a PyTorch user writes, replayed by hand: z rounded into float32 parameters, each step's
@@ -183,11 +192,7 @@ def test_local_iterate_players_steps_the_parameters_in_place_as_a_plain_loop_doe
     steps, gamma, offset = 5, 0.5, 3
     answer = worker.execute(LocalStepsTask(z0, steps, gamma, step_offset=offset, decay=decay), round_id=7)
     for row, (i, data) in enumerate(zip((4, 9), datas, strict=True)):
-        x, y = Boxed(spec).build("cpu", 0)
-        (v,) = y.value
-        unflatten(z0, [*x.parameters, v])
-        first = flatten(x.parameters, [v])
-        inputs, targets = torch.tensor(data.X, dtype=torch.float32), torch.tensor(data.y, dtype=torch.float32)
+        x, v, first, inputs, targets = by_hand(spec, z0, data)
         clamped = 0
         for call in range(steps):
             rows = torch.from_numpy(minibatch_rows(11, i, 7, call, data.samples, 3))
@@ -220,11 +225,7 @@ def test_local_iterate_players_takes_scaffold_s_s_correction_as_a_plain_loop_doe
     steps, gamma = 4, 0.3
     answer = worker.execute(LocalStepsTask(z0, steps, gamma, control=control), round_id=2)
     for row, (i, data) in enumerate(zip((4, 9), datas, strict=True)):
-        x, y = Boxed(spec).build("cpu", 0)
-        (v,) = y.value
-        unflatten(z0, [*x.parameters, v])
-        first = flatten(x.parameters, [v])
-        inputs, targets = torch.tensor(data.X, dtype=torch.float32), torch.tensor(data.y, dtype=torch.float32)
+        x, v, first, inputs, targets = by_hand(spec, z0, data)
         full = torch.autograd.grad(
             Boxed(spec).loss(x.value, [v], Batch(inputs, targets), client=None), [*x.parameters, v]
         )
