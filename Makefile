@@ -57,7 +57,7 @@ typecheck: $(TORCH_STAMP) $(TYPECHECK)/fedsaddle
 
 # Most tests wait on processes and sockets, so one worker per core (at most four) roughly halves the wall
 # time on two cores. Each test still starts and stops its own processes, on ports and namespaces of its own.
-TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))')
 
 unit: $(TORCH_STAMP)
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal

@@ -140,8 +140,7 @@ def bench_steps(args: argparse.Namespace) -> None:
             with torch.no_grad():
                 if shifts is not None:
                     grads = tuple(
-                        g.add_(s) if k < len(descent) else g.sub_(s)
-                        for k, (g, s) in enumerate(zip(grads, shifts, strict=True))
+                        g + s if k < len(descent) else g - s for k, (g, s) in enumerate(zip(grads, shifts, strict=True))
                     )
                 for p, g in zip(descent, grads, strict=False):
                     p.sub_(g, alpha=gamma)

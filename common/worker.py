@@ -262,7 +262,7 @@ class Worker:
     def _local_steps(self, task: LocalStepsTask, round_id: int) -> Array:
         # Shards that keep the iterate in their own parameters (a PyTorch problem's `local_iterate: players`) run
         # FedAvg-S's steps themselves, or answer None for the arithmetic below.
-        # With a control (SCAFFOLD-S, FedGDA-GT), they take c - G_i(z~) in float64, G_i(z~) on all the client's
+        # With a control (SCAFFOLD-S, FedGDA-GT) they form c - G_i(z~) themselves, G_i(z~) on all the client's
         # rows as below; Catalyst's regularized steps (theta > 0) stay below.
         in_place = getattr(self.shards, "local_steps", None)
         plain = task.control is None or (np.ndim(task.theta) == 0 and task.theta == 0)
@@ -270,11 +270,7 @@ class Worker:
             gamma = float(task.gamma_local)
             rates = [gamma * step_weight(task.decay, task.step_offset + step) for step in range(task.steps)]
             columns = self._per_client(task.z_start)
-            correction = None
-            if task.control is not None and gamma > 0:
-                start = self.shards.gradient(columns, out=self._buffer("start", columns.shape))
-                correction = task.control.T[:, None] - start
-            done: Array | None = in_place(columns, rates, gamma, self._answer_buffer(columns.shape), correction)
+            done: Array | None = in_place(columns, rates, gamma, self._answer_buffer(columns.shape), task.control)
             if done is not None:
                 return done
         if self.domain is not None:

@@ -11,6 +11,7 @@ and test_mse to 1e-12 relative: the Node client's arithmetic is its own, so not 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
@@ -43,6 +44,15 @@ def node_modules(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     name = f"node-client-{hashlib.sha256(lock).hexdigest()[:16]}"
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     folder = Path(cache.mkdir(name)) if cache is not None else tmp_path_factory.mktemp(name)
+    # One install at a time: the tests run in several worker processes, and `npm ci` rewrites node_modules.
+    with open(folder / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        installed(folder)
+    return folder / "node_modules"
+
+
+def installed(folder: Path) -> None:
+    """`npm ci` of the example's pinned packages into `folder`, unless a finished install is there already."""
     if not ((folder / "installed").exists() and (folder / "node_modules").is_dir()):
         for file in ("package.json", "package-lock.json"):
             shutil.copy(EXAMPLE / file, folder / file)
@@ -55,7 +65,6 @@ def node_modules(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             said = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
             pytest.skip(f"npm ci failed (no registry?): {next((s for s in said if 'Error' in s), said[0])}")
         (folder / "installed").write_text("npm ci finished\n")
-    return folder / "node_modules"
 
 
 def run_config() -> dict[str, Any]:

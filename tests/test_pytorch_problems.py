@@ -255,6 +255,35 @@ def test_local_iterate_players_takes_scaffold_s_s_correction_as_a_plain_loop_doe
     )
 
 
+class Shared(TorchProblem):
+    """A loss whose min parameter p and max parameter v enter through one sum, and u through another: autograd
+    may hand back one gradient tensor for p and v, and an expanded (read-only) one for u."""
+
+    Spec = TinySpec
+    spec: TinySpec
+
+    def players(self) -> tuple[Any, Any]:
+        return [torch.zeros(3), torch.zeros(2), torch.zeros(2)], [torch.zeros(2)]
+
+    def loss(self, x: Any, y: Any, batch: Batch, *, client: Any) -> Any:
+        w, p, u = x
+        (v,) = y
+        scale = torch.tensor([1.0, 2.0], dtype=p.dtype)
+        r = batch.inputs @ w - batch.targets
+        return 0.5 * torch.mean(r**2) + ((p + v) * scale).sum() + 0.1 * u.sum()
+
+
+def test_corrected_players_steps_do_not_write_into_autograd_s_gradients() -> None:
+    datas = [client_data(7, 0), client_data(5, 1)]
+    rng = np.random.default_rng(0)
+    z0, control = rng.standard_normal(9), rng.standard_normal(9)
+    answers = []
+    for iterate in ("float64", "players"):  # in float64 the two iterates agree to rounding
+        worker = Worker(TorchShards(Shared(TinySpec(local_iterate=iterate)), datas, [0, 1]), seed=1)
+        answers.append(worker.execute(LocalStepsTask(z0, 3, 0.1, control=control), round_id=1).vectors)
+    np.testing.assert_allclose(answers[1], answers[0], rtol=1e-12, atol=1e-12)
+
+
 class Declared(Tiny):
     def dims(self) -> tuple[int, int]:
         return 5, 2

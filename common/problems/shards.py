@@ -279,7 +279,7 @@ class ProblemShards:
         counts = np.zeros((len(self.datas), len(names)) if len(set(kinds)) > 1 else len(self.datas))
         for j, data in enumerate(self.datas):
             rows = [data.samples if kind == "training" else data.heldout for kind in kinds]
-            if all(rows) if counts.ndim == 1 else any(rows):
+            if rows and (all(rows) if counts.ndim == 1 else any(rows)):
                 found = self._call("metrics", j, np.ascontiguousarray(z))
                 if np.shape(found) != (len(names),):
                     raise ProblemError(

@@ -85,9 +85,10 @@ class Players:
 def _shifted(grad: torch.Tensor | None, shift: torch.Tensor, descending: bool) -> torch.Tensor:
     """A parameter's step direction with a control variate's shift: grad + shift on the min player, grad - shift
     on the max player (whose step adds its direction); a parameter the loss does not use moves by the shift alone."""
+    # (Out of place: autograd may hand back one tensor for two parameters, or an expanded view.)
     if grad is None:
         return shift.clone() if descending else -shift
-    return grad.add_(shift) if descending else grad.sub_(shift)
+    return grad + shift if descending else grad - shift
 
 
 def flatten(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor]) -> Array:
@@ -250,19 +251,21 @@ class TorchShards:
         rates: Sequence[float],
         gamma_local: float,
         out: Array | None,
-        correction: Array | None = None,
+        control: Array | None = None,
     ) -> Array | None:
         """Local steps with the iterate in the players (`local_iterate: players`), from each hosted client's
         column of `z_start` (D, k): step l moves the parameters in place, x by -rates[l] grad_x f_i and y by
         +rates[l] grad_y f_i on the step's minibatch (`sub_`/`add_` with alpha, as a plain loop does), then
         projects the constrained blocks of the domain; the answer is (z_0 - z_L) / gamma_local in float64, the
         steps actually taken (z_0: z_start rounded to the players' dtype; z_L: the last iterate). With a
-        `correction` (D, k), SCAFFOLD-S's and FedGDA-GT's c - G_i(z_start) in G's signs, rounded once to the
-        players' dtype: it is added to each step's direction (x: grad_x f_i + c_x; y: grad_y f_i - c_y). None,
+        `control` c (D,), SCAFFOLD-S's and FedGDA-GT's, the correction s = c - G_i(z_start) in G's signs (G_i on
+        all of the client's rows, in float64), rounded once to the players' dtype, is added to each step's
+        direction (x: grad_x f_i + s_x; y: grad_y f_i - s_y). None,
         for the worker's own arithmetic, when `local_iterate` is float64 or gamma_local is 0 (nothing moves)."""
         if self.problem.spec.local_iterate != "players" or not gamma_local > 0:
             return None
         out = np.empty(z_start.shape) if out is None else out
+        correction = None if control is None else np.asarray(control)[:, None] - self.gradient(z_start)
         descent, ascent = self.x.parameters, self.parameters[len(self.x.parameters) :]
         if self._iterates is None:  # z_0 and z_L, flat in the players' dtype, kept from task to task
             self._iterates = torch.empty((2, self.dimension), dtype=self.dtype, device=self.device)
