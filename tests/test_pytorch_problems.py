@@ -215,8 +215,8 @@ def test_local_iterate_players_steps_the_parameters_in_place_as_a_plain_loop_doe
 
 
 def test_local_iterate_players_takes_scaffold_s_s_correction_as_a_plain_loop_does() -> None:
-    # SCAFFOLD-S's step by hand in float32 parameters: the direction grad f_i(z) - grad f_i(z~) + c, the
-    # correction c - G_i(z~) taken on all of the client's rows in float64 and rounded once to float32.
+    # SCAFFOLD-S's step by hand in float32 parameters, as a plain loop keeping a control variate takes it: the
+    # direction G_i(z) - G_i(z~) + c, with c in float32 and G_i(z~) on all of the client's rows at the start.
     spec = TinySpec(dtype="float32", batch_size=3, local_iterate="players")
     datas = [client_data(7, 0), client_data(5, 1)]
     worker = Worker(TorchShards(Boxed(spec), datas, [4, 9]), seed=11)
@@ -224,22 +224,21 @@ def test_local_iterate_players_takes_scaffold_s_s_correction_as_a_plain_loop_doe
     z0, control = rng.standard_normal(6), rng.standard_normal(6)
     steps, gamma = 4, 0.3
     answer = worker.execute(LocalStepsTask(z0, steps, gamma, control=control), round_id=2)
+    c = torch.tensor(control, dtype=torch.float32)
     for row, (i, data) in enumerate(zip((4, 9), datas, strict=True)):
         x, v, first, inputs, targets = by_hand(spec, z0, data)
         full = torch.autograd.grad(
             Boxed(spec).loss(x.value, [v], Batch(inputs, targets), client=None), [*x.parameters, v]
         )
-        g_start = np.concatenate([g.detach().double().reshape(-1).numpy() for g in full])
-        g_start[4:] *= -1.0  # G's y block is -grad_y f
-        shift = torch.tensor(control - g_start, dtype=torch.float32)
+        shift = [c[:3].view(1, 3) - full[0], c[3:4] - full[1], c[4:] + full[2]]  # c - G_i(z~), G_y = -grad_y f
         for call in range(steps):
             rows = torch.from_numpy(minibatch_rows(11, i, 2, call, data.samples, 3))
             loss = Boxed(spec).loss(x.value, [v], Batch(inputs[rows], targets[rows]), client=None)
             grads = torch.autograd.grad(loss, [*x.parameters, v])
             with torch.no_grad():
-                x.parameters[0].sub_(grads[0] + shift[:3].view(1, 3), alpha=gamma)
-                x.parameters[1].sub_(grads[1] + shift[3:4], alpha=gamma)
-                v.add_(grads[2] - shift[4:], alpha=gamma)
+                x.parameters[0].sub_(grads[0] + shift[0], alpha=gamma)
+                x.parameters[1].sub_(grads[1] + shift[1], alpha=gamma)
+                v.add_(grads[2] - shift[2], alpha=gamma)
                 v.clamp_(min=-0.01)
         np.testing.assert_array_equal(answer.vectors[row], (first - flatten(x.parameters, [v])) / gamma)
     # the float64 iterate: the same steps up to float32's rounding

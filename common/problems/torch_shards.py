@@ -258,14 +258,15 @@ class TorchShards:
         +rates[l] grad_y f_i on the step's minibatch (`sub_`/`add_` with alpha, as a plain loop does), then
         projects the constrained blocks of the domain; the answer is (z_0 - z_L) / gamma_local in float64, the
         steps actually taken (z_0: z_start rounded to the players' dtype; z_L: the last iterate). With a
-        `control` c (D,), SCAFFOLD-S's and FedGDA-GT's, the correction s = c - G_i(z_start) in G's signs (G_i on
-        all of the client's rows, in float64), rounded once to the players' dtype, is added to each step's
-        direction (x: grad_x f_i + s_x; y: grad_y f_i - s_y). None,
+        `control` c (D,), SCAFFOLD-S's and FedGDA-GT's, the direction is G_i(z) - G_i(z_0) + c, as a plain loop
+        keeping a control variate takes it: c rounded to the players' dtype, G_i(z_0) by autograd on all of the
+        client's rows at the task's start, s = c - G_i(z_0) formed in that dtype once, and each step's gradient
+        shifted by it (x: grad_x f_i + s_x; y: grad_y f_i - s_y, G's y block being -grad_y f_i). None,
         for the worker's own arithmetic, when `local_iterate` is float64 or gamma_local is 0 (nothing moves)."""
         if self.problem.spec.local_iterate != "players" or not gamma_local > 0:
             return None
         out = np.empty(z_start.shape) if out is None else out
-        correction = None if control is None else np.asarray(control)[:, None] - self.gradient(z_start)
+        controls = None if control is None else self._split(np.asarray(control))
         descent, ascent = self.x.parameters, self.parameters[len(self.x.parameters) :]
         if self._iterates is None:  # z_0 and z_L, flat in the players' dtype, kept from task to task
             self._iterates = torch.empty((2, self.dimension), dtype=self.dtype, device=self.device)
@@ -273,8 +274,7 @@ class TorchShards:
         for j, where, column in self._columns(z_start):
             unflatten(column, self.parameters)
             torch.cat([p.detach().view(-1) for p in self.parameters], out=first)
-            column_of: tuple[slice | int, ...] = (slice(None), *where)
-            shifts = None if correction is None else self._split(correction[column_of])
+            shifts = None if controls is None else self._shifts(j, controls, len(descent))
             for rate in rates:
                 with self.draws.stochastic():
                     batch = self._rows(j)
@@ -299,6 +299,16 @@ class TorchShards:
             answer.sub_(last.to("cpu"))
             answer.div_(gamma_local)
         return out
+
+    def _shifts(self, j: int, controls: list[torch.Tensor], descending: int) -> list[torch.Tensor]:
+        """Client j's s = c - G_i(z_0) per parameter, at the players' values, on all of its rows: c_x - grad_x f_i
+        on the first `descending` parameters (the min player's), c_y + grad_y f_i on the others."""
+        grads = torch.autograd.grad(self._loss(j, self._rows(j)), self.parameters, allow_unused=True)
+        with torch.no_grad():
+            return [
+                c if g is None else (c - g if k < descending else c + g)
+                for k, (c, g) in enumerate(zip(controls, grads, strict=True))
+            ]
 
     def _split(self, column: Array) -> list[torch.Tensor]:
         """A column of z's length rounded to the players' dtype and device, cut into one tensor per parameter."""
