@@ -380,14 +380,16 @@ def test_the_example_gives_the_same_bits_in_simulate_and_in_local(tmp_path: Path
 def test_local_iterate_players_gives_the_same_bits_in_simulate_and_in_local(tmp_path: Path) -> None:
     config = small_config(name="deep-players", rounds=6)
     config["problem"] = {**config["problem"], "local_iterate": "players"}
+    config["algorithms"] = [*config["algorithms"], {"name": "scaffold_s", "gamma_local": 0.2}]  # (corrected steps)
     path = write_config(tmp_path / "players.yaml", **config)
     runs = {}
     for command, extra in (("simulate", []), ("local", ["--clients-per-process", "3", "--quiet-clients"])):
         done = fedsaddle(command, "--config", str(path), "--out", str(tmp_path / command), *extra, timeout=300)
         assert done.returncode == 0, done.stderr
-        runs[command] = summary_of(tmp_path / command)["algorithms"][0]
-    assert runs["simulate"]["status"] == runs["local"]["status"] == "ok"
-    assert runs["simulate"]["z_sha256"] == runs["local"]["z_sha256"]
+        runs[command] = summary_of(tmp_path / command)["algorithms"]
+    for simulated_run, federated_run in zip(runs["simulate"], runs["local"], strict=True):
+        assert simulated_run["status"] == federated_run["status"] == "ok"
+        assert simulated_run["z_sha256"] == federated_run["z_sha256"]
 
 
 # Each process that loads a PyTorch problem imports torch (seconds on a loaded machine): these runs start few.
