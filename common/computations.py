@@ -12,6 +12,8 @@ are the task's named arrays (each as columns, like z) and scalar parameters
 client's data: `gradient`, `stochastic_gradient` (the run's seeded noise, drawn
 from each client's own stream, so the result is the same in-process and over
 gRPC), `objective`, `project` (onto the problem's domain) and `constrained`.
+The gradients may be written into an array the computation keeps from step to
+step (`out=`), which saves a fresh array per call.
 
 In a sweep's batch, runs share one call when their tasks' parameters are equal.
 A computation that takes some parameters elementwise may declare them with
@@ -48,11 +50,13 @@ class ClientOracle(Protocol):
     def constrained(self) -> bool:
         """Whether the problem has a domain that `project` maps onto."""
 
-    def gradient(self, z: Array) -> Array:
-        """G_i(z) exactly, one column per client."""
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
+        """G_i(z) exactly, one column per client: a new array, or written into `out` (a float64 array of
+        z's shape that does not share memory with z) and returned."""
 
-    def stochastic_gradient(self, z: Array) -> Array:
-        """G_i(z) plus the run's gradient noise (a fresh draw from each client's stream per call)."""
+    def stochastic_gradient(self, z: Array, out: Array | None = None) -> Array:
+        """G_i(z) plus the run's gradient noise (a fresh draw from each client's stream per call); `out` as
+        for `gradient`."""
 
     def objective(self, z: Array) -> Array:
         """f_i(z), one value per client."""
@@ -94,14 +98,15 @@ def local_extragradient(oracle: ClientOracle, z: Array, *, steps: float, gamma: 
     """Local Extragradient's client half (server/algorithms/local_extragradient.py): `steps` stochastic
     extragradient steps from z, answering the sum of the update directions actually taken,
     sum_l (z_i^l - z_i^{l+1}) / gamma (sum_l G^_i(z_i^{l+1/2}) when unconstrained)."""
-    # The oracle's gradients are this computation's own arrays: each step's products and differences are
-    # written into them (the same operations, two arrays less per step, a third of a sweep's call at d = 10).
+    # The step's two gradients are written into two arrays kept from step to step, and its products and
+    # differences into them: the same operations, with no array new to the core's cache per gradient.
     z_i = z.copy()
     direction_sum = np.zeros(z.shape)
+    g, g_half = np.empty(z.shape), np.empty(z.shape)
     for _ in range(int(steps)):
-        g = oracle.stochastic_gradient(z_i)
+        oracle.stochastic_gradient(z_i, out=g)
         z_half = oracle.project(np.subtract(z_i, np.multiply(gamma, g, out=g), out=g))
-        g_half = oracle.stochastic_gradient(z_half)
+        oracle.stochastic_gradient(z_half, out=g_half)
         if oracle.constrained:
             z_next = oracle.project(z_i - gamma * g_half)
             direction_sum += (z_i - z_next) / gamma
@@ -127,17 +132,18 @@ def local_sgda_plus(
     runs = np.broadcast(gamma_x, gamma_y).shape  # (B,) for a batch's per-run steps, else ()
     scale = np.empty((z.shape[0],) + (1,) * (z.ndim - 1 - len(runs)) + runs)
     scale[:dim_x], scale[dim_x:] = gamma_x, gamma_y
+    direction, ascent = np.empty(z.shape), np.empty(z.shape)  # each step's gradients, as in local_extragradient
     for _ in range(int(steps)):
-        direction = oracle.stochastic_gradient(z_i)
+        oracle.stochastic_gradient(z_i, out=direction)
         anchored[dim_x:] = z_i[dim_x:]
-        direction[dim_x:] = oracle.stochastic_gradient(anchored)[dim_x:]
+        direction[dim_x:] = oracle.stochastic_gradient(anchored, out=ascent)[dim_x:]
         if oracle.constrained:  # the directions actually taken, as for the other local methods
             z_next = oracle.project(z_i - scale * direction)
             direction_sum += (z_i - z_next) / scale
             z_i = z_next
         else:
             direction_sum += direction
-            z_i -= np.multiply(scale, direction, out=direction)  # (direction: the oracle's, this step's own)
+            z_i -= np.multiply(scale, direction, out=direction)
     return direction_sum
 
 

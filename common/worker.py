@@ -480,12 +480,15 @@ class _Oracle:
     def constrained(self) -> bool:
         return self._worker.domain is not None
 
-    def gradient(self, z: Array) -> Array:
-        return self._worker.shards.gradient(np.ascontiguousarray(z))
+    def gradient(self, z: Array, out: Array | None = None) -> Array:
+        z = np.ascontiguousarray(z)
+        if out is not None:
+            _check_out(out, z)
+        return self._worker.shards.gradient(z, out=out)
 
-    def stochastic_gradient(self, z: Array) -> Array:
+    def stochastic_gradient(self, z: Array, out: Array | None = None) -> Array:
         with self._worker._stochastic():
-            g = self.gradient(z)
+            g = self.gradient(z, out)
         if self._streams:
             g += self._worker._noise(self._streams)
         return g
@@ -496,6 +499,19 @@ class _Oracle:
     def project(self, z: Array) -> Array:
         domain = self._worker.domain
         return z if domain is None else domain.project(z)
+
+
+def _check_out(out: object, z: Array) -> None:
+    """A computation's array for the oracle's gradient at z: float64, of z's shape, apart from z."""
+    if not (isinstance(out, np.ndarray) and out.shape == z.shape and out.dtype == np.float64):
+        got = (
+            f"an array of shape {out.shape} and dtype {out.dtype}"
+            if isinstance(out, np.ndarray)
+            else type(out).__name__
+        )
+        raise ValueError(f"a gradient's out must be a float64 array of z's shape {z.shape}, got {got}")
+    if np.may_share_memory(out, z):
+        raise ValueError("a gradient's out must not share memory with z (G_i(z) is written while z is read)")
 
 
 def _mean_of_draws(stream: np.random.Generator, batch: int, dim: int) -> Array:

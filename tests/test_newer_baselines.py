@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from conftest import config
 
+from fedsaddle.common import computations
 from fedsaddle.common.problems import make_shards
+from fedsaddle.common.tasks import ComputeTask
 from fedsaddle.common.worker import Worker
 from fedsaddle.server.algorithms import RoundAnswers, build, load_state, save_state
 from fedsaddle.server.batch import BatchRun, run_batch
@@ -133,3 +135,44 @@ def test_a_batch_of_runs_gives_each_run_the_bits_it_gets_alone(algorithm: dict[s
         alone = run_algorithm(run.algorithms[0], run, LocalPool())
         assert result.z_sha256 == alone.z_sha256
         assert result.traffic["algorithm"] == alone.traffic["algorithm"]
+
+
+def _fresh_gradients(oracle: Any, z: np.ndarray, *, steps: float) -> np.ndarray:
+    total = np.zeros(z.shape)
+    for _ in range(int(steps)):
+        total += oracle.stochastic_gradient(z - total) - oracle.gradient(z + total)
+    return total
+
+
+def _kept_gradients(oracle: Any, z: np.ndarray, *, steps: float) -> np.ndarray:
+    total, g, h = np.zeros(z.shape), np.empty(z.shape), np.empty(z.shape)
+    for _ in range(int(steps)):
+        assert oracle.stochastic_gradient(z - total, out=g) is g
+        assert oracle.gradient(z + total, out=h) is h
+        total += g - h
+    return total
+
+
+def test_the_oracle_writes_gradients_into_a_computations_own_arrays_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run = config(problem=GAME, algorithms=[NEWER[0]], seed=4)
+    z = np.linspace(-1.0, 1.0, 8)
+    answers = {}
+    for name, computation in (("fresh", _fresh_gradients), ("kept", _kept_gradients)):
+        monkeypatch.setitem(computations._REGISTERED, name, computation)
+        worker = Worker(make_shards(run.problem, run.seed, range(5)), run.seed, 0.3)  # noise: each call draws
+        answers[name] = worker.execute(ComputeTask(name, z, params=(("steps", 3.0),)), 7).vectors
+    assert answers["fresh"].shape == (5, 8) and np.abs(answers["fresh"]).max() > 0
+    assert np.array_equal(answers["fresh"], answers["kept"])
+    # An array the gradient cannot go into is refused, saying why, before anything is written.
+    worker = Worker(make_shards(run.problem, run.seed, range(5)), run.seed)
+    for out, says in (
+        (lambda z: np.empty(z.shape[0]), r"float64 array of z's shape \(8, 5\), got an array of shape \(8,\)"),
+        (lambda z: np.empty(z.shape, np.float32), "got an array of shape \\(8, 5\\) and dtype float32"),
+        (lambda z: [0.0] * 8, "got list"),
+        (lambda z: z, "must not share memory with z"),
+    ):
+        monkeypatch.setitem(computations._REGISTERED, "bad", lambda oracle, z, out=out: oracle.gradient(z, out=out(z)))
+        with pytest.raises(ValueError, match=says):
+            worker.execute(ComputeTask("bad", z), 1)
