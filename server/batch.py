@@ -138,9 +138,10 @@ def _signature(task: Task, round_id: int, per_run: Callable[[str], frozenset[str
     if isinstance(task, ComputeTask):
         # One call for runs of the same computation, array names and parameters: equal parameters, but for those
         # the computation takes one per run, which need only the same names.
+        # (List comprehensions: this runs once per run and round of a sweep, and a generator's cost doubled it.)
         varying = per_run(task.name)
-        params = tuple((name, None if name in varying else value) for name, value in task.params)
-        return ("compute", round_id, task.name, params, tuple(name for name, _ in task.arrays))
+        params = tuple([(name, None if name in varying else value) for name, value in task.params])
+        return ("compute", round_id, task.name, params, tuple([name for name, _ in task.arrays]))
     raise ValueError("batches of runs do not evaluate on held-out data; run them one at a time")
 
 
@@ -160,15 +161,18 @@ def _stacked_task(tasks: list[Task], per_run: Callable[[str], frozenset[str]]) -
     if isinstance(first, ComputeTask):
         computes = [t for t in tasks if isinstance(t, ComputeTask)]
         varying = per_run(first.name)
-        arrays = tuple((name, np.stack([dict(t.arrays)[name] for t in computes])) for name, _ in first.arrays)
+        # (The names of the arrays and parameters agree, in order: the signature's.)
+        arrays = tuple((name, np.stack([t.arrays[k][1] for t in computes])) for k, (name, _) in enumerate(first.arrays))
         shared: list[tuple[str, float]] = []
         columns: list[tuple[str, Array]] = []
-        for k, (name, value) in enumerate(first.params):  # (the names agree, in order: the signature's)
-            column = np.array([float(t.params[k][1]) for t in computes])[:, None]
-            if name in varying and (column.view(np.int64) != column.view(np.int64)[0]).any():
-                columns.append((name, column))
-            else:  # equal in every run (bit for bit, when declared per run): as a run alone sees it
-                shared.append((name, value))
+        for k, (name, value) in enumerate(first.params):
+            if name in varying:
+                column = np.array([float(t.params[k][1]) for t in computes])[:, None]
+                if (column.view(np.int64) != column.view(np.int64)[0]).any():
+                    columns.append((name, column))
+                    continue
+            # Equal in every run (by the signature, or bit for bit when declared per run): as a run alone sees it.
+            shared.append((name, value))
         return ComputeTask(first.name, np.stack([t.z for t in computes]), arrays, tuple(shared), tuple(columns))
     local = [t for t in tasks if isinstance(t, LocalStepsTask)]
     first = local[0]
