@@ -79,6 +79,7 @@ class LocalSgdaPlus(Algorithm[LocalSgdaPlusState]):
         self.snapshot_every = snapshot_every
         self.schedule = schedule
         self.dim_x = dim_x
+        self._scale: Array | None = None  # `scale`'s array, made at the first sync
 
     def init(self, z0: Array, seed: int) -> Exchanges[LocalSgdaPlusState]:
         return no_exchange(LocalSgdaPlusState(z0.copy(), z0[: self.dim_x].copy(), self.schedule.start(seed), syncs=0))
@@ -87,12 +88,18 @@ class LocalSgdaPlus(Algorithm[LocalSgdaPlusState]):
         tau_k, clock = self.schedule.next_interval(state.clock)
         params = (("steps", float(tau_k)), ("gamma_x", self.eta_x), ("gamma_y", self.eta_y))
         sums = yield ComputeTask(COMPUTATION, state.z, arrays=(("x_snapshot", state.x_snapshot),), params=params)
-        scale = np.full(state.z.shape, self.eta_y, dtype=state.z.dtype)
-        scale[: self.dim_x] = self.eta_x
-        z = self.project(state.z - scale * sums.mean())
+        z = self.project(state.z - self.scale(state.z) * sums.mean())
         syncs = state.syncs + 1
         x_snapshot = z[: self.dim_x].copy() if syncs % self.snapshot_every == 0 else state.x_snapshot
         return LocalSgdaPlusState(z, x_snapshot, clock, syncs)
+
+    def scale(self, z: Array) -> Array:
+        """The server's step per entry, (eta_x, ..., eta_y, ...), in z's shape and element type: the same every
+        sync, so it is made once (a sweep makes it once per run, not per run and sync)."""
+        if self._scale is None or self._scale.shape != z.shape or self._scale.dtype != z.dtype:
+            self._scale = np.full(z.shape, self.eta_y, dtype=z.dtype)
+            self._scale[: self.dim_x] = self.eta_x
+        return self._scale
 
     def iterate(self, state: LocalSgdaPlusState) -> Array:
         return state.z
