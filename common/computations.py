@@ -13,7 +13,7 @@ client's data: `gradient`, `stochastic_gradient` (the run's seeded noise, drawn
 from each client's own stream, so the result is the same in-process and over
 gRPC), `objective`, `project` (onto the problem's domain) and `constrained`.
 The gradients may be written into an array the computation keeps from step to
-step (`out=`), which saves a fresh array per call.
+step (`out=`), which saves an allocation per call.
 
 In a sweep's batch, runs share one call when their tasks' parameters are equal.
 A computation that takes some parameters elementwise may declare them with
@@ -99,7 +99,7 @@ def local_extragradient(oracle: ClientOracle, z: Array, *, steps: float, gamma: 
     extragradient steps from z, answering the sum of the update directions actually taken,
     sum_l (z_i^l - z_i^{l+1}) / gamma (sum_l G^_i(z_i^{l+1/2}) when unconstrained)."""
     # The step's two gradients are written into two arrays kept from step to step, and its products and
-    # differences into them: the same operations, with no array new to the core's cache per gradient.
+    # differences into them: the same operations, with no array allocated per step.
     z_i = z.copy()
     direction_sum = np.zeros(z.shape)
     g, g_half = np.empty(z.shape), np.empty(z.shape)
