@@ -66,7 +66,7 @@ unit: $(TORCH_STAMP)
 docs: $(TORCH_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# About 12 minutes from a fresh clone on a 2-core machine (pytest about 10); tests/README.md has the measured figures.
+# About 11 minutes from a fresh clone on a 2-core machine (pytest about 9); tests/README.md has the measured figures.
 test: lint typecheck docs unit
 
 proto: $(STAMP)
