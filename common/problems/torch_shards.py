@@ -193,14 +193,19 @@ class TorchShards:
     def _where(self, name: str, j: int) -> str:
         return f"{self.problem._name()}: {name}() on client {self.indices[j]}'s data"
 
-    def _loss(self, j: int, batch: Batch) -> torch.Tensor:
+    def _call(self, name: Literal["loss", "test_metrics"], j: int, batch: Batch) -> Any:
+        """The problem's `name` on client j's `batch`, given the client's context when it takes one; ProblemError
+        naming the method and the client for anything it raises."""
+        method = getattr(self.problem, name)
         try:
-            if self._with_context["loss"]:
-                value = self.problem.loss(self.x.value, self.y.value, batch, client=self.contexts[j])
-            else:
-                value = self.problem.loss(self.x.value, self.y.value, batch)  # type: ignore[call-arg]
+            if self._with_context[name]:
+                return method(self.x.value, self.y.value, batch, client=self.contexts[j])
+            return method(self.x.value, self.y.value, batch)
         except Exception as exc:
-            raise ProblemError(f"{self._where('loss', j)} raised {type(exc).__name__}: {exc}") from exc
+            raise ProblemError(f"{self._where(name, j)} raised {type(exc).__name__}: {exc}") from exc
+
+    def _loss(self, j: int, batch: Batch) -> torch.Tensor:
+        value = self._call("loss", j, batch)
         if not isinstance(value, torch.Tensor):
             raise ProblemError(f"{self._where('loss', j)} returned a {type(value).__name__}; it must return a tensor")
         if value.numel() != 1:
@@ -361,14 +366,8 @@ class TorchShards:
         for j, batch in enumerate(self.test):
             if batch is None:
                 continue
-            try:
-                with torch.no_grad():
-                    if self._with_context["test_metrics"]:
-                        found = self.problem.test_metrics(self.x.value, self.y.value, batch, client=self.contexts[j])
-                    else:
-                        found = self.problem.test_metrics(self.x.value, self.y.value, batch)  # type: ignore[call-arg]
-            except Exception as exc:
-                raise ProblemError(f"{self._where('test_metrics', j)} raised {type(exc).__name__}: {exc}") from exc
+            with torch.no_grad():
+                found = self._call("test_metrics", j, batch)
             if np.shape(found) != (len(names),):
                 raise ProblemError(
                     f"{self._where('test_metrics', j)} returned shape {np.shape(found)}; it must give one value per "
