@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from fedsaddle.common.problems import DataProblem, Problem, make_problem
 from fedsaddle.common.problems.domains import DomainError, problem_domain
 from fedsaddle.common.problems.pytorch import TorchProblem
-from fedsaddle.common.problems.shards import ProblemError, counts_per_metric, metric_rows
+from fedsaddle.common.problems.shards import ProblemError, metric_rows
 from fedsaddle.common.secagg.graph import check_neighbours
 from fedsaddle.common.secagg.settings import check_bound, check_threshold, round_threshold
 from fedsaddle.server.aggregation import PluginNotFound, rule_check, rule_tolerates
@@ -58,21 +58,21 @@ def _what_the_problem_offers(config: RunConfig, problem_invalid: bool) -> list[F
         faults.append((("evaluate_every",), why))
     if config.evaluate_every and problem.metric_names:
         try:
-            mixed = counts_per_metric(problem)
+            kinds = metric_rows(problem)
         except ProblemError as exc:
             faults.append((("problem",), str(exc)))
         else:
-            if isinstance(problem, TorchProblem) and set(metric_rows(problem)) != {"held-out"}:
+            if isinstance(problem, TorchProblem) and set(kinds) != {"held-out"}:
                 why = (
                     f"problem {config.problem.name} is written in PyTorch, whose test_metrics are computed on each "
                     f"client's held-out rows; its metrics_on must be 'held-out', not {problem.metrics_on!r}"
                 )
                 faults.append((("problem",), why))
-            if mixed and config.privacy.secure_aggregation:
-                kinds = zip(problem.metric_names, metric_rows(problem), strict=True)
+            if len(set(kinds)) > 1 and config.privacy.secure_aggregation:
+                named = zip(problem.metric_names, kinds, strict=True)
                 why = (
                     f"problem {config.problem.name}'s metrics are on different rows "
-                    f"({', '.join(f'{name}: {kind}' for name, kind in kinds)}), "
+                    f"({', '.join(f'{name}: {kind}' for name, kind in named)}), "
                     "so each is weighted by its own row counts, while a masked evaluation row carries one weight per "
                     "client; evaluate with secure aggregation off, or declare one kind of rows for every metric"
                 )
