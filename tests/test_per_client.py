@@ -250,7 +250,7 @@ def test_an_answer_with_row_counts_per_metric_is_read_as_such_and_a_wrong_number
     header = pb.Answer(client_indices=[0, 1], payload_length=4, sample_counts=[5, 0, 7, 2])
     answer = wire.decode_answer(header, values.tobytes(), 2, False, want_counts=2)
     assert answer.counts is not None and answer.counts.tolist() == [[5.0, 0.0], [7.0, 2.0]]
-    with pytest.raises(wire.WireError, match=r"^4 row counts for 2 clients$"):
+    with pytest.raises(wire.WireError, match=r"^4 row counts for 2 clients; expected 2$"):
         wire.decode_answer(header, values.tobytes(), 2, False, want_counts=1)
-    with pytest.raises(wire.WireError, match=r"^3 row counts for 2 clients x 2 metrics$"):
+    with pytest.raises(wire.WireError, match=r"^3 row counts for 2 clients x 2 metrics; expected 4$"):
         wire.decode_answer(pb.Answer(client_indices=[0, 1], sample_counts=[5, 0, 7]), values.tobytes(), 2, False, 2)

@@ -347,7 +347,9 @@ def decode_answer(
     if want_counts:
         if len(header.sample_counts) != clients * want_counts:
             each = "" if want_counts == 1 else f" x {want_counts} metrics"
-            raise WireError(f"{len(header.sample_counts)} row counts for {clients} clients{each}")
+            raise WireError(
+                f"{len(header.sample_counts)} row counts for {clients} clients{each}; expected {clients * want_counts}"
+            )
         counts = np.array(header.sample_counts, dtype=np.float64)
         if want_counts > 1:
             counts = counts.reshape(clients, want_counts)
