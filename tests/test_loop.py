@@ -95,7 +95,7 @@ def test_a_signal_that_lands_inside_another_task_reaches_the_caller_and_spares_t
 
     async def call() -> str:
         bystanders.append(asyncio.get_running_loop().create_task(bystander()))
-        await asyncio.sleep(5)
+        await asyncio.sleep(60)
         return "waited it out"
 
     async def outcome() -> str:
@@ -106,7 +106,7 @@ def test_a_signal_that_lands_inside_another_task_reaches_the_caller_and_spares_t
             started = time.monotonic()
             with pytest.raises(Terminated):
                 runner.run(call())
-            assert time.monotonic() - started < 4
+            assert time.monotonic() - started < 30  # at once, not after the call's 60 s
             assert runner.run(outcome()) == "intact"  # the handler did not raise inside it
     finally:
         runner.close()
