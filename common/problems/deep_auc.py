@@ -22,6 +22,8 @@ held-out rows follow its training rows' proportions; `pooled_test_auc` scores a 
 Pixels are scaled to [0, 1] (divided by 16). With `validation_fraction` > 0, that share of the training rows
 is set aside, drawn from its own stream, before the rest is dealt: no client trains on it, and
 `pooled_validation_auc` scores a z there (for choosing step sizes without looking at the test rows).
+With `train_positive_share`, positive training rows are then dropped at random (their own stream) down to
+that share, for a more imbalanced task; the validation and test rows keep the digits' own share.
 
 `loss_kind: cross_entropy` trains the same network on the same clients with binary cross-entropy instead (the
 usual baseline; a, b and alpha stay at their start).
@@ -67,6 +69,13 @@ class DeepAucSpec(TorchSpec):
     validation_fraction: float = Field(
         0.0, ge=0, lt=1, description="the share of the training images set aside for validation (no client has them)"
     )
+    train_positive_share: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="drop positive training images at random until they are this share of the training rows "
+        "(a more imbalanced task; validation and test images keep the digits' own share); none: keep them all",
+    )
     loss_kind: Literal["aucm", "cross_entropy"] = Field(
         "aucm",
         description="aucm: the AUC-M min-max margin loss; cross_entropy: the baseline, binary cross-entropy of the "
@@ -93,6 +102,8 @@ def split_digits(spec: DeepAucSpec) -> list[ClientData]:
     n_test = round(spec.test_fraction * len(digits))
     test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
     train = np.setdiff1d(train, validation_rows(spec))
+    if spec.train_positive_share is not None:
+        train = _thin_positives(spec, train, labels)
     n = spec.num_clients
     for _ in range(1000):
         shares = rng.dirichlet(np.full(n, spec.skew_alpha), size=10)
@@ -109,6 +120,19 @@ def split_digits(spec: DeepAucSpec) -> list[ClientData]:
         ClientData(f"deep_auc:client-{i}", images[tr], labels[tr], None, images[te], labels[te])
         for i, (tr, te) in enumerate(zip(dealt_train, dealt_test, strict=True))
     ]
+
+
+def _thin_positives(spec: DeepAucSpec, train: NDArray[np.int64], labels: Array) -> NDArray[np.int64]:
+    """`train` with positives dropped at random (a stream of their own) so that they are
+    `train_positive_share` of what is left, at least one kept."""
+    share = spec.train_positive_share
+    assert share is not None
+    positives, negatives = train[labels[train] > 0], train[labels[train] == 0]
+    keep = max(1, round(share * len(negatives) / (1 - share)))
+    if keep >= len(positives):
+        return train
+    picked = np.random.default_rng([spec.split_seed, 3]).permutation(positives)[:keep]
+    return np.sort(np.concatenate([negatives, picked]))
 
 
 def validation_rows(spec: DeepAucSpec) -> NDArray[np.int64]:
