@@ -1,6 +1,6 @@
 """Federated deep AUC maximization on real images, against centralized LibAUC and cross-entropy.
 
-    fedsaddle experiment deep-auc [--seeds 10] [--rounds 40] [--libauc-python PATH] [--out DIR]
+    fedsaddle experiment deep-auc [--seeds 10] [--rounds 20] [--libauc-python PATH] [--positive-share S] [--out DIR]
 
 The built-in `deep_auc` problem (common/problems/deep_auc.py): LibAUC's AUC-M min-max square-margin loss
 with its small CNN, on scikit-learn's handwritten digits, 9 against the rest (about 10% positives), dealt
@@ -9,7 +9,8 @@ method reaches AUC 1, half of the images are held out for testing and a quarter 
 validation, so each seed trains on about 670 images (about 67 positives) across the 10 clients. Seed k
 splits with `split_seed` k and starts the network from the seed-k initialization of the problem
 (`init: problem`); minibatches of 16 rows, tau = 5 local steps per sync, the same communication budget
-(every exchange counted) for every algorithm.
+(every exchange counted) for every algorithm. `--positive-share S` thins the positive training images to the
+share S (`train_positive_share`) for every method and the baseline alike: a more imbalanced task.
 
 Rows of the table:
 
@@ -20,7 +21,7 @@ Rows of the table:
   Python that has libauc: `--libauc-python`), for as many minibatch gradients as the whole federation
   computes at most (clients x rounds x tau steps of the same batch size).
 
-Steps are chosen on a small grid per method by the *validation* AUC of the first seed (`TUNING_SEEDS`);
+Steps are chosen on a grid per method by the median *validation* AUC of the first three seeds (`TUNING_SEEDS`);
 the test AUC is read only for the chosen step, over every seed, and reported as median [interquartile
 range].
 """
@@ -45,7 +46,7 @@ from .report import markdown
 CLIENTS = 10
 BATCH = 16
 TAU = 5
-TUNING_SEEDS = 1  # the first seeds, on whose validation images each method's step is chosen
+TUNING_SEEDS = 3  # the first seeds, on whose validation images each method's step is chosen
 PROBLEM: dict[str, Any] = {
     "name": "deep_auc",
     "num_clients": CLIENTS,
@@ -70,22 +71,23 @@ class Method:
         return {"name": self.algorithm, **dict.fromkeys(self.step_field, step), **self.extra}
 
 
+AUCM_GRID = (1.0, 2.0, 3.0, 5.0)  # the step of every AUC-M method (eta_x = eta_y for Local SGDA+)
 METHODS = (
-    Method("local_sgda_plus", "Local SGDA+", "local_sgda_plus", ("eta_x", "eta_y"), (1.0, 3.0)),
-    Method("fedgda_gt", "FedGDA-GT", "fedgda_gt", ("eta",), (1.0, 3.0)),
-    Method("scaffold_s", "SCAFFOLD-S", "scaffold_s", ("gamma_local",), (1.0, 3.0)),
-    Method("fedavg_s", "FedAvg-S", "fedavg_s", ("gamma_local",), (1.0, 3.0), {"decay": "constant"}),
+    Method("local_sgda_plus", "Local SGDA+", "local_sgda_plus", ("eta_x", "eta_y"), AUCM_GRID),
+    Method("fedgda_gt", "FedGDA-GT", "fedgda_gt", ("eta",), AUCM_GRID),
+    Method("scaffold_s", "SCAFFOLD-S", "scaffold_s", ("gamma_local",), AUCM_GRID),
+    Method("fedavg_s", "FedAvg-S", "fedavg_s", ("gamma_local",), AUCM_GRID, {"decay": "constant"}),
     Method(
         "fedavg_ce",
         "FedAvg-S, cross-entropy",
         "fedavg_s",
         ("gamma_local",),
-        (0.3, 1.0),
+        (0.3, 0.5, 1.0, 2.0),
         {"decay": "constant"},
         "cross_entropy",
     ),
 )
-LIBAUC_GRID = (0.1, 0.3)  # PESG's lr
+LIBAUC_GRID = (0.1, 0.3, 1.0)  # PESG's lr
 
 
 @dataclass
@@ -101,15 +103,17 @@ class Point:
     z_sha256: str = ""
 
 
-def problem_spec(seed: int, loss: str = "aucm") -> dict[str, Any]:
-    return {**PROBLEM, "split_seed": seed, "loss_kind": loss}
+def problem_spec(seed: int, loss: str = "aucm", share: float | None = None) -> dict[str, Any]:
+    """The problem of seed `seed`; `share`: positive training images thinned to that share (none: all kept)."""
+    thinned = {} if share is None else {"train_positive_share": share}
+    return {**PROBLEM, "split_seed": seed, "loss_kind": loss, **thinned}
 
 
-def config(method: Method, step: float, seed: int, rounds: int) -> dict[str, Any]:
+def config(method: Method, step: float, seed: int, rounds: int, share: float | None = None) -> dict[str, Any]:
     return {
         "name": f"deep-auc-{method.key}-{step:g}-seed{seed}",
         "seed": seed,
-        "problem": problem_spec(seed, method.loss),
+        "problem": problem_spec(seed, method.loss, share),
         "init": "problem",
         "rounds": rounds,
         "sync": {"kind": "fixed", "tau": TAU},
@@ -122,12 +126,14 @@ def config(method: Method, step: float, seed: int, rounds: int) -> dict[str, Any
 Runner = Callable[..., Any]
 
 
-def run_point(run: Runner, method: Method, step: float, seed: int, rounds: int, folder: Path) -> Point:
+def run_point(
+    run: Runner, method: Method, step: float, seed: int, rounds: int, folder: Path, share: float | None = None
+) -> Point:
     from fedsaddle.common.problems.deep_auc import DeepAuc, DeepAucSpec
 
-    problem = DeepAuc(DeepAucSpec(**problem_spec(seed, method.loss)))
+    problem = DeepAuc(DeepAucSpec(**problem_spec(seed, method.loss, share)))
     started = time.perf_counter()
-    report = run(config(method, step, seed, rounds), out=folder)
+    report = run(config(method, step, seed, rounds, share), out=folder)
     (result,) = report.results
     z = result.final_z
     finite = result.status == "ok" and bool(np.isfinite(z).all())
@@ -163,24 +169,26 @@ def run_deep_auc(
     libauc_python: str | None,
     progress: Callable[[int, int], None],
     jobs: int = 1,
+    share: float | None = None,
 ) -> list[Point]:
     """Tune on the first seeds, then every seed at the chosen steps, the runs spread over `jobs` processes
-    (each run is independent and deterministic: the same points in any order); the report under `out`."""
+    (each run is independent and deterministic: the same points in any order); the report under `out`.
+    `share`: the positive training images thinned to that share, for every method and the baseline."""
     out.mkdir(parents=True, exist_ok=True)
     tuning = list(seeds[:TUNING_SEEDS])
     total = sum(len(m.grid) * len(tuning) + len(seeds) - len(tuning) for m in METHODS)
     steps = CLIENTS * rounds * TAU  # the minibatch gradients a whole federated run computes, at most
-    baseline = None if libauc_python is None else start_libauc(libauc_python, seeds, tuning, steps, out)
+    baseline = None if libauc_python is None else start_libauc(libauc_python, seeds, tuning, steps, out, share)
     started = time.perf_counter()
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="fedsaddle-deep-auc-") as scratch:
         tune = [(m, step, seed) for m in METHODS for step in m.grid for seed in tuning]
-        points += _points(run, tune, rounds, Path(scratch), jobs, lambda n: progress(n, total))
+        points += _points(run, tune, rounds, share, Path(scratch), jobs, lambda n: progress(n, total))
         rest = [(m, choose(points, m.key, m.grid, tuning), seed) for m in METHODS for seed in seeds[len(tuning) :]]
-        points += _points(run, rest, rounds, Path(scratch), jobs, lambda n: progress(len(tune) + n, total))
+        points += _points(run, rest, rounds, share, Path(scratch), jobs, lambda n: progress(len(tune) + n, total))
     federated_s = time.perf_counter() - started
     libauc = [] if baseline is None else finish_libauc(baseline, out)
-    write_report(out, command, points, libauc, seeds, tuning, rounds, steps, federated_s)
+    write_report(out, command, points, libauc, seeds, tuning, rounds, steps, federated_s, share)
     return points + libauc
 
 
@@ -188,6 +196,7 @@ def _points(
     run: Runner,
     work: Sequence[tuple[Method, float, int]],
     rounds: int,
+    share: float | None,
     scratch: Path,
     jobs: int,
     progress: Callable[[int], None],
@@ -196,7 +205,7 @@ def _points(
     if jobs == 1:
         found = []
         for method, step, seed in work:
-            found.append(run_point(run, method, step, seed, rounds, scratch))
+            found.append(run_point(run, method, step, seed, rounds, scratch, share))
             progress(len(found))
         return found
     import concurrent.futures
@@ -205,14 +214,14 @@ def _points(
     # spawn: a fresh interpreter per worker, not a fork of one whose torch may already hold threads
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = [pool.submit(run_point, run, m, step, seed, rounds, scratch) for m, step, seed in work]
+        futures = [pool.submit(run_point, run, m, step, seed, rounds, scratch, share) for m, step, seed in work]
         for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
             progress(done)
         return [f.result() for f in futures]
 
 
 def start_libauc(
-    python: str, seeds: Sequence[int], tuning: Sequence[int], steps: int, out: Path
+    python: str, seeds: Sequence[int], tuning: Sequence[int], steps: int, out: Path, share: float | None = None
 ) -> subprocess.Popen[bytes]:
     """experiments/libauc_baseline.py in `python` (which must have libauc, torch and fedsaddle), started beside
     the federated runs."""
@@ -232,6 +241,7 @@ def start_libauc(
         ",".join(f"{lr:g}" for lr in LIBAUC_GRID),
         "--out",
         str(target),
+        *([] if share is None else ["--positive-share", f"{share:g}"]),
     ]
     try:
         return subprocess.Popen(command)
@@ -276,6 +286,7 @@ def write_report(
     rounds: int,
     steps: int,
     federated_s: float,
+    share: float | None = None,
 ) -> None:
     every = [*points, *libauc]
     with (out / "runs.csv").open("w", newline="") as f:
@@ -294,6 +305,7 @@ def write_report(
                 ]
             )
     names = {m.key: m.name for m in METHODS} | {"libauc": "LibAUC AUCMLoss + PESG, centralized"}
+    task = "" if share is None else f" (positive training images thinned to {share:g})"
     chosen = chosen_points(every, seeds)
     rows = []
     for key, (step, at) in chosen.items():
@@ -310,8 +322,8 @@ def write_report(
             )
         )
     table = markdown(
-        f"Test AUC, digit 9 against the rest, {len(seeds)} seed(s) (median [IQR]); {rounds} rounds, every exchange "
-        f"counted; steps chosen by the median validation AUC of seed(s) {', '.join(map(str, tuning))}",
+        f"Test AUC, digit 9 against the rest{task}, {len(seeds)} seed(s) (median [IQR]); {rounds} rounds, every "
+        f"exchange counted; steps chosen by the median validation AUC of seed(s) {', '.join(map(str, tuning))}",
         "method",
         ["step (grid)", "validation AUC", "test AUC", "median wall s"],
         rows,

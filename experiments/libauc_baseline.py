@@ -50,8 +50,9 @@ def _libauc() -> Any:
     return libauc
 
 
-def train(seed: int, lr: float, steps: int) -> dict[str, Any]:
-    """One centralized run: the seed's split and initialization, `steps` PESG steps at `lr`."""
+def train(seed: int, lr: float, steps: int, share: float | None = None) -> dict[str, Any]:
+    """One centralized run: the seed's split (its positive training images thinned to `share`, if given) and
+    initialization, `steps` PESG steps at `lr`."""
     import torch
 
     from fedsaddle.common.problems.deep_auc import DeepAuc, DeepAucSpec, split_digits
@@ -62,7 +63,7 @@ def train(seed: int, lr: float, steps: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message="Input data has no positive sample")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    problem = DeepAuc(DeepAucSpec(**problem_spec(seed)))
+    problem = DeepAuc(DeepAucSpec(**problem_spec(seed, share=share)))
     datas = split_digits(problem.spec)
     X = torch.as_tensor(np.concatenate([d.X for d in datas]), dtype=torch.float32).reshape(-1, 1, 8, 8)
     t = torch.as_tensor(np.concatenate([d.y for d in datas]), dtype=torch.float32)
@@ -119,16 +120,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True, help="PESG steps per run")
     parser.add_argument("--lrs", type=lambda s: [float(v) for v in s.split(",")], required=True)
     parser.add_argument("--out", required=True, help="the JSON file to write")
+    parser.add_argument(
+        "--positive-share", type=float, default=None, help="thin the positive training images to this share"
+    )
     args = parser.parse_args(argv)
     _libauc()
-    points = [train(seed, lr, args.steps) for lr in args.lrs for seed in args.tuning]
+    points = [train(seed, lr, args.steps, args.positive_share) for lr in args.lrs for seed in args.tuning]
 
     def score(lr: float) -> float:
         values = [p["validation_auc"] for p in points if p["step"] == lr]
         return float(np.median([0.0 if math.isnan(v) else v for v in values]))
 
     chosen = max(args.lrs, key=score)
-    points += [train(seed, chosen, args.steps) for seed in args.seeds if seed not in args.tuning]
+    points += [train(seed, chosen, args.steps, args.positive_share) for seed in args.seeds if seed not in args.tuning]
     with open(args.out, "w") as f:
         json.dump(points, f, allow_nan=True)
     return 0

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the deep AUC experiment needs PyTorch: pip install 'fedsaddle[torch]'")
 
 from fedsaddle import api  # noqa: E402
-from fedsaddle.common.problems.base import client_context  # noqa: E402
+from fedsaddle.common.problems.base import ClientData, client_context  # noqa: E402
 from fedsaddle.common.problems.deep_auc import DIGITS_ROWS, DeepAuc, DeepAucSpec, split_digits, validation_rows  # noqa: E402
 from fedsaddle.experiments import deep_auc  # noqa: E402
 
@@ -39,6 +39,45 @@ def test_validation_images_are_set_aside_and_leave_the_test_rows_as_they_were() 
     # No client trains on a validation image: every image is in exactly one of training, validation, test.
     test_rows = round(DeepAucSpec().test_fraction * DIGITS_ROWS)
     assert sum(d.samples for d in split_digits(held)) + len(rows) + test_rows == DIGITS_ROWS
+
+
+@pytest.mark.parametrize("share", [0.05, 0.02])
+def test_thinning_drops_only_positive_training_images_down_to_the_share(share: float) -> None:
+    base = {"split_seed": 4, "test_fraction": 0.5, "validation_fraction": 0.25}
+    whole, thinned = split_digits(DeepAucSpec(**base)), split_digits(DeepAucSpec(**base, train_positive_share=share))
+
+    def rows(datas: list[ClientData], positive: bool) -> set[tuple[float, ...]]:
+        return {tuple(x) for d in datas for x, t in zip(d.X, d.y, strict=True) if (t > 0) == positive}
+
+    assert rows(thinned, False) == rows(whole, False)  # every negative kept
+    assert rows(thinned, True) < rows(whole, True)  # positives dropped, none added
+    kept, negatives = len(rows(thinned, True)), len(rows(whole, False))
+    assert kept == round(share * negatives / (1 - share))
+    assert abs(kept / (kept + negatives) - share) < 1 / negatives
+    assert DeepAuc(DeepAucSpec(**base, train_positive_share=share)).positive_rate == kept / (kept + negatives)
+
+    def pooled_test(datas: list[ClientData]) -> list[tuple[float, ...]]:
+        return sorted(tuple(x) for d in datas if d.X_test is not None for x in d.X_test)
+
+    assert pooled_test(thinned) == pooled_test(whole)  # validation and test images keep the digits' share
+    assert len(validation_rows(DeepAucSpec(**base, train_positive_share=share))) == len(
+        validation_rows(DeepAucSpec(**base))
+    )
+
+
+def test_the_experiment_passes_the_share_to_every_run_and_the_baseline() -> None:
+    spec = deep_auc.problem_spec(3, "cross_entropy", 0.05)
+    assert spec["train_positive_share"] == 0.05 and spec["split_seed"] == 3
+    assert "train_positive_share" not in deep_auc.problem_spec(3)  # the default split, as it always was
+    method = deep_auc.METHODS[0]
+    assert deep_auc.config(method, 1.0, 3, 2, 0.05)["problem"] == deep_auc.problem_spec(3, method.loss, 0.05)
+    done = subprocess.run(
+        [*FEDSADDLE, "experiment", "deep-auc", "--positive-share", "1", "--out", "unused"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "--positive-share: must be below 1, got '1'" in done.stderr
 
 
 def test_pooled_validation_auc_needs_validation_images() -> None:
@@ -84,6 +123,7 @@ def test_the_experiment_tunes_on_validation_and_writes_its_report(
         ),
     )
     monkeypatch.setattr(deep_auc, "METHODS", two)
+    monkeypatch.setattr(deep_auc, "TUNING_SEEDS", 1)  # tune on seed 0, then seed 1 at the chosen step
     done: list[int] = []
     points = deep_auc.run_deep_auc(api.run, tmp_path, "test", range(2), 2, None, lambda n, total: done.append(total))
     # fedavg_s: 2 steps on the tuning seed, then the chosen step on seed 1; fedavg_ce: 1 + 1
@@ -111,13 +151,28 @@ def test_the_libauc_baseline_says_what_it_needs_when_libauc_is_absent(tmp_path: 
         pytest.skip("libauc is installed here")
     except ImportError:
         pass
+    out = tmp_path / "x.json"
     done = subprocess.run(
-        [*BASELINE, "--seeds", "0", "--tuning", "0", "--steps", "1", "--lrs", "0.1", "--out", str(tmp_path / "x.json")],
+        [
+            *BASELINE,
+            "--seeds",
+            "0",
+            "--tuning",
+            "0",
+            "--steps",
+            "1",
+            "--lrs",
+            "0.1",
+            "--positive-share",
+            "0.05",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 1
+    assert done.returncode == 1  # (argparse's refusal of a flag would be 2)
     assert "the LibAUC baseline needs libauc" in done.stderr and "--libauc-python" in done.stderr
     assert not (tmp_path / "x.json").exists()
 

@@ -46,6 +46,14 @@ positive_float = number(0, inclusive=False)
 non_negative_float = number(0, inclusive=True)
 
 
+def open_unit_interval(text: str) -> float:
+    """A share strictly between 0 and 1."""
+    value = positive_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be below 1, got {text!r}")
+    return value
+
+
 def window_mib(text: str) -> float:
     """A receive window in MiB: 0 (gRPC's own) or at least 1/16 (64 KiB), as transport.limits.receive_window_mib."""
     value = non_negative_float(text)

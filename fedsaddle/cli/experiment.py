@@ -10,7 +10,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsaddle.cli.arguments import Commands, add_command, non_negative_float, positive_float, positive_int, with_data
+from fedsaddle.cli.arguments import (
+    Commands,
+    add_command,
+    non_negative_float,
+    open_unit_interval,
+    positive_float,
+    positive_int,
+    with_data,
+)
 from fedsaddle.cli.shared import EXIT_OK, EXIT_RUN_FAILED, UsageError, data_paths_of, given_reference
 
 if TYPE_CHECKING:
@@ -103,7 +111,7 @@ EXPERIMENT_FLAGS: dict[str, tuple[str, ...]] = {
     "problems": ("rounds",),
     "agnostic": ("seeds", "rounds", "transport"),
     "dp": ("seeds", "rounds", "epsilons"),
-    "deep-auc": ("seeds", "rounds", "libauc_python", "jobs"),
+    "deep-auc": ("seeds", "rounds", "libauc_python", "jobs", "positive_share"),
     "robust-mlp": ("seeds", "rounds", "jobs"),
     "compare": (
         "seeds",
@@ -143,6 +151,7 @@ def _refuse_flags_not_taken(args: argparse.Namespace) -> None:
             "transport",
             "libauc_python",
             "jobs",
+            "positive_share",
             *COMPARE_FLAGS,
         )
         if getattr(args, name, None) is not None and name not in takes
@@ -174,6 +183,7 @@ def _deep_auc(args: argparse.Namespace, out: Path, command: str, progress: Progr
             args.libauc_python,
             lambda done, total: progress.update("runs", done, total),
             jobs=args.jobs or 1,
+            share=args.positive_share,
         )
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
@@ -439,6 +449,12 @@ def add_experiment(commands: Commands) -> None:
         "--libauc-python",
         metavar="PATH",
         help="deep-auc: a Python with libauc, torch and fedsaddle, for the centralized LibAUC baseline",
+    )
+    p.add_argument(
+        "--positive-share",
+        type=open_unit_interval,
+        metavar="S",
+        help="deep-auc: thin the positive training images to this share (a more imbalanced task; default: keep all)",
     )
     p.add_argument(
         "--jobs", type=positive_int, help="deep-auc, robust-mlp: runs at once, each in a process of its own (default 1)"
