@@ -222,3 +222,51 @@ def test_the_agnostic_weights_ascend_on_each_clients_loss_and_uniform_leaves_the
     uniform = AgnosticMlp(AgnosticMlpSpec(hidden=4, uniform=True))
     assert np.all(uniform.gradient(datas[i], z, client=client)[-10:] == 0.0)
     assert uniform.client_accuracies(z).shape == (10,)
+
+
+def test_each_clients_validation_images_come_out_of_its_own_training_rows() -> None:
+    from fedsaddle.experiments.robust_mlp import AgnosticMlp, AgnosticMlpSpec, split_classes, validation_sets
+
+    plain, held = AgnosticMlpSpec(split_seed=2), AgnosticMlpSpec(split_seed=2, validation_fraction=0.2)
+    assert all(len(y) == 0 for _, y in validation_sets(plain))
+    for whole, kept, (X_val, y_val) in zip(
+        split_classes(plain), split_classes(held), validation_sets(held), strict=True
+    ):
+        assert len(y_val) == round(0.2 * whole.samples) and kept.samples == whole.samples - len(y_val)
+        rows = {tuple(x) for x in whole.X}
+        assert {tuple(x) for x in kept.X} | {tuple(x) for x in X_val} == rows  # the same images, split in two
+        assert not {tuple(x) for x in kept.X} & {tuple(x) for x in X_val}
+        assert np.array_equal(kept.X_test, whole.X_test)  # held-out images untouched
+    small = AgnosticMlp(AgnosticMlpSpec(hidden=4))
+    with pytest.raises(ValueError, match="validation_fraction is 0"):
+        small.client_accuracies(small.initial_point(0), "validation")
+
+
+def test_the_robust_mlp_experiment_chooses_steps_on_validation_and_reports_every_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedsaddle.experiments import robust_mlp
+
+    tiny = {
+        "uniform": ({"uniform": True, "hidden": 4}, "fedavg_s", {"gamma_local": (0.3, 1e-6)}, {"decay": "constant"}),
+        "agnostic": ({"uniform": False, "hidden": 4}, "local_sgda_plus", {"eta_x": (0.3,), "eta_y": (1e-4, 1e-3)}, {}),
+    }
+    monkeypatch.setattr(robust_mlp, "RUNS", tiny)
+    monkeypatch.setattr(robust_mlp, "TUNING_SEEDS", 1)
+    assert robust_mlp.grid("agnostic") == [(("eta_x", 0.3), ("eta_y", 1e-4)), (("eta_x", 0.3), ("eta_y", 1e-3))]
+    totals: list[int] = []
+    outcomes = robust_mlp.run_robust_mlp(api.run, tmp_path, "test", range(2), 3, lambda n, total: totals.append(total))
+    assert len(outcomes) == 2 + 2 + 1 + 1 and totals[-1] == 6  # two grid points each on seed 0, then seed 1
+    for kind in tiny:
+        tuned = {o.steps: robust_mlp.worst(o.validation) for o in outcomes if o.kind == kind and o.seed == 0}
+        (later,) = [o for o in outcomes if o.kind == kind and o.seed == 1]
+        assert tuned[later.steps] == max(tuned.values())  # seed 1 ran at the point seed 0's validation chose
+        assert later.accuracies.shape == (10,) and np.all((later.accuracies >= 0) & (later.accuracies <= 1))
+    (uniform,) = [o for o in outcomes if o.kind == "uniform" and o.seed == 1]
+    assert np.allclose(uniform.weights, 0.1, rtol=0, atol=1e-7)  # lambda stays at 1/n (up to float32 rounding)
+    report = (tmp_path / "robust_mlp.md").read_text()
+    assert "Every client's held-out accuracy at the chosen steps" in report and "per grid point" in report
+    with (tmp_path / "runs.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and {r["training"] for r in rows} == {"uniform", "agnostic"}
+    assert [float(rows[0][f"client_{i}"]) for i in range(10)] == pytest.approx(list(outcomes[0].accuracies), abs=1e-6)
