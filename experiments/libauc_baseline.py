@@ -9,7 +9,7 @@ the same training, validation and test images), but the loss is `libauc.losses.A
 positive share p of the pooled training rows) and the optimizer `libauc.optimizers.PESG` (its SGD mode, with
 its defaults otherwise: momentum, epoch decay and weight decay), on the pooled training rows of all
 clients, minibatches of the experiment's size in a seeded shuffled order. The learning rate is chosen on
-the grid `--lrs` by the median validation AUC of the `--tuning` seeds, as the federated methods' steps are.
+the grid `--lrs` by the mean validation AUC of the `--tuning` seeds, as the federated methods' steps are.
 
 LibAUC pulls in heavy packages (transformers, torch-geometric, opencv), so it belongs in a Python of its
 own, never in fedsaddle's environment:
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def score(lr: float) -> float:
         values = [p["validation_auc"] for p in points if p["step"] == lr]
-        return float(np.median([0.0 if math.isnan(v) else v for v in values]))
+        return float(np.mean([0.0 if math.isnan(v) else v for v in values]))
 
     chosen = max(args.lrs, key=score)
     points += [train(seed, chosen, args.steps, args.positive_share) for seed in args.seeds if seed not in args.tuning]
