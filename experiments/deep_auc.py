@@ -72,7 +72,7 @@ class Method:
         return {"name": self.algorithm, **dict.fromkeys(self.step_field, step), **self.extra}
 
 
-AUCM_GRID = (1.0, 2.0, 3.0, 5.0)  # the step of every AUC-M method (eta_x = eta_y for Local SGDA+)
+AUCM_GRID = (1.0, 2.0, 3.0, 5.0, 8.0)  # the step of every AUC-M method (eta_x = eta_y for Local SGDA+)
 METHODS = (
     Method("local_sgda_plus", "Local SGDA+", "local_sgda_plus", ("eta_x", "eta_y"), AUCM_GRID),
     Method("fedgda_gt", "FedGDA-GT", "fedgda_gt", ("eta",), AUCM_GRID),
@@ -83,12 +83,12 @@ METHODS = (
         "FedAvg-S, cross-entropy",
         "fedavg_s",
         ("gamma_local",),
-        (0.3, 0.5, 1.0, 2.0),
+        (0.3, 0.5, 1.0, 2.0, 3.0),
         {"decay": "constant"},
         "cross_entropy",
     ),
 )
-LIBAUC_GRID = (0.1, 0.3, 1.0)  # PESG's lr
+LIBAUC_GRID = (0.1, 0.3, 1.0, 3.0)  # PESG's lr
 
 
 @dataclass
