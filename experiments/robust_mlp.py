@@ -167,11 +167,11 @@ class AgnosticMlp(TorchProblem, SyntheticProblem):
 # its own weight: at eta_y = 0.01 every client's local lambda ran to its own vertex of the simplex within a round
 # (their mean stayed uniform) and scaled its descent step by n, so the grid of eta_y stays below that.
 RUNS: dict[str, tuple[dict[str, Any], str, dict[str, tuple[float, ...]], dict[str, Any]]] = {
-    "uniform": ({"uniform": True}, "fedavg_s", {"gamma_local": (0.1, 0.3, 1.0)}, {"decay": "constant"}),
+    "uniform": ({"uniform": True}, "fedavg_s", {"gamma_local": (0.1, 0.3, 1.0, 3.0)}, {"decay": "constant"}),
     "agnostic": (
         {"uniform": False},
         "local_sgda_plus",
-        {"eta_x": (0.1, 0.3, 1.0), "eta_y": (0.0002, 0.0005, 0.001, 0.002)},
+        {"eta_x": (0.1, 0.3, 0.5, 1.0), "eta_y": (0.0002, 0.0005, 0.001, 0.002)},
         {},
     ),
 }
