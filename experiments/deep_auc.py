@@ -72,7 +72,7 @@ class Method:
         return {"name": self.algorithm, **dict.fromkeys(self.step_field, step), **self.extra}
 
 
-AUCM_GRID = (1.0, 2.0, 3.0, 5.0, 8.0)  # the step of every AUC-M method (eta_x = eta_y for Local SGDA+)
+AUCM_GRID = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0)  # the step of every AUC-M method (eta_x = eta_y for Local SGDA+)
 METHODS = (
     Method("local_sgda_plus", "Local SGDA+", "local_sgda_plus", ("eta_x", "eta_y"), AUCM_GRID),
     Method("fedgda_gt", "FedGDA-GT", "fedgda_gt", ("eta",), AUCM_GRID),
