@@ -125,18 +125,20 @@ def local_sgda_plus(
     x_i <- x_i - gamma_x grad_x f_i(x_i, y_i),  y_i <- y_i + gamma_y grad_y f_i(x_snapshot, y_i),
     answering the sum of the directions, (sum_l grad_x f_i, sum_l -grad_y f_i at the snapshot)."""
     dim_x = x_snapshot.shape[0]
+    xs, ys = slice(0, dim_x), slice(dim_x, None)
     z_i = z.copy()
     direction_sum = np.zeros(z.shape)
     anchored = z.copy()  # (x_snapshot, y_i): where the ascent direction is taken
-    anchored[:dim_x] = x_snapshot
+    anchored[xs] = x_snapshot
     runs = np.broadcast(gamma_x, gamma_y).shape  # (B,) for a batch's per-run steps, else ()
     scale = np.empty((z.shape[0],) + (1,) * (z.ndim - 1 - len(runs)) + runs)
-    scale[:dim_x], scale[dim_x:] = gamma_x, gamma_y
-    direction, ascent = np.empty(z.shape), np.empty(z.shape)  # each step's gradients, as in local_extragradient
+    scale[xs], scale[ys] = gamma_x, gamma_y
+    direction = np.empty(z.shape)  # kept from step to step, as in local_extragradient
     for _ in range(int(steps)):
-        oracle.stochastic_gradient(z_i, out=direction)
-        anchored[dim_x:] = z_i[dim_x:]
-        direction[dim_x:] = oracle.stochastic_gradient(anchored, out=ascent)[dim_x:]
+        # Each half of the step's direction is the rows of one gradient: x's at (x_i, y_i), y's at the anchor.
+        oracle.stochastic_gradient(z_i, out=direction, rows=xs)
+        anchored[ys] = z_i[ys]
+        oracle.stochastic_gradient(anchored, out=direction, rows=ys)
         if oracle.constrained:  # the directions actually taken, as for the other local methods
             z_next = oracle.project(z_i - scale * direction)
             direction_sum += (z_i - z_next) / scale

@@ -474,31 +474,65 @@ class _Oracle:
 
     def __init__(self, worker: Worker, round_id: int) -> None:
         self._worker = worker
+        self._shards = worker.shards
         self._streams = worker._streams(round_id) if worker.noise_scale > 0 else []
+        # Shards that draw a minibatch per call (`Worker._stochastic`); most draw none, and enter nothing per call.
+        self._minibatches = getattr(worker.shards, "stochastic", None)
 
     @property
     def constrained(self) -> bool:
         return self._worker.domain is not None
 
-    def gradient(self, z: Array, out: Array | None = None) -> Array:
+    def gradient(self, z: Array, out: Array | None = None, rows: slice | None = None) -> Array:
         z = np.ascontiguousarray(z)
         if out is not None:
             _check_out(out, z)
-        return self._worker.shards.gradient(z, out=out)
+        if rows is None:
+            return self._shards.gradient(z, out=out)
+        if out is None:
+            raise ValueError("a gradient's rows are written into out: give out= with rows=")
+        rows = _consecutive(rows, z.shape[0])
+        partial = getattr(self._shards, "gradient_rows", None)
+        if partial is not None:  # shards that compute only the rows asked for (common/problems/synthetic.py)
+            partial(z, rows, out)
+        else:  # the whole gradient, of which only the rows are kept
+            whole = self._shards.gradient(z, out=self._worker._buffer("oracle_rows", z.shape))
+            out[rows] = whole[rows]
+        return out
 
-    def stochastic_gradient(self, z: Array, out: Array | None = None) -> Array:
-        with self._worker._stochastic():
-            g = self.gradient(z, out)
-        if self._streams:
-            g += self._worker._noise(self._streams)
+    def stochastic_gradient(self, z: Array, out: Array | None = None, rows: slice | None = None) -> Array:
+        if self._minibatches is None:
+            g = self.gradient(z, out, rows)
+        else:
+            with self._minibatches():
+                g = self.gradient(z, out, rows)
+        if self._streams:  # (the whole draw, whatever the rows: each client's stream moves as for every call)
+            noise = self._worker._noise(self._streams)
+            if rows is None:
+                g += noise
+            else:
+                g[rows] += noise[rows]
         return g
 
     def objective(self, z: Array) -> Array:
-        return self._worker.shards.objective(np.ascontiguousarray(z))
+        return self._shards.objective(np.ascontiguousarray(z))
 
     def project(self, z: Array) -> Array:
         domain = self._worker.domain
         return z if domain is None else domain.project(z)
+
+
+def _consecutive(rows: object, length: int) -> slice:
+    """A gradient's `rows` as slice(start, stop) within `length` rows: a slice of consecutive rows (integer
+    bounds, step 1), or ValueError."""
+    if isinstance(rows, slice):
+        try:
+            start, stop, step = rows.indices(length)
+        except TypeError:  # (bounds that are not integers)
+            step = 0
+        if step == 1:
+            return slice(start, stop)
+    raise ValueError(f"a gradient's rows must be a slice of consecutive rows (step 1), got {rows!r}")
 
 
 def _check_out(out: object, z: Array) -> None:

@@ -12,7 +12,7 @@ import pytest
 from conftest import config
 
 from fedsaddle.common import computations
-from fedsaddle.common.problems import make_shards
+from fedsaddle.common.problems import make_shards, stack_shards
 from fedsaddle.common.tasks import ComputeTask
 from fedsaddle.common.worker import Worker
 from fedsaddle.server.algorithms import RoundAnswers, build, load_state, save_state
@@ -176,3 +176,137 @@ def test_the_oracle_writes_gradients_into_a_computations_own_arrays_with_the_sam
         monkeypatch.setitem(computations._REGISTERED, "bad", lambda oracle, z, out=out: oracle.gradient(z, out=out(z)))
         with pytest.raises(ValueError, match=says):
             worker.execute(ComputeTask("bad", z), 1)
+
+
+PAPER = {"name": "paper_regression", "num_clients": 3, "dim": 4, "s": 2.0}
+
+
+def _whole_rows(oracle: Any, z: np.ndarray, *, steps: float) -> np.ndarray:
+    """Each step's rows taken from whole gradients: x's at z_i, y's at 2 z_i, then rows 3..5 at -z_i."""
+    total, g, h = np.zeros(z.shape), np.empty(z.shape), np.empty(z.shape)
+    half = z.shape[0] // 2
+    for _ in range(int(steps)):
+        z_i = z - total
+        g[:half] = oracle.stochastic_gradient(z_i, out=h)[:half]
+        g[half:] = oracle.stochastic_gradient(2 * z_i, out=h)[half:]
+        g[3:5] = oracle.gradient(-z_i, out=h)[3:5]
+        total += g
+    return total
+
+
+def _only_rows(oracle: Any, z: np.ndarray, *, steps: float) -> np.ndarray:
+    """`_whole_rows` through the oracle's rows=: only the rows asked for are written."""
+    total, g = np.zeros(z.shape), np.empty(z.shape)
+    half = z.shape[0] // 2
+    for _ in range(int(steps)):
+        z_i = z - total
+        assert oracle.stochastic_gradient(z_i, out=g, rows=slice(0, half)) is g
+        oracle.stochastic_gradient(2 * z_i, out=g, rows=slice(half, None))
+        before = g.copy()
+        oracle.gradient(-z_i, out=g, rows=slice(3, 5))
+        assert np.array_equal(g[:3], before[:3]) and np.array_equal(g[5:], before[5:])  # the rest as it was
+        total += g
+    return total
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [PAPER, {**PAPER, "dim": 65539}, GAME],  # the rows computed alone; in two blocks of rows; the whole gradient's
+    ids=["paper", "paper-blocks", "quadratic-game"],
+)
+@pytest.mark.parametrize("noise", [0.0, 0.3])
+def test_the_oracle_gives_rows_of_a_gradient_with_the_bits_of_the_whole_gradients_rows(
+    monkeypatch: pytest.MonkeyPatch, problem: dict[str, Any], noise: float
+) -> None:
+    run = config(problem=problem, algorithms=[NEWER[0]], seed=4)
+    clients = range(run.problem.num_clients)
+    dimension = 2 * problem["dim"]
+    z = np.linspace(-1.0, 1.0, dimension)
+    answers = {}
+    for name, computation in (("whole", _whole_rows), ("rows", _only_rows)):
+        monkeypatch.setitem(computations._REGISTERED, name, computation)
+        worker = Worker(make_shards(run.problem, run.seed, clients), run.seed, noise)  # noise: each call draws
+        answers[name] = worker.execute(ComputeTask(name, z, params=(("steps", 2.0),)), 7).vectors
+    assert np.abs(answers["whole"]).max() > 0
+    assert np.array_equal(answers["whole"], answers["rows"])
+    # Rows that are not consecutive, or without an array to go into, are refused, saying why.
+    worker = Worker(make_shards(run.problem, run.seed, clients), run.seed)
+    for rows, out, says in (
+        (slice(0, 4, 2), True, r"slice of consecutive rows \(step 1\), got slice\(0, 4, 2\)"),
+        ([0, 1], True, r"slice of consecutive rows \(step 1\), got \[0, 1\]"),
+        (slice(0.5, 2), True, "slice of consecutive rows"),
+        (slice(0, 2), False, "give out= with rows="),
+    ):
+
+        def bad(oracle: Any, z: np.ndarray, rows: Any = rows, out: bool = out) -> np.ndarray:
+            return oracle.gradient(z, out=np.empty(z.shape) if out else None, rows=rows)  # type: ignore[no-any-return]
+
+        monkeypatch.setitem(computations._REGISTERED, "bad", bad)
+        with pytest.raises(ValueError, match=says):
+            worker.execute(ComputeTask("bad", z), 1)
+
+
+@computations.per_run("gamma")
+def _extragradient_as_written(oracle: Any, z: np.ndarray, *, steps: float, gamma: Any) -> np.ndarray:
+    """Local Extragradient's steps with the formulas as written: whole gradients, new arrays, gamma as it comes."""
+    z_i, total = z.copy(), np.zeros(z.shape)
+    for _ in range(int(steps)):
+        g_half = oracle.stochastic_gradient(z_i - gamma * oracle.stochastic_gradient(z_i))
+        total = total + g_half
+        z_i = z_i - gamma * g_half
+    return total
+
+
+@computations.per_run("gamma_x", "gamma_y")
+def _sgda_plus_as_written(
+    oracle: Any, z: np.ndarray, *, x_snapshot: np.ndarray, steps: float, gamma_x: Any, gamma_y: Any
+) -> np.ndarray:
+    """Local SGDA+'s steps as written: the whole gradient at (x_i, y_i) and the whole one at (x~, y_i)."""
+    d = x_snapshot.shape[0]
+    z_i, total = z.copy(), np.zeros(z.shape)
+    for _ in range(int(steps)):
+        at_snapshot = np.concatenate([np.broadcast_to(x_snapshot, z_i[:d].shape), z_i[d:]])
+        direction = np.concatenate([oracle.stochastic_gradient(z_i)[:d], oracle.stochastic_gradient(at_snapshot)[d:]])
+        total = total + direction
+        z_i = z_i - np.concatenate([gamma_x * direction[:d], gamma_y * direction[d:]])
+    return total
+
+
+@pytest.mark.parametrize("problem", [PAPER, GAME], ids=["paper", "quadratic-game"])
+def test_the_built_in_computations_have_the_bits_of_their_formulas_alone_and_in_a_batch(
+    monkeypatch: pytest.MonkeyPatch, problem: dict[str, Any]
+) -> None:
+    # The built-in computations write into arrays kept from step to step, take rows of gradients (Local SGDA+) and
+    # spread a batch's steps over z's shape (Local Extragradient): the same operations on the same numbers.
+    run = config(problem=problem, algorithms=[NEWER[0]])
+    n, dimension, seeds = run.problem.num_clients, 2 * problem["dim"], (3, 4, 5)
+    stacked = stack_shards([make_shards(run.problem, seed, range(n)) for seed in seeds])
+    z = np.random.default_rng(0).normal(size=(len(seeds), dimension))
+    snapshot = np.random.default_rng(1).normal(size=(len(seeds), dimension // 2))
+    steps = np.array([[0.02], [0.05], [0.1]])
+    monkeypatch.setitem(computations._REGISTERED, "local_extragradient_written", _extragradient_as_written)
+    monkeypatch.setitem(computations._REGISTERED, "local_sgda_plus_written", _sgda_plus_as_written)
+    cases = [
+        ("local_extragradient", (), (("steps", 4.0),), (("gamma", steps),)),
+        ("local_sgda_plus", (("x_snapshot", snapshot),), (("steps", 4.0),), (("gamma_x", steps), ("gamma_y", steps / 2))),
+    ]
+    for noise in (0.0, 0.3):
+        for name, arrays, params, per_run in cases:
+            answers = {}
+            for computation in (name, f"{name}_written"):
+                batched = Worker(stacked, list(seeds), noise).execute(
+                    ComputeTask(computation, z, arrays, params, per_run), 2
+                )
+                alone = []
+                for b, seed in enumerate(seeds):  # each run alone, its steps as floats
+                    task = ComputeTask(
+                        computation,
+                        z[b],
+                        tuple((key, array[b]) for key, array in arrays),
+                        params + tuple((key, float(column[b, 0])) for key, column in per_run),
+                    )
+                    alone.append(Worker(make_shards(run.problem, seed, range(n)), seed, noise).execute(task, 2).vectors)
+                assert np.array_equal(batched.vectors, np.stack(alone)), computation
+                answers[computation] = batched.vectors
+            assert np.abs(answers[name]).max() > 0
+            assert np.array_equal(answers[name], answers[f"{name}_written"]), (name, noise)

@@ -118,13 +118,18 @@ class PaperRegressionShards:
         """The clients' b_i, as columns (d, k)."""
         return 2.0 * self._half_b
 
+    def _scratch_for(self, rest: tuple[int, ...]) -> Array:
+        """A block's scratch rows for z's trailing shape `rest`, kept: a fresh temporary per call costs more
+        than the arithmetic."""
+        scratch = self._scratch.get(rest)
+        if scratch is None:
+            scratch = self._scratch[rest] = np.empty((min(_ROWS, self.dim), *rest))
+        return scratch
+
     def gradient(self, z: Array, out: Array | None = None) -> Array:
         d = self.dim
         out = np.empty_like(z) if out is None else out
-        rest = z.shape[1:]
-        scratch = self._scratch.get(rest)
-        if scratch is None:  # reused: a fresh temporary per call costs more than the arithmetic
-            scratch = self._scratch[rest] = np.empty((min(_ROWS, d), *rest))
+        scratch = self._scratch_for(z.shape[1:])
         if d <= _ROWS:
             _gradient_rows(self.lam, z[:d], z[d:], self._half_a, self._half_b, out[:d], out[d:], scratch)
             return out
@@ -134,15 +139,31 @@ class PaperRegressionShards:
             _gradient_rows(self.lam, z[rows], z[ys], self._half_a[rows], self._half_b[rows], out[rows], out[ys], part)
         return out
 
+    def gradient_rows(self, z: Array, rows: slice, out: Array) -> Array:
+        """Rows `rows` of G_i(z), rows start to stop - 1 of z's first axis (`rows.indices(dimension)`), written
+        into out[rows], the rest of out left as it is: the worker's oracle takes this for `gradient(z, out,
+        rows=...)` (common/worker.py). Entry j of x's half and entry j of y's need x_j, y_j and the data's row
+        j alone, so only the rows asked for are computed, each by `gradient`'s operations."""
+        d = self.dim
+        start, stop, _ = rows.indices(2 * d)
+        scratch = self._scratch_for(z.shape[1:])
+        for block in blocks(d, _ROWS) if d > _ROWS else (slice(0, d),):
+            xs = slice(max(block.start, start), min(block.stop, stop))  # this block's rows of x asked for
+            if xs.start < xs.stop:
+                x, y = z[xs], z[d + xs.start : d + xs.stop]
+                _gradient_x(self.lam, x, y, self._half_a[xs], out[xs], scratch[: xs.stop - xs.start])
+            ys = slice(max(block.start, start - d), min(block.stop, stop - d))  # and of y, as entries of y
+            if ys.start < ys.stop:
+                x, y, out_y = z[ys], z[d + ys.start : d + ys.stop], out[d + ys.start : d + ys.stop]
+                _gradient_y(x, y, self._half_a[ys], self._half_b[ys], out_y, scratch[: ys.stop - ys.start])
+        return out
+
     def gradient_pairs(self, xy: Array, rows: slice, out: Array) -> Array:
         """G_i on some rows of x and the same rows of y alone: entry j of G_i(z) depends only on x_j and
         y_j (A_i is diagonal), so the worker may run local steps a block of rows at a time
         (common/worker.py). `xy` and `out` are (2, len(rows), ...): those rows of x, then of y. The
         operations are `gradient`'s, entry for entry."""
-        scratch = self._scratch.get(xy.shape[2:])
-        if scratch is None:
-            scratch = self._scratch[xy.shape[2:]] = np.empty((min(_ROWS, self.dim), *xy.shape[2:]))
-        part = scratch[: xy.shape[1]]
+        part = self._scratch_for(xy.shape[2:])[: xy.shape[1]]
         _gradient_rows(self.lam, xy[0], xy[1], self._half_a[rows], self._half_b[rows], out[0], out[1], part)
         return out
 
@@ -161,8 +182,18 @@ def _gradient_rows(
     lam: float | Array, x: Array, y: Array, half_a: Array, half_b: Array, out_x: Array, out_y: Array, part: Array
 ) -> None:
     """grad_x f_i = lam x - (A_i / 2)^T y;   -grad_y f_i = y - b_i / 2 + (A_i / 2) x, for some rows."""
+    _gradient_x(lam, x, y, half_a, out_x, part)
+    _gradient_y(x, y, half_a, half_b, out_y, part)
+
+
+def _gradient_x(lam: float | Array, x: Array, y: Array, half_a: Array, out_x: Array, part: Array) -> None:
+    """grad_x f_i = lam x - (A_i / 2)^T y, for some rows."""
     np.multiply(lam, x, out=out_x)
     np.subtract(out_x, np.multiply(half_a, y, out=part), out=out_x)
+
+
+def _gradient_y(x: Array, y: Array, half_a: Array, half_b: Array, out_y: Array, part: Array) -> None:
+    """-grad_y f_i = y - b_i / 2 + (A_i / 2) x, for some rows."""
     np.subtract(y, half_b, out=out_y)
     np.add(out_y, np.multiply(half_a, x, out=part), out=out_y)
 
