@@ -48,7 +48,7 @@ _ROWS = 1 << 16  # the gradient's rows per block: one block up to d = 65536, a 5
 
 
 class PaperRegressionShards:
-    lam: float | Array  # an array (B,) when stacked
+    lam: float | Array  # an array (B,) when stacked runs' lam differ
 
     def __init__(self, spec: PaperRegressionSpec, seed: int, indices: Sequence[int]) -> None:
         self.indices = tuple(indices)
@@ -94,7 +94,10 @@ class PaperRegressionShards:
         stacked.indices, stacked.dim, stacked.dimension = first.indices, first.dim, first.dimension
         stacked._half_a = np.stack([r._half_a for r in runs], axis=-1)
         stacked._half_b = np.stack([r._half_b for r in runs], axis=-1)
-        stacked.lam = np.array([r.lam for r in runs], dtype=float)
+        # One lam for the batch when every run has the same (the sweep's case): a product with a number costs less
+        # than with a (B,) array broadcast along the runs' axis, and gives the same bits.
+        lams = [r.lam for r in runs]
+        stacked.lam = lams[0] if all(lam == lams[0] for lam in lams) else np.array(lams, dtype=float)
         stacked._scratch = {}
         return stacked
 
@@ -104,7 +107,7 @@ class PaperRegressionShards:
         selected.indices, selected.dim, selected.dimension = self.indices, self.dim, self.dimension
         rows = list(runs)
         selected._half_a, selected._half_b = self._half_a[..., rows].copy(), self._half_b[..., rows].copy()
-        selected.lam = np.asarray(self.lam)[rows]
+        selected.lam = self.lam if np.ndim(self.lam) == 0 else np.asarray(self.lam)[rows]
         selected._scratch = {}
         return selected
 
