@@ -103,17 +103,20 @@ def local_extragradient(oracle: ClientOracle, z: Array, *, steps: float, gamma: 
     z_i = z.copy()
     direction_sum = np.zeros(z.shape)
     g, g_half = np.empty(z.shape), np.empty(z.shape)
+    # A batch's steps, one per run (B,), spread over z's shape once: a product with them broadcast along z's run
+    # axis, twice a step, cost more than the array (the same numbers, so the same bits).
+    step = np.broadcast_to(gamma, z.shape).copy() if np.ndim(gamma) else gamma
     for _ in range(int(steps)):
         oracle.stochastic_gradient(z_i, out=g)
-        z_half = oracle.project(np.subtract(z_i, np.multiply(gamma, g, out=g), out=g))
+        z_half = oracle.project(np.subtract(z_i, np.multiply(step, g, out=g), out=g))
         oracle.stochastic_gradient(z_half, out=g_half)
         if oracle.constrained:
-            z_next = oracle.project(z_i - gamma * g_half)
-            direction_sum += (z_i - z_next) / gamma
+            z_next = oracle.project(z_i - step * g_half)
+            direction_sum += (z_i - z_next) / step
             z_i = z_next
         else:
             direction_sum += g_half
-            z_i -= np.multiply(gamma, g_half, out=g_half)
+            z_i -= np.multiply(step, g_half, out=g_half)
     return direction_sum
 
 
