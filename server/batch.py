@@ -129,7 +129,19 @@ def _per_run_params(name: str) -> frozenset[str]:
     return frozenset() if computation is None else per_run_names(computation)
 
 
-def _signature(task: Task, round_id: int, per_run: Callable[[str], frozenset[str]]) -> tuple[object, ...]:
+def _compared_params(
+    per_run: Callable[[str], frozenset[str]], name: str, params: tuple[tuple[str, float], ...]
+) -> tuple[object, ...]:
+    """A COMPUTE task's name and parameters as its batch signature compares them: the values of those its
+    computation takes one per run left out (None), so that runs that differ only in them share a call."""
+    varying = per_run(name)
+    return name, tuple([(key, None if key in varying else value) for key, value in params])
+
+
+Compared = Callable[[str, tuple[tuple[str, float], ...]], tuple[object, ...]]  # `_compared_params`, cached per batch
+
+
+def _signature(task: Task, round_id: int, compared: Compared) -> tuple[object, ...]:
     """Tasks with equal signatures can run as one batched worker call."""
     if isinstance(task, GradientTask):
         return ("gradient", round_id, task.batch, task.exact, task.want_objective)
@@ -138,10 +150,8 @@ def _signature(task: Task, round_id: int, per_run: Callable[[str], frozenset[str
     if isinstance(task, ComputeTask):
         # One call for runs of the same computation, array names and parameters: equal parameters, but for those
         # the computation takes one per run, which need only the same names.
-        # (List comprehensions: this runs once per run and round of a sweep, and a generator's cost doubled it.)
-        varying = per_run(task.name)
-        params = tuple([(name, None if name in varying else value) for name, value in task.params])
-        return ("compute", round_id, task.name, params, tuple([name for name, _ in task.arrays]))
+        # (A list comprehension: this runs once per run and round of a sweep, and a generator's cost doubled it.)
+        return ("compute", round_id, compared(task.name, task.params), tuple([name for name, _ in task.arrays]))
     raise ValueError("batches of runs do not evaluate on held-out data; run them one at a time")
 
 
@@ -240,6 +250,9 @@ def run_batch(
         member.event = member.run.advance(None)
     finished = 0
     per_run = functools.cache(_per_run_params)  # (looked up once per computation and batch)
+    # Made once per distinct computation and parameters, not per run and round: a sweep's runs send a few (bounded:
+    # a plug-in may send new values every round).
+    compared: Compared = functools.lru_cache(maxsize=4096)(functools.partial(_compared_params, per_run))
     while True:
         _record_boundaries(runs, z_stars, dim_x)
         waiting = [b for b, m in enumerate(runs) if m.event is not None]
@@ -253,7 +266,7 @@ def run_batch(
         for b in waiting:
             task = runs[b].event
             assert isinstance(task, GradientTask | LocalStepsTask | ComputeTask)
-            key = (*_signature(task, runs[b].rounds + 1, per_run), runs[b].weights_key)
+            key = (*_signature(task, runs[b].rounds + 1, compared), runs[b].weights_key)
             groups.setdefault(key, []).append(b)
         for rows in groups.values():
             _exchange(runs, tuple(rows), workers, per_run)
