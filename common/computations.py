@@ -13,7 +13,9 @@ client's data: `gradient`, `stochastic_gradient` (the run's seeded noise, drawn
 from each client's own stream, so the result is the same in-process and over
 gRPC), `objective`, `project` (onto the problem's domain) and `constrained`.
 The gradients may be written into an array the computation keeps from step to
-step (`out=`), which saves an allocation per call.
+step (`out=`), which saves an allocation per call, and only some of their rows
+(`rows=`), which the paper problem computes alone (Local SGDA+ takes x's rows of
+one gradient and y's of another).
 
 In a sweep's batch, runs share one call when their tasks' parameters are equal.
 A computation that takes some parameters elementwise may declare them with
@@ -50,13 +52,16 @@ class ClientOracle(Protocol):
     def constrained(self) -> bool:
         """Whether the problem has a domain that `project` maps onto."""
 
-    def gradient(self, z: Array, out: Array | None = None) -> Array:
+    def gradient(self, z: Array, out: Array | None = None, rows: slice | None = None) -> Array:
         """G_i(z) exactly, one column per client: a new array, or written into `out` (a float64 array of
-        z's shape that does not share memory with z) and returned."""
+        z's shape that does not share memory with z) and returned. With `rows` (a slice of consecutive rows,
+        which needs `out`), only out[rows] is written, with the bits of G_i(z)[rows]; the rest of out is left
+        as it is. Problems whose shards offer `gradient_rows` compute only those rows; others compute the whole
+        gradient."""
 
-    def stochastic_gradient(self, z: Array, out: Array | None = None) -> Array:
-        """G_i(z) plus the run's gradient noise (a fresh draw from each client's stream per call); `out` as
-        for `gradient`."""
+    def stochastic_gradient(self, z: Array, out: Array | None = None, rows: slice | None = None) -> Array:
+        """G_i(z) plus the run's gradient noise (a fresh draw from each client's stream per call, of every row
+        whatever `rows`); `out` and `rows` as for `gradient`."""
 
     def objective(self, z: Array) -> Array:
         """f_i(z), one value per client."""

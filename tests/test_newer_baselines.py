@@ -239,7 +239,7 @@ def test_the_oracle_gives_rows_of_a_gradient_with_the_bits_of_the_whole_gradient
     ):
 
         def bad(oracle: Any, z: np.ndarray, rows: Any = rows, out: bool = out) -> np.ndarray:
-            return oracle.gradient(z, out=np.empty(z.shape) if out else None, rows=rows)  # type: ignore[no-any-return]
+            return oracle.gradient(z, out=np.empty(z.shape) if out else None, rows=rows)
 
         monkeypatch.setitem(computations._REGISTERED, "bad", bad)
         with pytest.raises(ValueError, match=says):
@@ -288,7 +288,12 @@ def test_the_built_in_computations_have_the_bits_of_their_formulas_alone_and_in_
     monkeypatch.setitem(computations._REGISTERED, "local_sgda_plus_written", _sgda_plus_as_written)
     cases = [
         ("local_extragradient", (), (("steps", 4.0),), (("gamma", steps),)),
-        ("local_sgda_plus", (("x_snapshot", snapshot),), (("steps", 4.0),), (("gamma_x", steps), ("gamma_y", steps / 2))),
+        (
+            "local_sgda_plus",
+            (("x_snapshot", snapshot),),
+            (("steps", 4.0),),
+            (("gamma_x", steps), ("gamma_y", steps / 3)),
+        ),
     ]
     for noise in (0.0, 0.3):
         for name, arrays, params, per_run in cases:
