@@ -14,6 +14,7 @@ from conftest import CLIENT_ENV, config
 from fedsaddle_fedprox_gda import FEDPROX_GDA
 
 from fedsaddle.common import computations
+from fedsaddle.common.problems import make_shards, stack_shards
 from fedsaddle.common.worker import ShardCache
 from fedsaddle.experiments.datasets import split
 from fedsaddle.experiments.grid import Grid, best_steps, quartiles, run_grid
@@ -59,6 +60,30 @@ def test_each_run_of_a_batch_equals_the_run_alone(algorithm: dict[str, Any]) -> 
         assert same(result, alone), (member.config.problem.s, member.spec)
         statuses.add(result.status)
     assert statuses == {"ok", "diverged"}  # the batch mixed converging and diverging runs
+
+
+def test_paper_runs_whose_lam_differ_or_agree_batch_with_the_bits_of_the_runs_alone() -> None:
+    # Stacked paper runs with one lam keep it a number, runs whose lam differ an array (B,) along the runs' axis:
+    # each run gets its bits either way, diverging runs (their batch goes on without them) included.
+    algorithms: list[dict[str, Any]] = [
+        {"name": "fedavg_s", "gamma_local": 0.01},
+        {"name": "local_extragradient", "gamma": 0.01},
+        {"name": "local_sgda_plus", "eta_x": 0.01, "snapshot_every": 2},
+        {"name": "minibatch_md", "gamma": 1e6},  # diverges
+    ]
+    for lams in ((1e-5, 1e-5), (1e-5, 0.3)):
+        members = []
+        for lam in lams:
+            for algorithm in algorithms:
+                run = config(seed=1, problem={"name": "paper_regression", "s": 4.0, "lam": lam}, rounds=25,
+                             algorithms=[algorithm])  # fmt: skip
+                members.append(BatchRun(run, run.algorithms[0]))
+        shards = [make_shards(m.config.problem, m.config.seed, range(10)) for m in members]
+        assert isinstance(stack_shards(shards).lam, float) == (lams[0] == lams[1])  # type: ignore[attr-defined]
+        results = run_batch(members)
+        assert {r.status for r in results} == {"ok", "diverged"}
+        for member, result in zip(members, results, strict=True):
+            assert same(result, run_algorithm(member.spec, member.config, LocalPool())), (lams, member.spec)
 
 
 def test_a_batch_with_gradient_noise_and_random_sync_equals_the_runs_alone() -> None:
