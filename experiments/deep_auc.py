@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from .processes import each
 from .report import markdown
 
 CLIENTS = 10
@@ -202,23 +203,9 @@ def _points(
     jobs: int,
     progress: Callable[[int], None],
 ) -> list[Point]:
-    """run_point for each (method, step, seed) of `work`, in its order."""
-    if jobs == 1:
-        found = []
-        for method, step, seed in work:
-            found.append(run_point(run, method, step, seed, rounds, scratch, share))
-            progress(len(found))
-        return found
-    import concurrent.futures
-    import multiprocessing
-
-    # spawn: a fresh interpreter per worker, not a fork of one whose torch may already hold threads
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = [pool.submit(run_point, run, m, step, seed, rounds, scratch, share) for m, step, seed in work]
-        for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
-            progress(done)
-        return [f.result() for f in futures]
+    """run_point for each (method, step, seed) of `work`, in its order (each run is independent and
+    deterministic: the same points in any process)."""
+    return each(run_point, [(run, m, step, seed, rounds, scratch, share) for m, step, seed in work], jobs, progress)
 
 
 def start_libauc(

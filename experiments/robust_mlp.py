@@ -21,9 +21,7 @@ client's held-out accuracy is read at the chosen steps.
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
-import multiprocessing
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +42,7 @@ from fedsaddle.common.problems.domains import Block, Free, Simplex
 from fedsaddle.common.problems.pytorch import Batch, Player, TorchProblem, TorchShards, TorchSpec
 from fedsaddle.common.problems.shards import Shards
 
+from .processes import each
 from .report import markdown
 
 CLIENTS = 10
@@ -291,18 +290,7 @@ def _outcomes(
     progress: Callable[[int], None],
 ) -> list[Outcome]:
     """run_one for each (training, steps, seed) of `work`, in its order."""
-    if jobs == 1:
-        found = []
-        for kind, steps, seed in work:
-            found.append(run_one(run, kind, steps, seed, rounds, scratch))
-            progress(len(found))
-        return found
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = [pool.submit(run_one, run, kind, steps, seed, rounds, scratch) for kind, steps, seed in work]
-        for done, _ in enumerate(concurrent.futures.as_completed(futures), start=1):
-            progress(done)
-        return [f.result() for f in futures]
+    return each(run_one, [(run, kind, steps, seed, rounds, scratch) for kind, steps, seed in work], jobs, progress)
 
 
 def _iqr(values: Sequence[float]) -> str:

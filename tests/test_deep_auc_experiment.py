@@ -270,3 +270,17 @@ def test_the_robust_mlp_experiment_chooses_steps_on_validation_and_reports_every
         rows = list(csv.DictReader(f))
     assert len(rows) == 6 and {r["training"] for r in rows} == {"uniform", "agnostic"}
     assert [float(rows[0][f"client_{i}"]) for i in range(10)] == pytest.approx(list(outcomes[0].accuracies), abs=1e-6)
+
+
+def test_runs_spread_over_processes_come_back_in_the_order_given() -> None:
+    import operator
+    import os
+
+    from fedsaddle.experiments.processes import each
+
+    work = [(k, 10 - k) for k in range(6)]
+    done: list[int] = []
+    assert each(operator.mul, work, 2, done.append) == [k * (10 - k) for k in range(6)]
+    assert sorted(done) == [1, 2, 3, 4, 5, 6]
+    assert each(os.getpid, [()] * 2, 1, lambda n: None) == [os.getpid()] * 2  # jobs 1: in this process
+    assert os.getpid() not in each(os.getpid, [()] * 2, 2, lambda n: None)  # else in processes of their own
