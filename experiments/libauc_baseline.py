@@ -34,7 +34,7 @@ import numpy as np
 
 from fedsaddle.common.numeric import sha256
 
-from .deep_auc import BATCH, problem_spec
+from .deep_auc import BATCH, Point, choose, problem_spec
 
 
 def _libauc() -> Any:
@@ -126,12 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _libauc()
     points = [train(seed, lr, args.steps, args.positive_share) for lr in args.lrs for seed in args.tuning]
-
-    def score(lr: float) -> float:
-        values = [p["validation_auc"] for p in points if p["step"] == lr]
-        return float(np.mean([0.0 if math.isnan(v) else v for v in values]))
-
-    chosen = max(args.lrs, key=score)
+    chosen = choose([Point(**p) for p in points], "libauc", args.lrs, args.tuning)  # the federated methods' rule
     points += [train(seed, chosen, args.steps, args.positive_share) for seed in args.seeds if seed not in args.tuning]
     with open(args.out, "w") as f:
         json.dump(points, f, allow_nan=True)
