@@ -89,10 +89,14 @@ def _dealt(spec: AgnosticMlpSpec) -> list[tuple[NDArray[np.int64], NDArray[np.in
     n_test = round(spec.test_fraction * len(digits))
     test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
     least = max(2, spec.batch_size or 0)
+
+    def held_out(rows: NDArray[np.int64]) -> int:  # how many of a client's dealt rows go to validation
+        return round(spec.validation_fraction * len(rows))
+
     for _ in range(1000):
         shares = rng.dirichlet(np.full(spec.num_clients, spec.skew_alpha), size=10)
         dealt_train = deal_by_class(train, digits, shares, rng)
-        if min(len(rows) - round(spec.validation_fraction * len(rows)) for rows in dealt_train) >= least:
+        if min(len(rows) - held_out(rows) for rows in dealt_train) >= least:
             break
     else:
         raise ValueError(f"problem agnostic_mlp: no label-skew split gives every client {least} training rows")
@@ -100,7 +104,7 @@ def _dealt(spec: AgnosticMlpSpec) -> list[tuple[NDArray[np.int64], NDArray[np.in
     found = []
     for i, (train_rows, test_rows) in enumerate(zip(dealt_train, dealt_test, strict=True)):
         picked = np.random.default_rng([spec.split_seed, 2, i]).permutation(len(train_rows))
-        held = np.sort(train_rows[picked[: round(spec.validation_fraction * len(train_rows))]])
+        held = np.sort(train_rows[picked[: held_out(train_rows)]])
         found.append((np.setdiff1d(train_rows, held), held, test_rows))
     return found
 
