@@ -144,14 +144,7 @@ def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarra
         cx, cy = gx.mean(axis=1, keepdims=True), gy.mean(axis=1, keepdims=True)
         for _ in range((budget - 1) // 2):  # a sync: the local steps, then G at the new z~
             start_x, start_y = grad(x, y)  # G_i(z~), each client's
-            xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
-            sx, sy = np.zeros_like(xi), np.zeros_like(yi)
-            for _ in range(tau):
-                gx, gy = grad(xi, yi)
-                gx, gy = gx - start_x + cx, gy - start_y + cy  # G_i(z_i) - G_i(z~) + c
-                sx += gx
-                sy += gy
-                xi, yi = xi - gamma * gx, yi - gamma * gy
+            sx, sy = corrected_steps(grad, x, y, (start_x, start_y), (cx, cy), gamma, tau)
             x = x - gamma_global * sx.mean(axis=1, keepdims=True)
             y = y - gamma_global * sy.mean(axis=1, keepdims=True)
             gx, gy = grad(x, y)
@@ -176,14 +169,7 @@ def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarra
         for _ in range(budget // 2):  # G(z), then the local steps corrected by it
             start_x, start_y = grad(x, y)
             cx, cy = start_x.mean(axis=1, keepdims=True), start_y.mean(axis=1, keepdims=True)
-            xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
-            sx, sy = np.zeros_like(xi), np.zeros_like(yi)
-            for _ in range(tau):
-                gx, gy = grad(xi, yi)
-                gx, gy = gx - start_x + cx, gy - start_y + cy
-                sx += gx
-                sy += gy
-                xi, yi = xi - eta * gx, yi - eta * gy
+            sx, sy = corrected_steps(grad, x, y, (start_x, start_y), (cx, cy), eta, tau)
             x = x - eta * sx.mean(axis=1, keepdims=True)
             y = y - eta * sy.mean(axis=1, keepdims=True)
             distances.append(np.linalg.norm(x, axis=2))
@@ -234,6 +220,38 @@ def reproduce(algorithm: str, grid: Grid, runs: Sequence[BatchRun]) -> np.ndarra
     else:
         raise ValueError(algorithm)
     return np.concatenate([x[:, 0], y[:, 0]], axis=1)
+
+
+Grad = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]  # (x, y) -> each client's G_i, two halves
+
+
+def corrected_steps(
+    grad: Grad,
+    x: np.ndarray,
+    y: np.ndarray,
+    start: tuple[np.ndarray, np.ndarray],
+    control: tuple[np.ndarray, np.ndarray],
+    gamma: np.ndarray,
+    tau: int,
+    theta: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every client's tau local steps from z~ = (x, y) along G_i(z_i) - G_i(z~) + c (SCAFFOLD-S, FedGDA-GT;
+    `start` is G_i(z~), `control` c), or with Catalyst's `theta` along G_i(z_i) - G_i(z~) + theta (z_i - z~) + c,
+    the regularized problem's: the sums of the directions, (R, n, d) twice."""
+    (start_x, start_y), (cx, cy) = start, control
+    n = start_x.shape[1]
+    xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
+    sx, sy = np.zeros_like(xi), np.zeros_like(yi)
+    for _ in range(tau):
+        gx, gy = grad(xi, yi)
+        if theta is None:
+            gx, gy = gx - start_x + cx, gy - start_y + cy
+        else:  # (its own expression, not theta = 0 above: the same operations as fedsaddle's, bit for bit)
+            gx, gy = gx - start_x + theta * (xi - x) + cx, gy - start_y + theta * (yi - y) + cy
+        sx += gx
+        sy += gy
+        xi, yi = xi - gamma * gx, yi - gamma * gy
+    return sx, sy
 
 
 def ordered(v: np.ndarray, axis: int) -> np.ndarray:
@@ -297,16 +315,7 @@ def catalyst(
     for _ in range(syncs):
         t = theta[:, None, None]
         cx, cy = gx_t + t * (x - bar_x), gy_t + t * (y - bar_y)  # the control G^theta(z~)
-        start_x, start_y = grad(x, y)
-        xi, yi = np.repeat(x, n, axis=1), np.repeat(y, n, axis=1)
-        sx, sy = np.zeros_like(xi), np.zeros_like(yi)
-        for _ in range(tau):
-            gx, gy = grad(xi, yi)
-            gx = gx - start_x + t * (xi - x) + cx  # G_i^theta(z_i) - G_i^theta(z~) + c
-            gy = gy - start_y + t * (yi - y) + cy
-            sx += gx
-            sy += gy
-            xi, yi = xi - gamma * gx, yi - gamma * gy
+        sx, sy = corrected_steps(grad, x, y, grad(x, y), (cx, cy), gamma, tau, theta=t)
         new_x = x - gamma_global * sx.mean(axis=1, keepdims=True)
         new_y = y - gamma_global * sy.mean(axis=1, keepdims=True)
         new_gx, new_gy = mean_grad(new_x, new_y)
