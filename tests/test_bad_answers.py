@@ -428,11 +428,10 @@ def test_bytes_that_are_not_protobuf_and_a_silent_stream_get_precise_statuses() 
         assert "not a ClientMessage: byte 0: a field's key beyond 32 bits" in error.value.details()
         assert "DecodeError" not in error.value.details()
         silent: queue.Queue[bytes | None] = queue.Queue()
-        started = time.monotonic()
         with pytest.raises(grpc.RpcError) as error:
             list(raw_stream(channel)(iter(silent.get, None)))
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - started < 10
+        assert error.value.details() == "no Hello within 1 s"  # the coordinator's limit, not a deadline of the call's
         silent.put(None)
         first = pb.ClientMessage(ready=pb.Ready(run_id="x")).SerializeToString()
         with pytest.raises(grpc.RpcError) as error:

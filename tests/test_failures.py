@@ -132,17 +132,15 @@ def run_under_way(
 
 def test_a_killed_client_stops_the_run_with_its_name_and_nothing_hangs(tmp_path: Path) -> None:
     algorithm = {"name": "minibatch_md", "gamma": 0.01}
-    with run_under_way(tmp_path, algorithm, 3, round_timeout_s=10, join_timeout_s=60) as run:
-        killed_at = time.monotonic()
+    # The round timeout is far beyond finish's 30 s: only the broken connection can end the run in time.
+    with run_under_way(tmp_path, algorithm, 3, round_timeout_s=300, join_timeout_s=60) as run:
         run.clients[1].send_signal(signal.SIGKILL)
         code, log = run.coordinator.finish(timeout=30)
-        elapsed = time.monotonic() - killed_at
     codes = run.client_codes
     assert code == 1
     assert re.search(
         r"run failed: client 1 \(.* at ipv4:127\.0\.0\.1:\d+\) disconnected (during|before) round \d+", log
     ), log
-    assert elapsed < 10  # detected from the broken connection, before the round timeout
     # The others were told that the run failed, and why, and exit with an error.
     assert codes[0] == 1 and codes[2] == 1, run.client_logs
     for log_text in (run.client_logs[0], run.client_logs[2]):

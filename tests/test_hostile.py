@@ -86,13 +86,12 @@ def test_streams_from_one_peer_are_bounded() -> None:
 def test_silent_connections_are_closed_after_the_idle_timeout() -> None:
     with GrpcPool(1, "127.0.0.1:0", limits=Limits(idle_connection_s=1.0)) as pool:
         host, port = pool.address.rsplit(":", 1)
+        # A socket timeout (10 s, ten idle timeouts) raises: only a close by the coordinator ends each loop.
         silent = [socket.create_connection((host, int(port)), timeout=10) for _ in range(5)]
-        started = time.monotonic()
         for connection in silent:
             while connection.recv(4096):  # the server's HTTP/2 settings, then ...
                 pass
             connection.close()  # ... closed by the coordinator
-        assert time.monotonic() - started < 8
 
 
 def test_a_session_that_stops_reading_is_dropped_and_named() -> None:
