@@ -1,6 +1,7 @@
 """Federated deep AUC maximization on real images, against centralized LibAUC and cross-entropy.
 
-    fedsaddle experiment deep-auc [--seeds 10] [--rounds 20] [--libauc-python PATH] [--positive-share S] [--out DIR]
+    fedsaddle experiment deep-auc [--seeds 10] [--rounds 20] [--tau 5] [--libauc-python PATH] [--positive-share S]
+                                  [--out DIR]
 
 The built-in `deep_auc` problem (common/problems/deep_auc.py): LibAUC's AUC-M min-max square-margin loss
 with its small CNN, on scikit-learn's handwritten digits, 9 against the rest (about 10% positives), dealt
@@ -8,8 +9,8 @@ to 10 clients with Dirichlet(0.5) label skew over the ten digits. To make the ta
 method reaches AUC 1, half of the images are held out for testing and a quarter of the rest for
 validation, so each seed trains on about 670 images (about 67 positives) across the 10 clients. Seed k
 splits with `split_seed` k and starts the network from the seed-k initialization of the problem
-(`init: problem`); minibatches of 16 rows, tau = 5 local steps per sync, the same communication budget
-(every exchange counted) for every algorithm. `--positive-share S` thins the positive training images to the
+(`init: problem`); minibatches of 16 rows, tau = 5 local steps per sync (`--tau`), the same communication
+budget (every exchange counted) for every algorithm. `--positive-share S` thins the positive training images to the
 share S (`train_positive_share`) for every method and the baseline alike: a more imbalanced task.
 
 Rows of the table:
@@ -47,7 +48,7 @@ from .report import markdown
 
 CLIENTS = 10
 BATCH = 16
-TAU = 5
+TAU = 5  # local steps per sync, unless --tau says otherwise
 TUNING_SEEDS = 3  # the first seeds, on whose validation images each method's step is chosen
 PROBLEM: dict[str, Any] = {
     "name": "deep_auc",
@@ -111,14 +112,16 @@ def problem_spec(seed: int, loss: str = "aucm", share: float | None = None) -> d
     return {**PROBLEM, "split_seed": seed, "loss_kind": loss, **thinned}
 
 
-def config(method: Method, step: float, seed: int, rounds: int, share: float | None = None) -> dict[str, Any]:
+def config(
+    method: Method, step: float, seed: int, rounds: int, share: float | None = None, tau: int = TAU
+) -> dict[str, Any]:
     return {
         "name": f"deep-auc-{method.key}-{step:g}-seed{seed}",
         "seed": seed,
         "problem": problem_spec(seed, method.loss, share),
         "init": "problem",
         "rounds": rounds,
-        "sync": {"kind": "fixed", "tau": TAU},
+        "sync": {"kind": "fixed", "tau": tau},
         "output": {"plot": False},
         "algorithms": [method.entry(step)],
     }
@@ -129,13 +132,20 @@ Runner = Callable[..., Any]
 
 
 def run_point(
-    run: Runner, method: Method, step: float, seed: int, rounds: int, folder: Path, share: float | None = None
+    run: Runner,
+    method: Method,
+    step: float,
+    seed: int,
+    rounds: int,
+    folder: Path,
+    share: float | None = None,
+    tau: int = TAU,
 ) -> Point:
     from fedsaddle.common.problems.deep_auc import DeepAuc, DeepAucSpec
 
     problem = DeepAuc(DeepAucSpec(**problem_spec(seed, method.loss, share)))
     started = time.perf_counter()
-    report = run(config(method, step, seed, rounds, share), out=folder)
+    report = run(config(method, step, seed, rounds, share, tau), out=folder)
     (result,) = report.results
     z = result.final_z
     finite = result.status == "ok" and bool(np.isfinite(z).all())
@@ -172,25 +182,27 @@ def run_deep_auc(
     progress: Callable[[int, int], None],
     jobs: int = 1,
     share: float | None = None,
+    tau: int = TAU,
 ) -> list[Point]:
     """Tune on the first seeds, then every seed at the chosen steps, the runs spread over `jobs` processes
     (each run is independent and deterministic: the same points in any order); the report under `out`.
-    `share`: the positive training images thinned to that share, for every method and the baseline."""
+    `share`: the positive training images thinned to that share, for every method and the baseline; `tau`: the
+    local steps per sync (the baseline's step count follows it)."""
     out.mkdir(parents=True, exist_ok=True)
     tuning = list(seeds[:TUNING_SEEDS])
     total = sum(len(m.grid) * len(tuning) + len(seeds) - len(tuning) for m in METHODS)
-    steps = CLIENTS * rounds * TAU  # the minibatch gradients a whole federated run computes, at most
+    steps = CLIENTS * rounds * tau  # the minibatch gradients a whole federated run computes, at most
     baseline = None if libauc_python is None else start_libauc(libauc_python, seeds, tuning, steps, out, share)
     started = time.perf_counter()
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="fedsaddle-deep-auc-") as scratch:
         tune = [(m, step, seed) for m in METHODS for step in m.grid for seed in tuning]
-        points += _points(run, tune, rounds, share, Path(scratch), jobs, lambda n: progress(n, total))
+        points += _points(run, tune, rounds, share, tau, Path(scratch), jobs, lambda n: progress(n, total))
         rest = [(m, choose(points, m.key, m.grid, tuning), seed) for m in METHODS for seed in seeds[len(tuning) :]]
-        points += _points(run, rest, rounds, share, Path(scratch), jobs, lambda n: progress(len(tune) + n, total))
+        points += _points(run, rest, rounds, share, tau, Path(scratch), jobs, lambda n: progress(len(tune) + n, total))
     federated_s = time.perf_counter() - started
     libauc = [] if baseline is None else finish_libauc(baseline, out)
-    write_report(out, command, points, libauc, seeds, tuning, rounds, steps, federated_s, share)
+    write_report(out, command, points, libauc, seeds, tuning, rounds, steps, federated_s, share, tau)
     return points + libauc
 
 
@@ -199,13 +211,15 @@ def _points(
     work: Sequence[tuple[Method, float, int]],
     rounds: int,
     share: float | None,
+    tau: int,
     scratch: Path,
     jobs: int,
     progress: Callable[[int], None],
 ) -> list[Point]:
     """run_point for each (method, step, seed) of `work`, in its order (each run is independent and
     deterministic: the same points in any process)."""
-    return each(run_point, [(run, m, step, seed, rounds, scratch, share) for m, step, seed in work], jobs, progress)
+    work_args = [(run, m, step, seed, rounds, scratch, share, tau) for m, step, seed in work]
+    return each(run_point, work_args, jobs, progress)
 
 
 def start_libauc(
@@ -275,6 +289,7 @@ def write_report(
     steps: int,
     federated_s: float,
     share: float | None = None,
+    tau: int = TAU,
 ) -> None:
     every = [*points, *libauc]
     with (out / "runs.csv").open("w", newline="") as f:
@@ -294,6 +309,7 @@ def write_report(
             )
     names = {m.key: m.name for m in METHODS} | {"libauc": "LibAUC AUCMLoss + PESG, centralized"}
     task = "" if share is None else f" (positive training images thinned to {share:g})"
+    local = "" if tau == TAU else f" of tau = {tau} local steps"
     chosen = chosen_points(every, seeds)
     rows = []
     for key, (step, at) in chosen.items():
@@ -310,7 +326,7 @@ def write_report(
             )
         )
     table = markdown(
-        f"Test AUC, digit 9 against the rest{task}, {len(seeds)} seed(s) (median [IQR]); {rounds} rounds, every "
+        f"Test AUC, digit 9 against the rest{task}, {len(seeds)} seed(s) (median [IQR]); {rounds} rounds{local}, every "
         f"exchange counted; steps chosen by the mean validation AUC of seed(s) {', '.join(map(str, tuning))}",
         "method",
         ["step (grid)", "validation AUC", "test AUC", "median wall s"],

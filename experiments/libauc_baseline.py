@@ -124,6 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--positive-share", type=float, default=None, help="thin the positive training images to this share"
     )
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps: must be at least 1, got {args.steps}")
+    if not args.lrs or min(args.lrs) <= 0:
+        parser.error(f"--lrs: every learning rate must be positive, got {args.lrs}")
+    if args.positive_share is not None and not 0 < args.positive_share < 1:
+        parser.error(f"--positive-share: must be between 0 and 1, got {args.positive_share:g}")
     _libauc()
     points = [train(seed, lr, args.steps, args.positive_share) for lr in args.lrs for seed in args.tuning]
     chosen = choose([Point(**p) for p in points], "libauc", args.lrs, args.tuning)  # the federated methods' rule

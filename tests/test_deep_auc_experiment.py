@@ -71,6 +71,8 @@ def test_the_experiment_passes_the_share_to_every_run_and_the_baseline() -> None
     assert "train_positive_share" not in deep_auc.problem_spec(3)  # the default split, as it always was
     method = deep_auc.METHODS[0]
     assert deep_auc.config(method, 1.0, 3, 2, 0.05)["problem"] == deep_auc.problem_spec(3, method.loss, 0.05)
+    assert deep_auc.config(method, 1.0, 3, 2)["sync"] == {"kind": "fixed", "tau": deep_auc.TAU}
+    assert deep_auc.config(method, 1.0, 3, 2, tau=7)["sync"] == {"kind": "fixed", "tau": 7}
     done = subprocess.run(
         [*FEDSADDLE, "experiment", "deep-auc", "--positive-share", "1", "--out", "unused"],
         capture_output=True,
@@ -125,7 +127,9 @@ def test_the_experiment_tunes_on_validation_and_writes_its_report(
     monkeypatch.setattr(deep_auc, "METHODS", two)
     monkeypatch.setattr(deep_auc, "TUNING_SEEDS", 1)  # tune on seed 0, then seed 1 at the chosen step
     done: list[int] = []
-    points = deep_auc.run_deep_auc(api.run, tmp_path, "test", range(2), 2, None, lambda n, total: done.append(total))
+    points = deep_auc.run_deep_auc(
+        api.run, tmp_path, "test", range(2), 2, None, lambda n, total: done.append(total), tau=3
+    )
     # fedavg_s: 2 steps on the tuning seed, then the chosen step on seed 1; fedavg_ce: 1 + 1
     assert len(points) == 5 and done[-1] == 5
     tuned = {p.step: p.validation_auc for p in points if p.method == "fedavg_s" and p.seed == 0}
@@ -137,9 +141,10 @@ def test_the_experiment_tunes_on_validation_and_writes_its_report(
     assert [r["method"] for r in rows] == [p.method for p in points]
     report = (tmp_path / "deep_auc.md").read_text()
     assert "FedAvg-S, cross-entropy" in report and "LibAUC not run this time" in report
+    assert "2 rounds of tau = 3 local steps" in report
     assert (tmp_path / "figure_deep_auc.png").stat().st_size > 0
     # The same point again: the same bits.
-    again = deep_auc.run_point(api.run, two[1], 0.5, 1, 2, tmp_path / "again")
+    again = deep_auc.run_point(api.run, two[1], 0.5, 1, 2, tmp_path / "again", tau=3)
     (first,) = [p for p in points if p.method == "fedavg_ce" and p.seed == 1]
     assert again.z_sha256 == first.z_sha256 and again.test_auc == first.test_auc
 
@@ -174,6 +179,24 @@ def test_the_libauc_baseline_says_what_it_needs_when_libauc_is_absent(tmp_path: 
     )
     assert done.returncode == 1  # (argparse's refusal of a flag would be 2)
     assert "the LibAUC baseline needs libauc" in done.stderr and "--libauc-python" in done.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [
+        ("--positive-share", "1.5", "--positive-share: must be between 0 and 1, got 1.5"),
+        ("--steps", "0", "--steps: must be at least 1, got 0"),
+        ("--lrs", "0.1,-1", "--lrs: every learning rate must be positive, got [0.1, -1.0]"),
+    ],
+)
+def test_the_libauc_baseline_refuses_bad_flags_by_name(tmp_path: Path, flag: str, value: str, why: str) -> None:
+    given = {"--seeds": "0", "--tuning": "0", "--steps": "1", "--lrs": "0.1", "--out": str(tmp_path / "x.json")}
+    given[flag] = value
+    done = subprocess.run(
+        [*BASELINE, *(part for pair in given.items() for part in pair)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and f"error: {why}" in done.stderr, done.stderr
     assert not (tmp_path / "x.json").exists()
 
 

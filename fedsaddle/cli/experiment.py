@@ -111,7 +111,7 @@ EXPERIMENT_FLAGS: dict[str, tuple[str, ...]] = {
     "problems": ("rounds",),
     "agnostic": ("seeds", "rounds", "transport"),
     "dp": ("seeds", "rounds", "epsilons"),
-    "deep-auc": ("seeds", "rounds", "libauc_python", "jobs", "positive_share"),
+    "deep-auc": ("seeds", "rounds", "tau", "libauc_python", "jobs", "positive_share"),
     "robust-mlp": ("seeds", "rounds", "jobs"),
     "compare": (
         "seeds",
@@ -170,6 +170,7 @@ def _deep_auc(args: argparse.Namespace, out: Path, command: str, progress: Progr
     if args.libauc_python is not None and not Path(args.libauc_python).is_file():
         raise UsageError(f"--libauc-python {args.libauc_python}: no such file (a Python that has libauc)")
     from fedsaddle import api
+    from fedsaddle.experiments import deep_auc
     from fedsaddle.experiments.deep_auc import run_deep_auc
 
     started = time.perf_counter()
@@ -184,6 +185,7 @@ def _deep_auc(args: argparse.Namespace, out: Path, command: str, progress: Progr
             lambda done, total: progress.update("runs", done, total),
             jobs=args.jobs or 1,
             share=args.positive_share,
+            tau=args.tau or deep_auc.TAU,
         )
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
@@ -400,7 +402,9 @@ def add_experiment(commands: Commands) -> None:
     p.add_argument(
         "--convention", choices=["exchanges", "paper"], help="paper, compare: what a round is (default exchanges)"
     )
-    p.add_argument("--tau", type=positive_int, help="paper, compare: local steps per sync (default 20)")
+    p.add_argument(
+        "--tau", type=positive_int, help="paper, compare, deep-auc: local steps per sync (default 20; 5 for deep-auc)"
+    )
     p.add_argument("--init", choices=["ones", "zeros", "random"], help="paper: starting point z0 (default ones)")
     p.add_argument(
         "--transport",
