@@ -367,38 +367,32 @@ def test_a_client_process_serves_its_own_metrics(tmp_path: Path) -> None:
     assert received >= down and sent >= up  # its one session carried every task and answer (and more: the start)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_a_coordinator_shows_its_clients_waiting_then_its_run_s_counts(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     run = game(tmp_path / "runs", rounds=40, monitor={"linger_s": 10})  # (ended by the test once it has read)
     path.write_text(json.dumps(run.model_dump(mode="json")))
-    monitor_port = free_port()
     command = [sys.executable, "-m", "fedsaddle", "coordinator", "--config", str(path), "--listen", "127.0.0.1:0"]
     log = tmp_path / "coordinator.log"
-    with open(log, "w") as out:
+    with open(log, "w") as out:  # both ports chosen by the system, read back from the log
         coordinator = subprocess.Popen(
-            [*command, "--monitor", f"127.0.0.1:{monitor_port}"], env=CLIENT_ENV, stdout=out, stderr=subprocess.STDOUT
+            [*command, "--monitor", "127.0.0.1:0"], env=CLIENT_ENV, stdout=out, stderr=subprocess.STDOUT
         )
     client: subprocess.Popen[bytes] | None = None
     try:
-        url = f"http://127.0.0.1:{monitor_port}/"
 
-        def listening() -> str | None:
+        def logged(before: str, after: str) -> str | None:
             for line in log.read_text().splitlines():
-                if "coordinator listening on " in line:
-                    return line.split("coordinator listening on ")[1].split(";")[0].strip()
+                if before in line:
+                    return line.split(before)[1].split(after)[0].strip()
             assert coordinator.poll() is None, log.read_text()
             return None
 
         deadline = time.monotonic() + 60
-        while (address := listening()) is None and time.monotonic() < deadline:
+        while (address := logged("coordinator listening on ", ";")) is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert address is not None
+        url = logged("monitor: dashboard at ", ",")
+        assert url is not None and url.startswith("http://127.0.0.1:"), url
         waiting = json.loads(get(url + "state")[2])  # before any client: every index waits
         assert [c["state"] for c in waiting["clients"]] == ["waiting"] * 3 and waiting["outcome"] is None
         client = subprocess.Popen(
