@@ -74,7 +74,10 @@ class Method:
         return {"name": self.algorithm, **dict.fromkeys(self.step_field, step), **self.extra}
 
 
-AUCM_GRID = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0)  # the step of every AUC-M method (eta_x = eta_y for Local SGDA+)
+# The step of every AUC-M method (eta_x = eta_y for Local SGDA+), and cross-entropy's: wide enough that each chosen
+# step is inside its grid at tau = 5 and at tau = 20 (more local steps per sync choose smaller steps).
+AUCM_GRID = (0.3, 0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0)
+CE_GRID = (0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 3.0)
 METHODS = (
     Method("local_sgda_plus", "Local SGDA+", "local_sgda_plus", ("eta_x", "eta_y"), AUCM_GRID),
     Method("fedgda_gt", "FedGDA-GT", "fedgda_gt", ("eta",), AUCM_GRID),
@@ -85,12 +88,12 @@ METHODS = (
         "FedAvg-S, cross-entropy",
         "fedavg_s",
         ("gamma_local",),
-        (0.3, 0.5, 1.0, 2.0, 3.0),
+        CE_GRID,
         {"decay": "constant"},
         "cross_entropy",
     ),
 )
-LIBAUC_GRID = (0.1, 0.3, 1.0, 3.0)  # PESG's lr
+LIBAUC_GRID = (0.03, 0.1, 0.3, 1.0, 3.0)  # PESG's lr (at 2% positives and tau = 20 its best is 0.1)
 
 
 @dataclass
