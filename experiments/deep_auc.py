@@ -96,6 +96,21 @@ METHODS = (
 LIBAUC_GRID = (0.03, 0.1, 0.3, 1.0, 3.0)  # PESG's lr (at 2% positives and tau = 20 its best is 0.1)
 
 
+@dataclass(frozen=True)
+class Setting:
+    """What every run of one report shares: its rounds, its local steps per sync, and the positive training
+    images' share (none: the digits' own)."""
+
+    rounds: int
+    tau: int = TAU
+    share: float | None = None
+
+    @property
+    def steps(self) -> int:
+        """The minibatch gradients a whole federated run computes, at most: the LibAUC baseline's steps."""
+        return CLIENTS * self.rounds * self.tau
+
+
 @dataclass
 class Point:
     """One run: a method at one step on one seed."""
@@ -115,16 +130,14 @@ def problem_spec(seed: int, loss: str = "aucm", share: float | None = None) -> d
     return {**PROBLEM, "split_seed": seed, "loss_kind": loss, **thinned}
 
 
-def config(
-    method: Method, step: float, seed: int, rounds: int, share: float | None = None, tau: int = TAU
-) -> dict[str, Any]:
+def config(method: Method, step: float, seed: int, setting: Setting) -> dict[str, Any]:
     return {
         "name": f"deep-auc-{method.key}-{step:g}-seed{seed}",
         "seed": seed,
-        "problem": problem_spec(seed, method.loss, share),
+        "problem": problem_spec(seed, method.loss, setting.share),
         "init": "problem",
-        "rounds": rounds,
-        "sync": {"kind": "fixed", "tau": tau},
+        "rounds": setting.rounds,
+        "sync": {"kind": "fixed", "tau": setting.tau},
         "output": {"plot": False},
         "algorithms": [method.entry(step)],
     }
@@ -134,21 +147,12 @@ def config(
 Runner = Callable[..., Any]
 
 
-def run_point(
-    run: Runner,
-    method: Method,
-    step: float,
-    seed: int,
-    rounds: int,
-    folder: Path,
-    share: float | None = None,
-    tau: int = TAU,
-) -> Point:
+def run_point(run: Runner, method: Method, step: float, seed: int, setting: Setting, folder: Path) -> Point:
     from fedsaddle.common.problems.deep_auc import DeepAuc, DeepAucSpec
 
-    problem = DeepAuc(DeepAucSpec(**problem_spec(seed, method.loss, share)))
+    problem = DeepAuc(DeepAucSpec(**problem_spec(seed, method.loss, setting.share)))
     started = time.perf_counter()
-    report = run(config(method, step, seed, rounds, share, tau), out=folder)
+    report = run(config(method, step, seed, setting), out=folder)
     (result,) = report.results
     z = result.final_z
     finite = result.status == "ok" and bool(np.isfinite(z).all())
@@ -192,41 +196,38 @@ def run_deep_auc(
     `share`: the positive training images thinned to that share, for every method and the baseline; `tau`: the
     local steps per sync (the baseline's step count follows it)."""
     out.mkdir(parents=True, exist_ok=True)
+    setting = Setting(rounds, tau, share)
     tuning = list(seeds[:TUNING_SEEDS])
     total = sum(len(m.grid) * len(tuning) + len(seeds) - len(tuning) for m in METHODS)
-    steps = CLIENTS * rounds * tau  # the minibatch gradients a whole federated run computes, at most
-    baseline = None if libauc_python is None else start_libauc(libauc_python, seeds, tuning, steps, out, share)
+    baseline = None if libauc_python is None else start_libauc(libauc_python, seeds, tuning, setting, out)
     started = time.perf_counter()
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="fedsaddle-deep-auc-") as scratch:
         tune = [(m, step, seed) for m in METHODS for step in m.grid for seed in tuning]
-        points += _points(run, tune, rounds, share, tau, Path(scratch), jobs, lambda n: progress(n, total))
+        points += _points(run, tune, setting, Path(scratch), jobs, lambda n: progress(n, total))
         rest = [(m, choose(points, m.key, m.grid, tuning), seed) for m in METHODS for seed in seeds[len(tuning) :]]
-        points += _points(run, rest, rounds, share, tau, Path(scratch), jobs, lambda n: progress(len(tune) + n, total))
+        points += _points(run, rest, setting, Path(scratch), jobs, lambda n: progress(len(tune) + n, total))
     federated_s = time.perf_counter() - started
     libauc = [] if baseline is None else finish_libauc(baseline, out)
-    write_report(out, command, points, libauc, seeds, tuning, rounds, steps, federated_s, share, tau)
+    write_report(out, command, points, libauc, seeds, tuning, setting, federated_s)
     return points + libauc
 
 
 def _points(
     run: Runner,
     work: Sequence[tuple[Method, float, int]],
-    rounds: int,
-    share: float | None,
-    tau: int,
+    setting: Setting,
     scratch: Path,
     jobs: int,
     progress: Callable[[int], None],
 ) -> list[Point]:
     """run_point for each (method, step, seed) of `work`, in its order (each run is independent and
     deterministic: the same points in any process)."""
-    work_args = [(run, m, step, seed, rounds, scratch, share, tau) for m, step, seed in work]
-    return each(run_point, work_args, jobs, progress)
+    return each(run_point, [(run, m, step, seed, setting, scratch) for m, step, seed in work], jobs, progress)
 
 
 def start_libauc(
-    python: str, seeds: Sequence[int], tuning: Sequence[int], steps: int, out: Path, share: float | None = None
+    python: str, seeds: Sequence[int], tuning: Sequence[int], setting: Setting, out: Path
 ) -> subprocess.Popen[bytes]:
     """experiments/libauc_baseline.py in `python` (which must have libauc, torch and fedsaddle), started beside
     the federated runs."""
@@ -241,12 +242,12 @@ def start_libauc(
         "--tuning",
         ",".join(str(s) for s in tuning),
         "--steps",
-        str(steps),
+        str(setting.steps),
         "--lrs",
         ",".join(f"{lr:g}" for lr in LIBAUC_GRID),
         "--out",
         str(target),
-        *([] if share is None else ["--positive-share", f"{share:g}"]),
+        *([] if setting.share is None else ["--positive-share", f"{setting.share:g}"]),
     ]
     try:
         return subprocess.Popen(command)
@@ -288,11 +289,8 @@ def write_report(
     libauc: Sequence[Point],
     seeds: Sequence[int],
     tuning: Sequence[int],
-    rounds: int,
-    steps: int,
+    setting: Setting,
     federated_s: float,
-    share: float | None = None,
-    tau: int = TAU,
 ) -> None:
     every = [*points, *libauc]
     with (out / "runs.csv").open("w", newline="") as f:
@@ -311,8 +309,8 @@ def write_report(
                 ]
             )
     names = {m.key: m.name for m in METHODS} | {"libauc": "LibAUC AUCMLoss + PESG, centralized"}
-    task = "" if share is None else f" (positive training images thinned to {share:g})"
-    local = "" if tau == TAU else f" of tau = {tau} local steps"
+    task = "" if setting.share is None else f" (positive training images thinned to {setting.share:g})"
+    local = "" if setting.tau == TAU else f" of tau = {setting.tau} local steps"
     chosen = chosen_points(every, seeds)
     rows = []
     for key, (step, at) in chosen.items():
@@ -329,16 +327,17 @@ def write_report(
             )
         )
     table = markdown(
-        f"Test AUC, digit 9 against the rest{task}, {len(seeds)} seed(s) (median [IQR]); {rounds} rounds{local}, every "
-        f"exchange counted; steps chosen by the mean validation AUC of seed(s) {', '.join(map(str, tuning))}",
+        f"Test AUC, digit 9 against the rest{task}, {len(seeds)} seed(s) (median [IQR]); {setting.rounds} rounds"
+        f"{local}, every exchange counted; steps chosen by the mean validation AUC of seed(s) "
+        f"{', '.join(map(str, tuning))}",
         "method",
         ["step (grid)", "validation AUC", "test AUC", "median wall s"],
         rows,
     )
     verdict = _verdict(chosen, names)
     libauc_line = (
-        f"LibAUC ran {steps} minibatch steps of {BATCH} rows: clients x rounds x tau, the most minibatch gradients "
-        "a federated run computes."
+        f"LibAUC ran {setting.steps} minibatch steps of {BATCH} rows: clients x rounds x tau, the most minibatch "
+        "gradients a federated run computes."
         if libauc
         else "LibAUC not run this time: `--libauc-python PATH` names a Python with libauc "
         "(docs/experiments.md says how to make one)."

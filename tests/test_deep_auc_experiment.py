@@ -70,9 +70,11 @@ def test_the_experiment_passes_the_share_to_every_run_and_the_baseline() -> None
     assert spec["train_positive_share"] == 0.05 and spec["split_seed"] == 3
     assert "train_positive_share" not in deep_auc.problem_spec(3)  # the default split, as it always was
     method = deep_auc.METHODS[0]
-    assert deep_auc.config(method, 1.0, 3, 2, 0.05)["problem"] == deep_auc.problem_spec(3, method.loss, 0.05)
-    assert deep_auc.config(method, 1.0, 3, 2)["sync"] == {"kind": "fixed", "tau": deep_auc.TAU}
-    assert deep_auc.config(method, 1.0, 3, 2, tau=7)["sync"] == {"kind": "fixed", "tau": 7}
+    thinned = deep_auc.Setting(2, share=0.05)
+    assert deep_auc.config(method, 1.0, 3, thinned)["problem"] == deep_auc.problem_spec(3, method.loss, 0.05)
+    assert deep_auc.config(method, 1.0, 3, deep_auc.Setting(2))["sync"] == {"kind": "fixed", "tau": deep_auc.TAU}
+    assert deep_auc.config(method, 1.0, 3, deep_auc.Setting(2, 7))["sync"] == {"kind": "fixed", "tau": 7}
+    assert deep_auc.Setting(2, 7).steps == deep_auc.CLIENTS * 2 * 7  # the LibAUC baseline's steps
     done = subprocess.run(
         [*FEDSADDLE, "experiment", "deep-auc", "--positive-share", "1", "--out", "unused"],
         capture_output=True,
@@ -144,7 +146,7 @@ def test_the_experiment_tunes_on_validation_and_writes_its_report(
     assert "2 rounds of tau = 3 local steps" in report
     assert (tmp_path / "figure_deep_auc.png").stat().st_size > 0
     # The same point again: the same bits.
-    again = deep_auc.run_point(api.run, two[1], 0.5, 1, 2, tmp_path / "again", tau=3)
+    again = deep_auc.run_point(api.run, two[1], 0.5, 1, deep_auc.Setting(2, 3), tmp_path / "again")
     (first,) = [p for p in points if p.method == "fedavg_ce" and p.seed == 1]
     assert again.z_sha256 == first.z_sha256 and again.test_auc == first.test_auc
 

@@ -171,11 +171,10 @@ def _deep_auc(args: argparse.Namespace, out: Path, command: str, progress: Progr
         raise UsageError(f"--libauc-python {args.libauc_python}: no such file (a Python that has libauc)")
     from fedsaddle import api
     from fedsaddle.experiments import deep_auc
-    from fedsaddle.experiments.deep_auc import run_deep_auc
 
     started = time.perf_counter()
     try:
-        run_deep_auc(
+        deep_auc.run_deep_auc(
             api.run,
             out,
             command,
